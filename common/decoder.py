@@ -1,0 +1,164 @@
+"""The Llama / Qwen2 / Qwen3 decoder, written lean: weights under the HF names, attention over a slot KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.models import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as transformers: normalise in fp32, scale in the model dtype.
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama 3 frequency scaling when configured."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    if not cfg.rope_scaling:
+        return inv
+    s = dict(cfg.rope_scaling)
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s["factor"], inv)
+    smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+        s["high_freq_factor"] - s["low_freq_factor"]
+    )
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_len, head_dim], in the rotate-half layout transformers uses."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, hd]; cos/sin: [B, 1, T, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, batch: "AttentionBatch") -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), batch.cos, batch.sin)  # [B, heads, T, hd]
+        k = apply_rope(k.transpose(1, 2), batch.cos, batch.sin)  # [B, kv_heads, T, hd]
+        keys, values = batch.cache.write_and_read(
+            layer, batch.slots, batch.positions, batch.real, k, v.transpose(1, 2), batch.key_len
+        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, layer: int, batch: "AttentionBatch") -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class AttentionBatch:
+    """Per-forward attention inputs shared by every layer: where each row sits and what it may see."""
+
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        slots: torch.Tensor,  # [B] cache slot of each row of the batch
+        positions: torch.Tensor,  # [B, T] absolute position of each query token
+        real: torch.Tensor,  # [B, T] bool: False for padding rows (computed, never stored or returned)
+        key_len: int,  # keys read per slot: positions [0, key_len)
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        self.cache, self.slots, self.positions, self.real, self.key_len = cache, slots, positions, real, key_len
+        self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
+        self.sin = cos_sin[1][positions].unsqueeze(1)
+        keys = torch.arange(key_len)
+        self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, key_len]
+
+
+class Decoder(nn.Module):
+    """Token ids in, final hidden states (and tapped layer outputs) out; `logits` applies the LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`."""
+        x = self.embed_tokens(tokens)
+        taps = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, batch)
+            if i in tap_layers:
+                taps.append(x)
+        return self.norm(x), taps
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

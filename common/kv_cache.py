@@ -1,0 +1,77 @@
+"""Slot-based static KV cache: one fixed buffer per layer, a slot per request, rollback = set the length."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """K/V for `num_slots` requests of up to `max_len` tokens each.
+
+    A slot's length is the number of tokens whose K/V are valid. A forward writes new tokens at
+    positions [length, length + n) and the caller then sets the length (advance, or roll back a
+    rejected draft: the stale entries are simply overwritten by the next forward).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)  # [layers, slots, kv_heads, max_len, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free KV cache slot")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise RuntimeError(f"slot {slot} released twice")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def set_length(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"slot length {length} outside [0, {self.max_len}]")
+        self.lengths[slot] = length
+
+    def write_and_read(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [B]
+        positions: torch.Tensor,  # [B, T]
+        real: torch.Tensor,  # [B, T] bool: which rows are tokens (the rest is padding, never stored)
+        k: torch.Tensor,  # [B, kv_heads, T, hd]
+        v: torch.Tensor,
+        key_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K/V at their positions, return keys/values [B, kv_heads, key_len, hd] of each slot."""
+        kc, vc = self.k[layer], self.v[layer]
+        row_slots = slots[:, None].expand_as(positions)[real]  # [N]
+        row_pos = positions[real]  # [N]
+        kc[row_slots, :, row_pos] = k.transpose(1, 2)[real]  # [N, kv_heads, hd]
+        vc[row_slots, :, row_pos] = v.transpose(1, 2)[real]
+        if slots.numel() == 1:
+            s = int(slots[0])
+            return kc[s : s + 1, :, :key_len], vc[s : s + 1, :, :key_len]
+        return kc[slots, :, :key_len], vc[slots, :, :key_len]

@@ -1,0 +1,135 @@
+"""One batched forward over a slot KV cache: each request brings its own number of new tokens."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.common.decoder import AttentionBatch, Decoder, rope_table
+from blockspec.common.errors import ModelLoadError
+from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.models import Checkpoint
+
+log = logging.getLogger(__name__)
+
+ROW_TILE = 8
+
+
+@dataclass(frozen=True)
+class Segment:
+    """New tokens of one request, written at positions [length(slot), length(slot) + n)."""
+
+    slot: int
+    token_ids: Sequence[int]
+    last_only: bool = False  # return only the last position's logits (prefill)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    logits: list[torch.Tensor]  # per segment: [n, vocab] fp32, or [1, vocab] when last_only
+    taps: list[torch.Tensor]  # per segment: [n, n_taps * hidden], outputs of the tap layers; [] if none
+
+
+def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
+    """A Decoder holding the checkpoint's weights (HF names, `model.` prefix stripped)."""
+    model = Decoder(checkpoint.config)
+    weights = {k.removeprefix("model."): v for k, v in checkpoint.weights.items()}
+    if checkpoint.config.tie_word_embeddings:
+        weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight"))
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(weights))
+    unexpected = sorted(k for k in set(weights) - expected if "rotary_emb" not in k)
+    if missing or unexpected:
+        raise ModelLoadError(
+            str(checkpoint.path),
+            f"weights do not fit a {checkpoint.config.family} model: missing {missing[:5]}, unexpected {unexpected[:5]}",
+        )
+    for name, param in model.state_dict().items():
+        if tuple(weights[name].shape) != tuple(param.shape):
+            raise ModelLoadError(
+                str(checkpoint.path),
+                f"tensor {name} has shape {tuple(weights[name].shape)}, config implies {tuple(param.shape)}",
+            )
+    model.load_state_dict({k: weights[k] for k in expected}, strict=True)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+class Runner:
+    """A decoder plus its slot KV cache.
+
+    `query_width` (invariant mode): every forward whose segments all fit in that width is padded to
+    it (rounded up to a multiple of ROW_TILE), attends over the whole static cache and computes the LM
+    head on every row, so a 1-token decode and a (k+1)-token verify run the same kernel shapes and each
+    row the same reduction order: their logits are bitwise equal.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        num_slots: int,
+        max_len: int | None = None,
+        query_width: int | None = None,
+        tap_layers: Sequence[int] = (),
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        cfg = checkpoint.config
+        self.config = cfg
+        self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        # CPU GEMM computes a row identically wherever it sits once the row count is a multiple of
+        # the kernel's tile (measured: 4 rows); a remainder row takes another code path.
+        self.query_width = -(-query_width // ROW_TILE) * ROW_TILE if query_width else None
+        self.tap_layers = tuple(tap_layers)
+        bad = [layer for layer in self.tap_layers if not 0 <= layer < cfg.num_layers]
+        if bad:
+            raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
+        self.model = build_decoder(checkpoint, dtype)
+        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype)
+        self._cos_sin = rope_table(cfg, self.max_len)
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight  # [vocab, hidden]
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head.weight  # [vocab, hidden]
+
+    def _width(self, lengths: list[int]) -> int:
+        longest = max(lengths)
+        if self.query_width and longest <= self.query_width:
+            return self.query_width
+        return longest
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment]) -> ForwardResult:
+        """Run all segments in one batched forward and advance each slot's length by its token count."""
+        lengths = [len(s.token_ids) for s in segments]
+        starts = [self.cache.lengths[s.slot] for s in segments]
+        for seg, start, n in zip(segments, starts, lengths):
+            if n < 1 or start + n > self.max_len:
+                raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {self.max_len}")
+        width = self._width(lengths)
+        tokens = torch.zeros(len(segments), width, dtype=torch.long)  # [B, T]
+        for b, seg in enumerate(segments):
+            tokens[b, : lengths[b]] = torch.as_tensor(list(seg.token_ids), dtype=torch.long)
+        offsets = torch.arange(width)
+        real = offsets[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+        positions = (torch.tensor(starts)[:, None] + offsets[None, :]).clamp(max=self.max_len - 1)  # [B, T]
+        invariant = width == self.query_width
+        key_len = self.max_len if invariant else max(s + n for s, n in zip(starts, lengths))
+        slots = torch.tensor([s.slot for s in segments], dtype=torch.long)
+        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin)
+        hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
+        all_logits = self.model.logits(hidden) if invariant else None  # [B, T, vocab]: same row count every call
+        logits, tap_rows = [], []
+        for b, seg in enumerate(segments):
+            n = lengths[b]
+            first = n - 1 if seg.last_only else 0
+            logits.append(all_logits[b, first:n] if invariant else self.model.logits(hidden[b, first:n]))
+            if taps:
+                tap_rows.append(torch.cat([t[b, :n] for t in taps], dim=-1))
+            self.cache.set_length(seg.slot, starts[b] + n)
+        return ForwardResult(logits=logits, taps=tap_rows)

@@ -1,0 +1,124 @@
+"""The `blockspec` command line: generate (and, later, serve / bench / build-default / train-drafter)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from blockspec.common.detokenize import TextStream, decode
+from blockspec.common.errors import InvalidArgument
+from blockspec.services.drafter.proposers import METHODS, MAX_K
+from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+def stats_dict(stats: RequestStats, num_tokens: int) -> dict:
+    return {
+        "steps": stats.steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "tau": round(stats.tau, 4),
+        "acceptance_rate": None if stats.acceptance_rate is None else round(stats.acceptance_rate, 4),
+        "accepted_per_pos": list(stats.accepted_per_pos),
+        "tokens_per_s": round(num_tokens / stats.elapsed_s, 2) if stats.elapsed_s else 0.0,
+        "elapsed_s": round(stats.elapsed_s, 4),
+    }
+
+
+def stats_line(s: dict) -> str:
+    rate = "n/a (nothing drafted)" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
+    return (
+        f"tau {s['tau']:.2f} tokens/step | acceptance rate {rate} ({s['accepted']}/{s['drafted']}) | "
+        f"accepted per position {s['accepted_per_pos']} | {s['tokens_per_s']:.1f} tokens/s "
+        f"({s['steps']} steps, {s['elapsed_s']:.2f} s)"
+    )
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is None:
+        if args.prompt is None:
+            raise InvalidArgument("prompt", "give a PROMPT or --prompts-file")
+        return [args.prompt]
+    if args.prompt is not None:
+        raise InvalidArgument("prompt", "give either a PROMPT or --prompts-file, not both")
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise InvalidArgument("--prompts-file", f"{path} is not a file")
+    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise InvalidArgument("--prompts-file", f"{path} holds no prompt")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockspec.services.engine import Engine
+
+    prompts = _prompts(args)
+    method = args.method or ("draft_model" if args.drafter else "ngram")
+    engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
+                    max_len=args.max_model_len, invariant=args.invariant)
+    # Validate every prompt before anything is generated or written.
+    requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k) for i, p in enumerate(prompts)]
+    stream_text = not args.json and len(prompts) == 1
+    text_stream = TextStream(engine.tokenizer)
+    results: dict[str, dict] = {}
+    for event in engine.generate(requests):
+        if isinstance(event, TokenEvent) and stream_text:
+            sys.stdout.write(text_stream.push(event.token_ids))
+            sys.stdout.flush()
+        elif isinstance(event, FinishEvent):
+            results[event.request_id] = {
+                "text": decode(engine.tokenizer, event.token_ids),
+                "token_ids": list(event.token_ids),
+                "stats": stats_dict(event.stats, len(event.token_ids)),
+            }
+    if stream_text:
+        sys.stdout.write(text_stream.flush() + "\n")
+    for req in requests:
+        result = results[req.request_id]
+        if args.json:
+            print(json.dumps(result))
+        else:
+            if not stream_text:
+                print(f"--- prompt {req.request_id}\n{result['text']}")
+            print(stats_line(result["stats"]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate in this process and stream the text")
+    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("--prompts-file", help="one prompt per line; all run concurrently in batched steps")
+    gen.add_argument("--target", required=True, help="target checkpoint directory (HF layout)")
+    gen.add_argument("--drafter", help="drafter checkpoint directory (for draft_model)")
+    gen.add_argument("--method", choices=METHODS, help="drafting method (default: draft_model with --drafter, else ngram)")
+    gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (default 5)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    gen.add_argument("--max-batch", type=int, default=16, help="requests stepped together (default 16)")
+    gen.add_argument("--max-model-len", type=int, help="KV cache length per request (default: model context, <= 4096)")
+    gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except InvalidArgument as e:
+        print(f"blockspec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

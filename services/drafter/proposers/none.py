@@ -1,0 +1,18 @@
+"""Method `none`: no drafts, so every step is plain decoding through the same verifier path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from blockspec.services.drafter.proposer import Draft, ProposeInput
+
+
+class NoneProposer:
+    method = "none"
+    max_k = 0
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
+        return [Draft(()) for _ in inputs]
+
+    def release(self, request_id: str) -> None:
+        pass

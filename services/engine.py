@@ -1,0 +1,60 @@
+"""The in-process engine: a verifier, a proposer and the step loop wired together in one process."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from blockspec.common.models import load_checkpoint
+from blockspec.services.drafter.proposers import build_proposer, check_method
+from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
+from blockspec.services.router.validation import validate_request
+from blockspec.services.verifier.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_K = 5
+DEFAULT_MAX_LEN = 4096  # KV cache per slot when the model's context is longer
+
+
+class Engine:
+    """Generate with speculative decoding in this process; the same roles the services run apart."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        drafter: str | Path | None = None,
+        method: str = "ngram",
+        max_batch: int = 8,
+        max_len: int | None = None,
+        invariant: bool = False,
+    ) -> None:
+        check_method(method, drafter)
+        checkpoint = load_checkpoint(target)
+        max_len = max_len or min(checkpoint.config.max_position_embeddings, DEFAULT_MAX_LEN)
+        self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len)
+        # Invariant mode: decode and verify share one query width, the widest verify.
+        query_width = self.proposer.max_k + 1 if invariant else None
+        self.verifier = Verifier(checkpoint, max_batch, max_len, query_width)
+        self.tokenizer = checkpoint.tokenizer
+        self.method = method
+        self.loop = StepLoop(self.verifier, self.proposer, max_batch)
+
+    @property
+    def context_len(self) -> int:
+        return self.verifier.max_len
+
+    def request(self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int | None = None) -> Request:
+        """A validated request; k=None takes the method's default (0 for `none`)."""
+        max_k = self.proposer.max_k
+        k = (min(DEFAULT_K, max_k) if max_k else 0) if k is None else k
+        validate_request(prompt_ids, max_tokens, k, context_len=self.context_len, max_k=max_k)
+        return Request(request_id, tuple(prompt_ids), max_tokens, k)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt) if prompt else []
+
+    def generate(self, requests: Sequence[Request]) -> Iterator[TokenEvent | FinishEvent]:
+        """Stream token and finish events; all requests step together, up to max_batch at a time."""
+        return self.loop.run(requests)

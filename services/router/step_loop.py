@@ -1,0 +1,160 @@
+"""The step loop: admit and prefill requests, then propose -> verify -> commit -> emit until each finishes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
+
+log = logging.getLogger(__name__)
+
+
+class VerifierRole(Protocol):
+    free_slots: int
+
+    def add(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
+    def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]: ...
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]: ...
+    def release(self, request_id: str) -> None: ...
+
+
+class DrafterRole(Protocol):
+    max_k: int
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]: ...
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    k: int  # draft tokens per step; 0 = plain decoding
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0  # verify rounds after the prefill
+    drafted: int = 0  # draft tokens sent to the verifier
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps whose draft position i was accepted
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float = 0.0  # time to first token
+    elapsed_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per step: accepted + 1 on average."""
+        return 1.0 + self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted > len(self.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    request_id: str
+    reason: str  # "stop" (end-of-sequence token) or "length" (max_tokens)
+    token_ids: tuple[int, ...]  # every generated token
+    stats: RequestStats
+
+
+@dataclass
+class _Live:
+    request: Request
+    token_ids: list[int]  # prompt + generated
+    stats: RequestStats
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_ids)
+
+
+class StepLoop:
+    """Runs requests to completion, stepping all running ones together (one propose, one verify)."""
+
+    def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int) -> None:
+        self.verifier = verifier
+        self.drafter = drafter
+        self.max_batch = max_batch
+
+    def run(self, requests: Iterable[Request]) -> Iterator[TokenEvent | FinishEvent]:
+        waiting = deque(requests)
+        running: dict[str, _Live] = {}
+        while waiting or running:
+            admitted = []
+            while waiting and len(running) + len(admitted) < self.max_batch and self.verifier.free_slots:
+                req = waiting.popleft()
+                self.verifier.add(req.request_id, req.prompt_ids)
+                admitted.append(_Live(req, list(req.prompt_ids), RequestStats()))
+            if admitted:
+                results = self.verifier.prefill([live.request.request_id for live in admitted])
+                for live, result in zip(admitted, results):
+                    running[live.request.request_id] = live
+                    live.stats.first_token_s = time.perf_counter() - live.stats.started
+                    yield from self._commit(live, result, running)
+            if running:
+                yield from self._step(running)
+
+    def _k(self, live: _Live) -> int:
+        # Never draft past max_tokens: a step commits at most k + 1 tokens.
+        remaining = live.request.max_tokens - live.generated
+        return max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
+
+    def _step(self, running: dict[str, _Live]) -> Iterator[TokenEvent | FinishEvent]:
+        lives = list(running.values())
+        wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv)) for lv in lives]
+        t0 = time.perf_counter()
+        to_draft = [w for w in wants if w.k > 0]
+        drafted = dict(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft))) if to_draft else {}
+        t1 = time.perf_counter()
+        inputs = [
+            VerifyInput(w.request_id, drafted[w.request_id].token_ids[: w.k] if w.request_id in drafted else ())
+            for w in wants
+        ]
+        results = self.verifier.verify(inputs)
+        t2 = time.perf_counter()
+        for live, inp, result in zip(lives, inputs, results):
+            live.stats.record(len(inp.draft_ids), result.num_accepted)
+            live.stats.draft_s += t1 - t0
+            live.stats.verify_s += t2 - t1
+            yield from self._commit(live, result, running)
+
+    def _commit(self, live: _Live, result: VerifyResult, running: dict[str, _Live]) -> Iterator[TokenEvent | FinishEvent]:
+        live.token_ids.extend(result.token_ids)
+        rid = live.request.request_id
+        yield TokenEvent(rid, result.token_ids)
+        reason = "stop" if result.eos else "length" if live.generated >= live.request.max_tokens else None
+        if reason is None:
+            return
+        del running[rid]
+        self.verifier.release(rid)
+        self.drafter.release(rid)
+        live.stats.elapsed_s = time.perf_counter() - live.stats.started
+        yield FinishEvent(rid, reason, tuple(live.token_ids[len(live.request.prompt_ids) :]), live.stats)

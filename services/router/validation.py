@@ -1,0 +1,29 @@
+"""Checks on one generation request, shared by the CLI and the gRPC API; errors name the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from blockspec.common.errors import InvalidArgument
+
+
+def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, context_len: int, max_k: int) -> None:
+    """`k` = 0 means plain decoding; a speculative method needs 1 <= k <= max_k."""
+    if not prompt_ids:
+        raise InvalidArgument("prompt", "must not be empty")
+    if max_tokens < 1:
+        raise InvalidArgument("max_tokens", f"must be at least 1, got {max_tokens}")
+    if len(prompt_ids) >= context_len:
+        raise InvalidArgument(
+            "prompt", f"{len(prompt_ids)} tokens do not fit the model's context of {context_len} tokens"
+        )
+    if len(prompt_ids) + max_tokens > context_len:
+        raise InvalidArgument(
+            "max_tokens",
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{context_len} tokens; at most {context_len - len(prompt_ids)}",
+        )
+    if max_k == 0 and k != 0:
+        raise InvalidArgument("k", "this method drafts nothing; leave k unset")
+    if max_k > 0 and not 1 <= k <= max_k:
+        raise InvalidArgument("k", f"must be between 1 and {max_k}, got {k}")

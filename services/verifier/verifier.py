@@ -1,0 +1,119 @@
+"""The verifier role: owns the target and its KV cache; the source of truth for committed tokens."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blockspec.common.models import Checkpoint
+from blockspec.common.runner import Runner, Segment
+from blockspec.services.verifier.acceptance import greedy_accept
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    request_id: str
+    draft_ids: tuple[int, ...]  # may be empty: a plain decoding step
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    request_id: str
+    num_accepted: int
+    token_ids: tuple[int, ...]  # tokens committed by this step (prefill: the first token)
+    eos: bool  # the last committed token ends the sequence
+    committed_len: int  # prompt + generated tokens after this step
+
+
+@dataclass
+class _State:
+    slot: int
+    token_ids: list[int]  # committed: prompt + generated; the last one (anchor) is not in the cache yet
+
+
+class Verifier:
+    """Prefill prompts, verify drafts in one batched target forward, keep committed tokens."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        num_slots: int,
+        max_len: int | None = None,
+        query_width: int | None = None,
+        max_prefill_tokens: int = 512,
+    ) -> None:
+        self.runner = Runner(checkpoint, num_slots, max_len, query_width)
+        self.tokenizer = checkpoint.tokenizer
+        self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self._requests: dict[str, _State] = {}
+
+    @property
+    def max_len(self) -> int:
+        return self.runner.max_len
+
+    @property
+    def free_slots(self) -> int:
+        return self.runner.cache.free_slots
+
+    def committed(self, request_id: str) -> list[int]:
+        return self._requests[request_id].token_ids
+
+    def add(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already active")
+        self._requests[request_id] = _State(slot=self.runner.cache.allocate(), token_ids=list(prompt_ids))
+
+    def release(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self.runner.cache.release(state.slot)
+
+    def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]:
+        """Run the prompts through the target in chunks; commit the first generated token of each."""
+        pending = {rid: 0 for rid in request_ids}  # prompt tokens already in the cache
+        results: dict[str, VerifyResult] = {}
+        while pending:
+            budget, segments, chunk_of = self.max_prefill_tokens, [], {}
+            for rid, done in pending.items():
+                if budget <= 0:
+                    break
+                state = self._requests[rid]
+                n = min(len(state.token_ids) - done, budget)
+                segments.append(Segment(state.slot, state.token_ids[done : done + n], last_only=True))
+                chunk_of[rid] = done + n
+                budget -= n
+            out = self.runner.forward(segments)
+            for (rid, end), logits in zip(chunk_of.items(), out.logits):
+                state = self._requests[rid]
+                pending[rid] = end
+                if end == len(state.token_ids):
+                    del pending[rid]
+                    results[rid] = self._commit(rid, 0, (int(logits[-1].argmax()),))
+        return [results[rid] for rid in request_ids]
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
+        """Target forward over [anchor, d1..dk] of every request at once, then the acceptance rule."""
+        states = [self._requests[i.request_id] for i in inputs]
+        segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) for s, i in zip(states, inputs)]
+        out = self.runner.forward(segments)
+        results = []
+        for inp, state, logits in zip(inputs, states, out.logits):
+            target_ids = logits.argmax(dim=-1).tolist()  # [k + 1]
+            acc = greedy_accept(inp.draft_ids, target_ids)
+            # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
+            self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
+            results.append(self._commit(inp.request_id, acc.num_accepted, acc.token_ids))
+        return results
+
+    def _commit(self, request_id: str, num_accepted: int, token_ids: tuple[int, ...]) -> VerifyResult:
+        eos_at = next((i for i, t in enumerate(token_ids) if t in self.eos_ids), None)
+        if eos_at is not None:  # nothing after an end-of-sequence token is committed
+            token_ids = token_ids[: eos_at + 1]
+            num_accepted = min(num_accepted, eos_at)
+        state = self._requests[request_id]
+        state.token_ids.extend(token_ids)
+        return VerifyResult(request_id, num_accepted, token_ids, eos_at is not None, len(state.token_ids))

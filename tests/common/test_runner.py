@@ -1,0 +1,109 @@
+"""The lean runner against transformers, and greedy exactness across query widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.common.models import load_checkpoint
+from blockspec.common.runner import Runner, Segment
+from blockspec.services.build.tiny import build_tiny_checkpoint
+
+FAMILY_VARIANTS = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("qwen3", {"tie_word_embeddings": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def variant_dirs(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("variants")
+    return [
+        build_tiny_checkpoint(root / f"{fam}-{i}", fam, seed=i, tokenizer=tokenizer, **extra)
+        for i, (fam, extra) in enumerate(FAMILY_VARIANTS)
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(FAMILY_VARIANTS)), ids=[f"{f}{'-tied' if e else ''}" for f, e in FAMILY_VARIANTS])
+def test_logits_match_transformers(index, variant_dirs):
+    from transformers import AutoModelForCausalLM
+
+    path = variant_dirs[index]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = Runner(load_checkpoint(path), num_slots=3, max_len=256)
+    gen = torch.Generator().manual_seed(index)
+    ids = torch.randint(0, hf.config.vocab_size, (3, 40), generator=gen)
+    with torch.no_grad():
+        ref = hf(ids).logits  # [3, 40, vocab]
+    slots = [runner.cache.allocate() for _ in range(3)]
+    # Ragged chunks in one batched call each: a prefill chunk, a 1-token decode and a 5-token verify.
+    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
+    got = [[] for _ in range(3)]
+    for step in range(3):
+        segs = [Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)]
+        for b, logits in enumerate(runner.forward(segs).logits):
+            got[b].append(logits)
+    diff = max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3))
+    assert diff < 1e-4
+
+
+def verify_vs_decode(runner: Runner, prefix: list[int], block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of `block` computed by one (k+1)-token forward and by k+1 one-token forwards."""
+    slot = runner.cache.allocate()
+    runner.forward([Segment(slot, prefix)])
+    verify = runner.forward([Segment(slot, block)]).logits[0]
+    runner.cache.set_length(slot, len(prefix))
+    decode = torch.cat([runner.forward([Segment(slot, [t])]).logits[0] for t in block])
+    runner.cache.release(slot)
+    return verify, decode
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+def test_verify_and_decode_agree_on_argmax(invariant, variant_dirs, prompts):
+    """Argmax of a k+1 verify equals argmax of 1-token decodes at every position; in invariant mode
+    (decode padded to the verify width, attention over the whole static cache) logits are bitwise equal."""
+    mismatches = positions = 0
+    for path in variant_dirs:
+        for k in (1, 3, 5, 7):
+            runner = Runner(load_checkpoint(path), num_slots=1, max_len=512, query_width=k + 1 if invariant else None)
+            for p in prompts:
+                block = p[-k - 1 :] if len(p) > k + 1 else list(range(5, 6 + k))
+                verify, decode = verify_vs_decode(runner, p, block)
+                mismatches += int((verify.argmax(-1) != decode.argmax(-1)).sum())
+                positions += k + 1
+                if invariant:
+                    assert torch.equal(verify, decode)
+                else:
+                    assert float((verify - decode).abs().max()) < 1e-4
+    assert positions > 0 and mismatches == 0
+
+
+def test_rollback_overwrites_rejected_entries(variant_dirs):
+    """Setting a slot's length back and writing other tokens gives the logits of the new sequence."""
+    runner = Runner(load_checkpoint(variant_dirs[0]), num_slots=1, max_len=64)
+    slot = runner.cache.allocate()
+    runner.forward([Segment(slot, [1, 2, 3, 4, 5])])
+    runner.cache.set_length(slot, 2)
+    after_rollback = runner.forward([Segment(slot, [9, 9])]).logits[0]
+    fresh = Runner(load_checkpoint(variant_dirs[0]), num_slots=1, max_len=64)
+    s = fresh.cache.allocate()
+    expected = fresh.forward([Segment(s, [1, 2, 9, 9])]).logits[0][2:]
+    assert torch.allclose(after_rollback, expected, atol=1e-6)
+
+
+def test_tap_features_are_layer_outputs(variant_dirs):
+    from transformers import AutoModelForCausalLM
+
+    path = variant_dirs[2]
+    ck = load_checkpoint(path)
+    runner = Runner(ck, num_slots=1, max_len=64, tap_layers=(0, 1))
+    slot = runner.cache.allocate()
+    ids = list(range(3, 13))
+    taps = runner.forward([Segment(slot, ids)]).taps[0]  # [10, 2 * hidden]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    # hidden_states[0] is the embedding output; [i + 1] the output of decoder layer i (the last one normed).
+    assert torch.allclose(taps[:, : ck.config.hidden_size], hs[1][0], atol=1e-5)

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random checkpoints of each family (built once per run), prompts, and the
+target-alone reference outputs from transformers `generate`."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.services.build.tiny import build_tiny_checkpoint, tiny_tokenizer
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+PROMPT_LENGTHS = (1, 3, 7, 16, 33, 64, 100, 150)  # tokens; 8 prompts of different lengths
+NEW_TOKENS = 128
+
+# Tiny models run fastest on one thread, and CI's second core may be busy.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer) -> dict[str, dict[str, Path]]:
+    """{family: {"target": dir, "other": dir}}; "other" is a smaller random model with the same tokenizer."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        family: {
+            "target": build_tiny_checkpoint(root / f"{family}-target", family, seed=0, tokenizer=tokenizer),
+            "other": build_tiny_checkpoint(
+                root / f"{family}-other", family, seed=1, hidden_size=32, num_layers=1, tokenizer=tokenizer
+            ),
+        }
+        for family in FAMILIES
+    }
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    """Prompt token ids cut from a stdlib module at different offsets and lengths."""
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "shlex.py").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)
+    return [ids[200 * i : 200 * i + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
+    """The oracle: transformers `generate(do_sample=False)` of the model alone; generated ids only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def references(tiny_models, prompts) -> dict[str, list[list[int]]]:
+    """{family: [target-alone greedy continuation of each prompt]}."""
+    return {family: [hf_greedy(dirs["target"], p) for p in prompts] for family, dirs in tiny_models.items()}
