@@ -89,6 +89,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_invariance(args: argparse.Namespace) -> int:
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.verifier.invariance import measure
+
+    checkpoint = load_checkpoint(args.target)
+    path = Path(args.text_file)
+    if not path.is_file():
+        raise InvalidArgument("--text-file", f"{path} is not a file")
+    ids = checkpoint.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+    window = min(256, checkpoint.config.max_position_embeddings - 1)
+    sequences = [ids[i : i + window] for i in range(0, len(ids) - window, window)][: args.sequences]
+    if not sequences:
+        raise InvalidArgument("--text-file", f"{path} holds fewer than {window} tokens")
+    print("| mode | positions | argmax mismatches | mismatch rate | max abs logit diff |")
+    print("|---|---|---|---|---|")
+    for invariant in (False, True):
+        r = measure(checkpoint, sequences, args.k, invariant)
+        print(f"| {r.mode} | {r.positions} | {r.argmax_mismatches} | {r.mismatch_rate:.2e} | {r.max_abs_diff:.2e} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -106,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, help="KV cache length per request (default: model context, <= 4096)")
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
     gen.set_defaults(func=cmd_generate)
+    inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
+    inv.add_argument("--target", required=True, help="target checkpoint directory")
+    inv.add_argument("--text-file", required=True, help="text whose tokens are verified and decoded")
+    inv.add_argument("-k", type=int, nargs="+", default=[1, 3, 5, 7], help="draft lengths to check")
+    inv.add_argument("--sequences", type=int, default=8, help="256-token windows of the text to use")
+    inv.set_defaults(func=cmd_check_invariance)
     return parser
 
 

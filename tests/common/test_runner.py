@@ -8,6 +8,7 @@ import torch
 from blockspec.common.models import load_checkpoint
 from blockspec.common.runner import Runner, Segment
 from blockspec.services.build.tiny import build_tiny_checkpoint
+from blockspec.services.verifier.invariance import measure, verify_vs_decode
 
 FAMILY_VARIANTS = [
     ("llama", {}),
@@ -47,17 +48,6 @@ def test_logits_match_transformers(index, variant_dirs):
             got[b].append(logits)
     diff = max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3))
     assert diff < 1e-4
-
-
-def verify_vs_decode(runner: Runner, prefix: list[int], block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of `block` computed by one (k+1)-token forward and by k+1 one-token forwards."""
-    slot = runner.cache.allocate()
-    runner.forward([Segment(slot, prefix)])
-    verify = runner.forward([Segment(slot, block)]).logits[0]
-    runner.cache.set_length(slot, len(prefix))
-    decode = torch.cat([runner.forward([Segment(slot, [t])]).logits[0] for t in block])
-    runner.cache.release(slot)
-    return verify, decode
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
@@ -107,3 +97,9 @@ def test_tap_features_are_layer_outputs(variant_dirs):
         hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     # hidden_states[0] is the embedding output; [i + 1] the output of decoder layer i (the last one normed).
     assert torch.allclose(taps[:, : ck.config.hidden_size], hs[1][0], atol=1e-5)
+
+
+def test_measure_reports_zero_mismatches_in_invariant_mode(variant_dirs, prompts):
+    ck = load_checkpoint(variant_dirs[1])
+    report = measure(ck, [prompts[-1]], ks=(3,), invariant=True, stride=32)
+    assert report.positions > 0 and report.argmax_mismatches == 0 and report.max_abs_diff == 0.0

@@ -49,3 +49,11 @@ def test_greedy_output_equals_target_alone(family, name, tiny_models, prompts, r
             assert accepted == drafted
         if name == "draft_model_other":
             assert accepted < drafted
+
+
+def test_invariant_mode_keeps_output_identical(tiny_models, prompts, references):
+    """--invariant pads decode to the verify width; the output must not change."""
+    engine = Engine(tiny_models["qwen2"]["target"], None, "ngram", max_batch=len(prompts), invariant=True)
+    done = run(engine, prompts, k=5)
+    assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == references["qwen2"]
+    assert sum(e.stats.drafted for e in done.values()) > 0

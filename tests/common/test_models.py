@@ -1,0 +1,57 @@
+"""Checkpoint loading: clear errors naming the path and what was expected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from blockspec.common.errors import ModelLoadError
+from blockspec.common.models import check_same_tokenizer, load_checkpoint
+from blockspec.services.build.tiny import build_tiny_checkpoint, tiny_tokenizer
+
+
+def copy_of(src, tmp_path, name="ck"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loads_each_family(tiny_models):
+    for family, dirs in tiny_models.items():
+        ck = load_checkpoint(dirs["target"])
+        assert ck.config.family == family and ck.weights and ck.tokenizer is not None
+
+
+def test_missing_directory_and_files(tmp_path, tiny_models):
+    with pytest.raises(ModelLoadError, match="checkpoint directory not found"):
+        load_checkpoint(tmp_path / "nope")
+    ck = copy_of(tiny_models["qwen3"]["target"], tmp_path)
+    (ck / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights"):
+        load_checkpoint(ck)
+    ck2 = copy_of(tiny_models["qwen3"]["target"], tmp_path, "ck2")
+    (ck2 / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing tokenizer file"):
+        load_checkpoint(ck2)
+    ck3 = copy_of(tiny_models["qwen3"]["target"], tmp_path, "ck3")
+    (ck3 / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_checkpoint(ck3)
+
+
+def test_unsupported_architecture_names_the_found_and_supported(tmp_path, tiny_models):
+    ck = copy_of(tiny_models["qwen3"]["target"], tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture.*gpt2.*llama, qwen2, qwen3") as e:
+        load_checkpoint(ck)
+    assert str(ck) in str(e.value)
+
+
+def test_tokenizer_mismatch_is_refused_saying_how(tmp_path, tiny_models):
+    other = build_tiny_checkpoint(tmp_path / "other-vocab", "qwen3", tokenizer=tiny_tokenizer(300))
+    with pytest.raises(ModelLoadError, match=r"drafter tokenizer differs.*vocabulary sizes 300 \(drafter\) vs 320"):
+        check_same_tokenizer(load_checkpoint(tiny_models["qwen3"]["target"]), load_checkpoint(other))

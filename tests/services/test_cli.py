@@ -1,0 +1,90 @@
+"""`blockspec generate`: the JSON contract, streaming text, and bad input -> exit code 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from blockspec.services.cli import main
+from tests.conftest import hf_greedy
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_contract(capsys, tiny_models, tokenizer):
+    target = tiny_models["qwen3"]["target"]
+    prompt = "def split(s):"
+    code, out, _ = run_cli(capsys, "generate", prompt, "--target", str(target), "--method", "ngram", "-k", "4",
+                           "--max-tokens", "40", "--json")
+    assert code == 0
+    obj = json.loads(out)
+    assert set(obj) == {"text", "token_ids", "stats"}
+    assert set(obj["stats"]) == {"steps", "drafted", "accepted", "tau", "acceptance_rate", "accepted_per_pos",
+                                 "tokens_per_s", "elapsed_s"}
+    assert obj["token_ids"] == hf_greedy(target, tokenizer.encode(prompt), 40)
+    assert obj["text"] == tokenizer.decode(obj["token_ids"], skip_special_tokens=True)
+    stats = obj["stats"]
+    assert stats["drafted"] > 0 and len(stats["accepted_per_pos"]) <= 4
+    assert stats["tau"] == pytest.approx(1 + stats["accepted"] / stats["steps"], abs=1e-3)
+    assert sum(stats["accepted_per_pos"]) == stats["accepted"]
+
+
+def test_generate_streams_text_then_stats(capsys, tiny_models, tokenizer):
+    target = tiny_models["llama"]["target"]
+    code, out, _ = run_cli(capsys, "generate", "import os", "--target", str(target), "--drafter",
+                           str(tiny_models["llama"]["other"]), "--max-tokens", "30")
+    assert code == 0
+    expected = tokenizer.decode(hf_greedy(target, tokenizer.encode("import os"), 30), skip_special_tokens=True)
+    assert out.startswith(expected)
+    assert "tau" in out and "acceptance rate" in out and "accepted per position" in out and "tokens/s" in out
+
+
+def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, tokenizer, tmp_path):
+    target = tiny_models["qwen2"]["target"]
+    prompts = ["class A:", "for i in range(10):", "x = [1, 2, 3]"]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts) + "\n")
+    code, out, _ = run_cli(capsys, "generate", "--prompts-file", str(f), "--target", str(target), "--method",
+                           "draft_model", "--drafter", str(target), "-k", "3", "--max-tokens", "24", "--json")
+    assert code == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [o["token_ids"] for o in lines] == [hf_greedy(target, tokenizer.encode(p), 24) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["", "--method", "ngram"], "prompt: must not be empty"),
+        (["x " * 600, "--method", "ngram"], "do not fit the model's context"),
+        (["hi", "--max-tokens", "0"], "max_tokens: must be at least 1"),
+        (["hi", "--max-tokens", "600"], "max_tokens: prompt"),
+        (["hi", "--method", "ngram", "-k", "0"], "k: must be between 1 and 16"),
+        (["hi", "--method", "ngram", "-k", "17"], "k: must be between 1 and 16"),
+        (["hi", "--method", "none", "-k", "3"], "k: this method drafts nothing"),
+        (["hi", "--method", "ngram", "--drafter", "DRAFTER"], "drafter: method 'ngram' takes no drafter"),
+        (["hi", "--method", "draft_model"], "drafter: method 'draft_model' needs a drafter"),
+        (["hi", "--method", "draft_model", "--drafter", "/nonexistent/dir"], "/nonexistent/dir: checkpoint directory not found"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(capsys, tiny_models, extra, message):
+    dirs = tiny_models["qwen3"]
+    argv = ["generate", *[str(dirs["other"]) if a == "DRAFTER" else a for a in extra], "--target", str(dirs["target"])]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert message in err
+
+
+def test_unknown_method_and_missing_target_exit_2(tiny_models):
+    target = str(tiny_models["qwen3"]["target"])
+    for argv in (["generate", "hi", "--target", target, "--method", "magic"], ["generate", "hi", "--target", "/no/such/dir"]):
+        proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", *argv], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert "magic" in proc.stderr or "/no/such/dir: checkpoint directory not found" in proc.stderr

@@ -1,0 +1,21 @@
+"""The repository keeps the layout the README documents."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_top_level_layout():
+    for name in ("protos", "services/router", "services/drafter", "services/verifier", "common", "deploy", "tests",
+                 "docker-compose.yml", "pyproject.toml", "README.md", "Makefile", ".ci/run"):
+        assert (ROOT / name).exists(), name
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme.split("##")[0]
+    assert "make test" in (ROOT / ".ci/run").read_text()
+
+
+def test_no_generated_stubs_are_committed():
+    assert not list((ROOT / "protos").glob("*_pb2*.py"))
