@@ -58,6 +58,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blockspec.services.engine import Engine
 
     prompts = _prompts(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument("--threads", f"must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     method = args.method or ("draft_model" if args.drafter else "ngram")
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
                     max_len=args.max_model_len, invariant=args.invariant)
@@ -126,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch", type=int, default=16, help="requests stepped together (default 16)")
     gen.add_argument("--max-model-len", type=int, help="KV cache length per request (default: model context, <= 4096)")
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
+    gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
     gen.set_defaults(func=cmd_generate)
     inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
     inv.add_argument("--target", required=True, help="target checkpoint directory")
