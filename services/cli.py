@@ -10,7 +10,7 @@ from pathlib import Path
 
 from blockspec.common.detokenize import TextStream, decode
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.drafter.proposers import METHODS, MAX_K
+from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    method = args.method or ("draft_model" if args.drafter else "ngram")
+    method = args.method or default_method(args.drafter)
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
-                    max_len=args.max_model_len, invariant=args.invariant)
+                    max_len=args.max_model_len, invariant=args.invariant,
+                    use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector)
     # Validate every prompt before anything is generated or written.
     requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k) for i, p in enumerate(prompts)]
     stream_text = not args.json and len(prompts) == 1
@@ -116,6 +117,46 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_default(args: argparse.Namespace) -> int:
+    from blockspec.services.build.default_pair import build_default
+
+    paths = build_default(args.profile, Path(args.home) if args.home else None, Path(args.work), args.minutes, args.threads)
+    if args.json:
+        print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter)}))
+    else:
+        print(f"target:  {paths.target}\ndrafter: {paths.drafter}\ncard:    {paths.card}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from blockspec.services.build.card import describe
+
+    print(describe(Path(args.path)))
+    return 0
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.build.default_pair import distill
+    from blockspec.services.drafter.dflash.train import DistillConfig
+
+    tokenizer = load_checkpoint(args.target).tokenizer
+    texts = []
+    for name in args.text_file:
+        path = Path(name)
+        files = sorted(path.rglob("*.py")) + sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not path.exists() or not files:
+            raise InvalidArgument("--text-file", f"{path} is not a text file or a directory holding .py/.txt files")
+        texts += [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    ids = tokenizer.encode("\n".join(texts))
+    if len(ids) < args.prompt_len + 1:
+        raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")
+    cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed)
+    distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)
+    print(f"drafter: {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -124,16 +165,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompts-file", help="one prompt per line; all run concurrently in batched steps")
     gen.add_argument("--target", required=True, help="target checkpoint directory (HF layout)")
-    gen.add_argument("--drafter", help="drafter checkpoint directory (for draft_model)")
-    gen.add_argument("--method", choices=METHODS, help="drafting method (default: draft_model with --drafter, else ngram)")
-    gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (default 5)")
+    gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
+    gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
+    gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")
     gen.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     gen.add_argument("--max-batch", type=int, default=16, help="requests stepped together (default 16)")
     gen.add_argument("--max-model-len", type=int, help="KV cache length per request (default: model context, <= 4096)")
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
+    gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
+    gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
     gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
     gen.set_defaults(func=cmd_generate)
+    bd = sub.add_parser("build-default", help="build (or find) the default target/drafter pair")
+    bd.add_argument("--profile", choices=("tiny", "base"), default="base", help="tiny: <1 min, tests; base: hours")
+    bd.add_argument("--home", help="where pairs live (default: $BLOCKSPEC_HOME or the repository's models/)")
+    bd.add_argument("--work", default=".cache/default-pair/base", help="base: resumable training directory")
+    bd.add_argument("--minutes", type=float, default=125, help="base: target training budget")
+    bd.add_argument("--threads", type=int, default=2)
+    bd.add_argument("--json", action="store_true", help='last line: {"target": DIR, "drafter": DIR}')
+    bd.set_defaults(func=cmd_build_default)
+    info = sub.add_parser("info", help="model card of a pair directory (or of a target or drafter checkpoint)")
+    info.add_argument("path")
+    info.set_defaults(func=cmd_info)
+    td = sub.add_parser("train-drafter", help="distil a DFlash-2 drafter from a target")
+    td.add_argument("--target", required=True)
+    td.add_argument("--out", required=True)
+    td.add_argument("--text-file", nargs="+", required=True, help="text files or directories: prompt source")
+    td.add_argument("--prompts", type=int, default=512, help="prompts whose greedy continuations supervise")
+    td.add_argument("--prompt-len", type=int, default=64)
+    td.add_argument("--new-tokens", type=int, default=128)
+    td.add_argument("--steps", type=int, default=2000)
+    td.add_argument("--block-size", type=int, default=8)
+    td.add_argument("--layers", type=int, default=1)
+    td.add_argument("--seed", type=int, default=0)
+    td.set_defaults(func=cmd_train_drafter)
     inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
     inv.add_argument("--target", required=True, help="target checkpoint directory")
     inv.add_argument("--text-file", required=True, help="text whose tokens are verified and decoded")

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from blockspec.common.models import load_checkpoint
-from blockspec.services.drafter.proposers import build_proposer, check_method
+from blockspec.services.drafter.proposers import MAX_K, TargetView, build_proposer, check_method
 from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
 from blockspec.services.router.validation import validate_request
 from blockspec.services.verifier.verifier import Verifier
@@ -29,14 +29,25 @@ class Engine:
         max_batch: int = 8,
         max_len: int | None = None,
         invariant: bool = False,
+        use_dynamic_conv: bool = True,
+        use_path_selector: bool = True,
     ) -> None:
         check_method(method, drafter)
         checkpoint = load_checkpoint(target)
         max_len = max_len or min(checkpoint.config.max_position_embeddings, DEFAULT_MAX_LEN)
-        self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len)
+        dflash_model, tap_layers, max_k = None, (), {"none": 0}.get(method, MAX_K)
+        if method == "dflash":
+            from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
+
+            dflash_model = load_drafter(drafter)
+            check_fits_target(dflash_model.cfg, checkpoint.config, str(drafter))
+            tap_layers, max_k = dflash_model.cfg.target_layer_ids, dflash_model.cfg.max_k
         # Invariant mode: decode and verify share one query width, the widest verify.
-        query_width = self.proposer.max_k + 1 if invariant else None
-        self.verifier = Verifier(checkpoint, max_batch, max_len, query_width)
+        query_width = max_k + 1 if invariant else None
+        self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers)
+        view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features)
+        self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,
+                                       use_dynamic_conv, use_path_selector)
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.loop = StepLoop(self.verifier, self.proposer, max_batch)

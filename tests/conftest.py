@@ -61,3 +61,21 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int = NEW_
 def references(tiny_models, prompts) -> dict[str, list[list[int]]]:
     """{family: [target-alone greedy continuation of each prompt]}."""
     return {family: [hf_greedy(dirs["target"], p) for p in prompts] for family, dirs in tiny_models.items()}
+
+
+@pytest.fixture(scope="session")
+def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""
+    from blockspec.services.build.tiny import build_tiny_drafter
+    from blockspec.services.drafter.dflash.train import DistillConfig, greedy_continuations, train_drafter
+
+    root = tmp_path_factory.mktemp("dflash")
+    out = {f"{f}-random": build_tiny_drafter(root / f"{f}-random", d["target"]) for f, d in tiny_models.items()}
+    target = tiny_models["qwen3"]["target"]
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)
+    prompts = [ids[97 * i : 97 * i + 24] for i in range(64)]
+    sequences = greedy_continuations(target, prompts, 64)
+    train_drafter(target, root / "qwen3-trained", sequences, [24] * len(prompts), DistillConfig(steps=150), progress=False)
+    out["qwen3-trained"] = root / "qwen3-trained"
+    return out

@@ -82,3 +82,40 @@ def build_tiny_checkpoint(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_tiny_drafter(
+    out: str | Path,
+    target_dir: str | Path,
+    seed: int = 0,
+    block_size: int = 8,
+    num_layers: int = 1,
+    target_layer_ids: tuple[int, ...] | None = None,
+    selector_rank: int | None = 16,
+    conv_kernel_size: int | None = 2,
+) -> Path:
+    """A random-weight DFlash-2 drafter for the target in `target_dir` (published layout), every module
+    perturbed away from its identity initialisation so that each code path does real work."""
+    from blockspec.common.models import parse_config, read_config
+    from blockspec.services.drafter.dflash.checkpoint import save_drafter
+    from blockspec.services.drafter.dflash.config import DFlashConfig
+    from blockspec.services.drafter.dflash.model import DFlashDrafter
+    from transformers import AutoTokenizer
+
+    target = parse_config(read_config(target_dir), Path(target_dir))
+    mask_id = AutoTokenizer.from_pretrained(str(target_dir)).mask_token_id
+    taps = target_layer_ids or tuple(sorted({0, target.num_layers - 1}))
+    cfg = DFlashConfig(
+        hidden_size=target.hidden_size, intermediate_size=target.hidden_size * 2, num_layers=num_layers,
+        num_heads=4, num_kv_heads=2, head_dim=target.hidden_size // 4, vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers, target_layer_ids=taps, block_size=block_size, mask_token_id=mask_id,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, conv_kernel_size=conv_kernel_size,
+        conv_group_size=16, selector_rank=selector_rank, selector_top_k=8,
+    )
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv" in name or "codebook" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return save_drafter(model, out)

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
 from blockspec.services.verifier.acceptance import greedy_accept
@@ -44,8 +46,12 @@ class Verifier:
         max_len: int | None = None,
         query_width: int | None = None,
         max_prefill_tokens: int = 512,
+        tap_layers: Sequence[int] = (),
     ) -> None:
-        self.runner = Runner(checkpoint, num_slots, max_len, query_width)
+        self.runner = Runner(checkpoint, num_slots, max_len, query_width, tap_layers)
+        width = len(self.runner.tap_layers) * checkpoint.config.hidden_size
+        # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden].
+        self.tap_buffer = torch.zeros(num_slots, self.runner.max_len, width) if width else None
         self.tokenizer = checkpoint.tokenizer
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
@@ -61,6 +67,22 @@ class Verifier:
 
     def committed(self, request_id: str) -> list[int]:
         return self._requests[request_id].token_ids
+
+    def features(self, request_id: str) -> torch.Tensor:
+        """Tap features of the committed tokens before the anchor: a view [committed_len - 1, n_taps * hidden]."""
+        state = self._requests[request_id]
+        return self.tap_buffer[state.slot, : len(state.token_ids) - 1]
+
+    def _store_taps(self, segments: Sequence[Segment], starts: Sequence[int], taps: Sequence[torch.Tensor]) -> None:
+        for seg, start, rows in zip(segments, starts, taps):
+            self.tap_buffer[seg.slot, start : start + rows.shape[0]] = rows
+
+    def _forward(self, segments: list[Segment]):
+        starts = [self.runner.cache.lengths[s.slot] for s in segments]
+        out = self.runner.forward(segments)
+        if self.tap_buffer is not None:
+            self._store_taps(segments, starts, out.taps)
+        return out
 
     def add(self, request_id: str, prompt_ids: Sequence[int]) -> None:
         if request_id in self._requests:
@@ -86,7 +108,7 @@ class Verifier:
                 segments.append(Segment(state.slot, state.token_ids[done : done + n], last_only=True))
                 chunk_of[rid] = done + n
                 budget -= n
-            out = self.runner.forward(segments)
+            out = self._forward(segments)
             for (rid, end), logits in zip(chunk_of.items(), out.logits):
                 state = self._requests[rid]
                 pending[rid] = end
@@ -99,7 +121,7 @@ class Verifier:
         """Target forward over [anchor, d1..dk] of every request at once, then the acceptance rule."""
         states = [self._requests[i.request_id] for i in inputs]
         segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) for s, i in zip(states, inputs)]
-        out = self.runner.forward(segments)
+        out = self._forward(segments)
         results = []
         for inp, state, logits in zip(inputs, states, out.logits):
             target_ids = logits.argmax(dim=-1).tolist()  # [k + 1]

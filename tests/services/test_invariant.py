@@ -10,12 +10,14 @@ from blockspec.services.router.step_loop import FinishEvent
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 KS = (1, 3, 5, 8)
+DFLASH_KS = (1, 3, 5, 7)  # the tiny drafters have block_size 8
 # method name in the test -> (engine method, which checkpoint drafts)
 METHODS = {
     "none": ("none", None),
     "ngram": ("ngram", None),
     "draft_model_same": ("draft_model", "target"),  # a drafter that always agrees: all-accepted + bonus path
     "draft_model_other": ("draft_model", "other"),  # a different random model: rejections
+    "dflash_random": ("dflash", "random"),  # random weights, every module perturbed from identity
 }
 
 
@@ -26,29 +28,42 @@ def run(engine: Engine, prompts: list[list[int]], k: int | None, max_tokens: int
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", METHODS)
-def test_greedy_output_equals_target_alone(family, name, tiny_models, prompts, references):
+def test_greedy_output_equals_target_alone(family, name, tiny_models, dflash_drafters, prompts, references):
     method, drafter_key = METHODS[name]
-    drafter = tiny_models[family][drafter_key] if drafter_key else None
-    engine = Engine(tiny_models[family]["target"], drafter, method, max_batch=len(prompts))
-    expected = references[family]
-    for k in KS if method != "none" else (None,):
-        drafted = accepted = 0
+    drafter = dflash_drafters[f"{family}-{drafter_key}"] if method == "dflash" else tiny_models[family].get(drafter_key)
+    check_lossless(Engine(tiny_models[family]["target"], drafter, method, max_batch=len(prompts)), name, prompts,
+                   references[family])
+
+
+def test_trained_dflash_equals_target_alone_and_accepts(tiny_models, dflash_drafters, prompts, references):
+    engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=len(prompts))
+    check_lossless(engine, "dflash_trained", prompts, references["qwen3"])
+
+
+def check_lossless(engine: Engine, name: str, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    method = engine.method
+    for k in (None,) if method == "none" else DFLASH_KS if method == "dflash" else KS:
+        drafted = accepted = first_accepted = steps = 0
         # One prompt at a time, then all of them in one batch.
         for batch in [[i] for i in range(len(prompts))] + [list(range(len(prompts)))]:
             done = run(engine, [prompts[i] for i in batch], k)
             for j, i in enumerate(batch):
                 event = done[f"r{j}"]
-                assert list(event.token_ids) == expected[i], f"{family} {name} k={k} prompt {i} batch {len(batch)}"
+                assert list(event.token_ids) == expected[i], f"{name} k={k} prompt {i} batch {len(batch)}"
                 drafted += event.stats.drafted
                 accepted += event.stats.accepted
+                first_accepted += (event.stats.accepted_per_pos or [0])[0]
+                steps += event.stats.steps
         if method == "none":
             assert drafted == 0
         else:
             assert drafted > 0, f"{name} k={k} drafted nothing: inconclusive, not a pass"
         if name == "draft_model_same":
             assert accepted == drafted
-        if name == "draft_model_other":
+        if name in ("draft_model_other", "dflash_random"):
             assert accepted < drafted
+        if name == "dflash_trained":  # random drafters accept ~0%; distillation must buy real acceptance
+            assert first_accepted > steps / 10, f"first draft accepted in {first_accepted} of {steps} steps at k={k}"
 
 
 def test_invariant_mode_keeps_output_identical(tiny_models, prompts, references):

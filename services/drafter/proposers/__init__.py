@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import Checkpoint, check_same_tokenizer, load_checkpoint
 from blockspec.services.drafter.proposer import Proposer
 
-METHODS = ("none", "ngram", "draft_model")
-METHODS_WITH_DRAFTER = ("draft_model",)
-MAX_K = 16  # largest k the ngram and draft_model methods accept
+METHODS = ("none", "ngram", "draft_model", "dflash")
+METHODS_WITH_DRAFTER = ("draft_model", "dflash")
+MAX_K = 16  # largest k the ngram and draft_model methods accept (dflash: its block_size - 1)
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """What a drafter may use of the target: shared tensors (never copies) and the tap features."""
+
+    embedding: torch.Tensor  # [vocab, H]
+    lm_head: torch.Tensor  # [vocab, H]
+    features: object  # request id -> tap features [committed_len - 1, n_taps * H]
 
 
 def check_method(method: str, drafter: str | Path | None) -> None:
@@ -23,8 +35,25 @@ def check_method(method: str, drafter: str | Path | None) -> None:
         raise InvalidArgument("drafter", f"method {method!r} needs a drafter checkpoint directory")
 
 
+def default_method(drafter: str | Path | None) -> str:
+    """dflash for a DFlash checkpoint, draft_model for another drafter, ngram without one."""
+    if drafter is None:
+        return "ngram"
+    from blockspec.services.drafter.dflash.checkpoint import is_dflash_checkpoint
+
+    return "dflash" if is_dflash_checkpoint(drafter) else "draft_model"
+
+
 def build_proposer(
-    method: str, target: Checkpoint, drafter: str | Path | None, num_slots: int, max_len: int | None
+    method: str,
+    target: Checkpoint,
+    drafter: str | Path | None,
+    num_slots: int,
+    max_len: int,
+    target_view: TargetView | None = None,
+    dflash_model: object | None = None,
+    use_dynamic_conv: bool = True,
+    use_path_selector: bool = True,
 ) -> Proposer:
     check_method(method, drafter)
     if method == "none":
@@ -35,6 +64,12 @@ def build_proposer(
         from blockspec.services.drafter.proposers.ngram import NgramProposer
 
         return NgramProposer(max_k=MAX_K)
+    if method == "dflash":
+        from blockspec.services.drafter.proposers.dflash import DFlashProposer
+
+        v = target_view
+        return DFlashProposer(dflash_model, v.embedding, v.lm_head, v.features, num_slots, max_len,
+                              use_dynamic_conv, use_path_selector)
     from blockspec.services.drafter.proposers.draft_model import DraftModelProposer
 
     draft = load_checkpoint(drafter)

@@ -1,0 +1,46 @@
+"""`blockspec info`: a readable model card for a pair directory or a single checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from blockspec.common.errors import InvalidArgument
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| method | k | tau | acceptance rate | accepted per position |", "|---|---|---|---|---|"]
+    for r in rows:
+        rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+        lines.append(f"| {r['method']} | {r['k']} | {r['tau']:.2f} | {rate} | {r['accepted_per_pos']} |")
+    return lines
+
+
+def describe(path: Path) -> str:
+    """The card of a pair (card.json written by build-default), or the basics of one checkpoint."""
+    if (path / "card.json").is_file():
+        c = json.loads((path / "card.json").read_text())
+        lines = [
+            f"pair: {path}",
+            f"target parameters:  {c['target_parameters']:,}",
+            f"drafter parameters: {c['drafter_parameters']:,} ({100 * c['drafter_share_of_target']:.1f}% of the target; "
+            "embedding and LM head are the target's)",
+            f"target training tokens: {c['training_tokens']}",
+            f"target held-out loss:   {c['heldout_loss'] or 'n/a'} nats/token",
+            f"loop share of greedy output on {c['eval_prompts']} held-out prompts: {c['loop_share']:.1%}",
+            f"tau on the same prompts ({c['max_tokens']} new tokens each):",
+            *_table(c["tau"]),
+        ]
+        return "\n".join(lines)
+    if not (path / "config.json").is_file():
+        raise InvalidArgument("path", f"{path} holds neither card.json nor config.json")
+    cfg = json.loads((path / "config.json").read_text())
+    training = path / "training.json"
+    lines = [f"checkpoint: {path}", f"architectures: {cfg.get('architectures')}",
+             f"hidden {cfg.get('hidden_size')}, layers {cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}"]
+    if "dflash_config" in cfg:
+        lines.append(f"dflash_config: {json.dumps(cfg['dflash_config'])}")
+    if training.is_file():
+        t = json.loads(training.read_text())
+        lines.append(f"training tokens {t.get('tokens_seen')}, held-out loss {t.get('heldout_loss')}, loop share {t.get('loop_share')}")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""`blockspec build-default`: the default target/drafter pair - `tiny` (under a minute, for tests) or
+`base` (hours, resumable; the pair shipped in models/base) - and its model card."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from blockspec.services.drafter.dflash.train import DistillConfig, greedy_continuations, train_drafter
+
+log = logging.getLogger(__name__)
+
+PROFILES = ("tiny", "base")
+CARD = "card.json"
+REPO_MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+@dataclass(frozen=True)
+class PairPaths:
+    root: Path
+
+    @property
+    def target(self) -> Path:
+        return self.root / "target"
+
+    @property
+    def drafter(self) -> Path:
+        return self.root / "drafter"
+
+    @property
+    def card(self) -> Path:
+        return self.root / CARD
+
+    def built(self) -> bool:
+        return self.card.is_file() and (self.target / "config.json").is_file() and (self.drafter / "model.safetensors").is_file()
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("BLOCKSPEC_HOME", REPO_MODELS))
+
+
+def _tiny_target(out: Path, seed: int) -> list[int]:
+    """A 2-layer Qwen3 trained for ~300 steps on two stdlib modules; returns the corpus token ids."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from blockspec.services.build.tiny import tiny_tokenizer
+    from blockspec.services.build.train_target import lm_loss, sample_batch
+
+    tok = tiny_tokenizer()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids = np.asarray(tok.encode("\n".join((stdlib / n).read_text(encoding="utf-8") for n in ("textwrap.py", "string.py"))))
+    eos = tok.eos_token_id
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        loss = lm_loss(model, sample_batch(ids, rng, 8, 64))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos, do_sample=False)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "training.json").write_text(json.dumps({"train_loss": float(loss.detach()), "tokens_seen": 300 * 8 * 64}))
+    return ids.tolist()
+
+
+def distill(target: Path, out: Path, token_ids, n_prompts: int, prompt_len: int, new_tokens: int,
+            cfg: DistillConfig, progress: bool = True) -> None:
+    """Prompts = random windows of `token_ids`; supervision = the target's greedy continuations."""
+    rng = np.random.default_rng(cfg.seed)
+    starts = rng.integers(0, len(token_ids) - prompt_len, size=n_prompts)
+    prompts = [[int(t) for t in token_ids[s : s + prompt_len]] for s in starts]
+    sequences = greedy_continuations(target, prompts, new_tokens, batch=32)
+    train_drafter(target, out, sequences, [prompt_len] * n_prompts, cfg, progress)
+
+
+def build_tiny(paths: PairPaths, seed: int = 0) -> None:
+    paths.root.mkdir(parents=True, exist_ok=True)
+    ids = _tiny_target(paths.target, seed)
+    distill(paths.target, paths.drafter, ids, 64, 24, 64, DistillConfig(steps=200, seed=seed), progress=False)
+    prompts = [ids[i : i + 16] for i in range(5, len(ids) - 16, max(1, len(ids) // 6))][:4]
+    write_card(paths, prompts, max_tokens=64)
+
+
+BASE_DISTILL = DistillConfig(steps=3000, intermediate_size=192, selector_rank=8, batch_sequences=8, anchors_per_sequence=16)
+
+
+def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
+    """Train (or resume) the target in `work`, export it, distil the drafter, write the card."""
+    from blockspec.services.build import corpus, train_target
+
+    train_target.main(["--out", str(work), "--minutes", str(minutes), "--threads", str(threads)])
+    paths.root.mkdir(parents=True, exist_ok=True)
+    if paths.target.exists():
+        shutil.rmtree(paths.target)
+    shutil.copytree(work / "target", paths.target)
+    train_ids = np.load(work / "data" / "train.npy", mmap_mode="r")
+    distill(paths.target, paths.drafter, train_ids, 1536, 64, 128, BASE_DISTILL)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(paths.target))
+    write_card(paths, [tok.encode(p) for p in corpus.heldout_prompts(16)], max_tokens=128)
+
+
+def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[int]], k: int | None, max_tokens: int) -> dict:
+    """tau, acceptance and per-position acceptance of one method over the prompts (batched)."""
+    from blockspec.services.engine import Engine
+    from blockspec.services.router.step_loop import FinishEvent
+
+    engine = Engine(target, drafter, method, max_batch=len(prompts))
+    done = [e for e in engine.generate([engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)])
+            if isinstance(e, FinishEvent)]
+    steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
+    per_pos = np.sum([np.pad(e.stats.accepted_per_pos, (0, (k or 0) - len(e.stats.accepted_per_pos))) for e in done], axis=0)
+    return {"method": method, "k": k, "tau": round(1 + accepted / steps, 3) if steps else 0.0,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "accepted_per_pos": [int(x) for x in np.atleast_1d(per_pos)], "steps": steps,
+            "outputs": [list(e.token_ids) for e in sorted(done, key=lambda e: int(e.request_id))]}
+
+
+def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Measure the pair on held-out prompts and write card.json (what `blockspec info` prints)."""
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.build.train_target import loop_share
+    from blockspec.services.drafter.dflash.checkpoint import load_drafter
+
+    target, drafter = load_checkpoint(paths.target), load_drafter(paths.drafter)
+    target_params = sum(w.numel() for w in target.weights.values())
+    drafter_params = sum(p.numel() for p in drafter.parameters())
+    rows = [measure(paths.target, paths.drafter, "dflash", prompts, k, max_tokens) for k in (3, 5, 7) if k <= drafter.cfg.max_k]
+    rows.append(measure(paths.target, None, "ngram", prompts, 5, max_tokens))
+    outputs = rows[-1].pop("outputs")
+    for row in rows:
+        row.pop("outputs", None)
+    training = json.loads((paths.target / "training.json").read_text()) if (paths.target / "training.json").is_file() else {}
+    card = {
+        "target_parameters": target_params,
+        "drafter_parameters": drafter_params,  # its own weights: embedding and LM head are the target's
+        "drafter_share_of_target": round(drafter_params / target_params, 4),
+        "training_tokens": training.get("tokens_seen"),
+        "heldout_loss": training.get("heldout_loss"),
+        "loop_share": round(float(np.mean([loop_share(o) for o in outputs])), 4),
+        "eval_prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "tau": rows,
+        "drafter_config": drafter.cfg.to_hf()["dflash_config"],
+    }
+    paths.card.write_text(json.dumps(card, indent=2))
+    return card
+
+
+def build_default(profile: str, home: Path | None = None, work: Path | None = None, minutes: float = 125,
+                  threads: int = 2) -> PairPaths:
+    """Build the pair unless it is already there; returns its paths."""
+    paths = PairPaths((home or default_home()) / profile)
+    if paths.built():
+        return paths
+    torch.set_num_threads(threads)
+    if profile == "tiny":
+        build_tiny(paths)
+    else:
+        build_base(paths, work or Path(".cache/default-pair/base"), minutes, threads)
+    return paths

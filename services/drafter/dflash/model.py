@@ -1,0 +1,183 @@
+"""The DFlash-2 block drafter: tap features of the target injected as context K/V, a bidirectional
+block [anchor, MASK...], two-tap dynamic convolutions and a pairwise path selector.
+
+Shapes: R blocks (one per request at inference, many per sequence in training), B = block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.common.decoder import MLP, RMSNorm, apply_rope
+from blockspec.services.drafter.dflash.config import DFlashConfig
+
+
+class DynamicConv(nn.Module):
+    """Grouped dynamic causal depthwise convolution wrapped around one sublayer.
+
+    y_t = sum_j c_{t,j} * x_{t-j} (j < K taps), inside a block only (slot 0 sees zero padding).
+    c = base_kernel + kernel_projection(sublayer input), one coefficient per group of channels;
+    index 0 of the first axis is applied before the sublayer, 1 after it.
+    """
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        base = torch.zeros(2, kernel_size, hidden)
+        base[:, 0] = 1.0  # identity at initialisation
+        self.base_kernel = nn.Parameter(base)  # [2, K, H]
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * hidden // group_size, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def coefficients(self, u: torch.Tensor) -> torch.Tensor:
+        """u [R, B, H] -> c [R, B, 2, K, H]."""
+        R, B, H = u.shape
+        dyn = self.kernel_projection(u).view(R, B, 2, self.kernel_size, H // self.group_size)
+        return self.base_kernel + dyn.repeat_interleave(self.group_size, dim=-1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """x [R, B, H], c [R, B, K, H] -> [R, B, H]; taps never cross the block start."""
+        y = c[:, :, 0] * x
+        for j in range(1, c.shape[2]):
+            y = y + F.pad(c[:, j:, j] * x[:, :-j], (0, 0, j, 0))
+        return y
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, T, H] -> keys, values [R, kv_heads, T, hd] (keys normed and rotated)."""
+        R, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, ctx: "DrafterContext") -> torch.Tensor:
+        R, B, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(R, B, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
+        q = apply_rope(q, ctx.block_cos, ctx.block_sin)  # [R, heads, B, hd]
+        k_blk, v_blk = self.kv(x, ctx.block_cos, ctx.block_sin)
+        k_ctx, v_ctx = ctx.layer_kv[ctx.layer]  # [R, kv_heads, C, hd]
+        keys, values = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(R, B, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)  # gate/up/down without bias, as Qwen3
+        if cfg.conv_kernel_size:
+            self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def _wrapped(self, sublayer, conv: DynamicConv | None, u: torch.Tensor, *args) -> torch.Tensor:
+        if conv is None:
+            return sublayer(u, *args)
+        c = conv.coefficients(u)  # both coefficient sets come from the sublayer's input
+        return conv.apply(sublayer(conv.apply(u, c[:, :, 0]), *args), c[:, :, 1])
+
+    def forward(self, x: torch.Tensor, ctx: "DrafterContext", use_conv: bool) -> torch.Tensor:
+        attn_conv = getattr(self, "attention_conv", None) if use_conv else None
+        mlp_conv = getattr(self, "mlp_conv", None) if use_conv else None
+        x = x + self._wrapped(self.self_attn, attn_conv, self.input_layernorm(x), ctx)
+        return x + self._wrapped(self.mlp, mlp_conv, self.post_attention_layernorm(x))
+
+
+class DrafterContext:
+    """What every layer's attention needs: context K/V per layer, block RoPE and the visibility mask."""
+
+    def __init__(
+        self,
+        layer_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [R, kv_heads, C, hd] each
+        ctx_visible: torch.Tensor,  # [R, C] bool: context positions this block may see
+        block_cos_sin: tuple[torch.Tensor, torch.Tensor],  # [R, 1, B, hd] each
+    ) -> None:
+        self.layer_kv = layer_kv
+        self.block_cos, self.block_sin = block_cos_sin
+        R, B = ctx_visible.shape[0], self.block_cos.shape[2]
+        # Every block slot sees the visible context and the whole block (bidirectional).
+        self.mask = torch.cat([ctx_visible, torch.ones(R, B, dtype=torch.bool)], dim=1)[:, None, None, :]
+        self.layer = 0
+
+
+class CandidateSelector(nn.Module):
+    """Pairwise path selector: S_t(a, b) = U_t(b) + <A(a) * H(h_t), B(b)> over the top-k candidates of slot t."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        r = cfg.selector_rank
+        self.top_k = cfg.selector_top_k
+        self.hidden_projection = nn.Linear(cfg.hidden_size, r, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # A: [V, r]
+        self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # B: [V, r]
+
+    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], unary/candidates [..., top_k], prev [...] -> S [..., top_k]."""
+        query = self.predecessor_codebook[prev] * self.hidden_projection(hidden)  # [..., r]
+        return unary + (self.successor_codebook[candidates] * query.unsqueeze(-2)).sum(-1)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy left-to-right walk from the anchor. hidden [R, S, H], logits [R, S, V], anchor [R]
+        -> tokens [R, S] and the selector's distribution per slot scattered to the vocabulary [R, S, V]."""
+        unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [R, S, top_k]
+        prev, tokens, q_rows = anchor, [], []
+        for t in range(logits.shape[1]):
+            s = self.scores(hidden[:, t], unary[:, t], candidates[:, t], prev)  # [R, top_k]
+            prev = candidates[:, t].gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
+            tokens.append(prev)
+            q_rows.append(torch.zeros_like(logits[:, t]).scatter(1, candidates[:, t], s.softmax(-1)))
+        return torch.stack(tokens, 1), torch.stack(q_rows, 1)
+
+
+class DFlashDrafter(nn.Module):
+    """Weights under the published names; no embedding table or LM head of its own."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.selector_rank:
+            self.candidate_selector = CandidateSelector(cfg)
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Concatenated tap features [..., n_taps * H] -> fused context hidden states [..., H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context hidden [R, C, H] at positions given by cos/sin [R, 1, C, hd] -> K/V of every layer."""
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, ctx: DrafterContext, use_conv: bool = True) -> torch.Tensor:
+        """block_embeds [R, B, H] (anchor + MASK embeddings from the target) -> normed hidden [R, B, H]."""
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            ctx.layer = i
+            x = layer(x, ctx, use_conv)
+        return self.norm(x)
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Draft-slot hidden [..., H] -> logits [..., V] through the target's LM head weight [V, H]."""
+        logits = F.linear(hidden, lm_head).float()
+        if self.cfg.output_multiplier is not None:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return cap * torch.tanh(logits / cap) if cap else logits

@@ -1,0 +1,93 @@
+"""Method `dflash`: the DFlash-2 block drafter proposes all k draft tokens in one forward pass,
+conditioned on the target's tap features of the committed tokens."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from blockspec.common.decoder import rope_table
+from blockspec.common.kv_cache import SlotKVCache
+from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
+from blockspec.services.drafter.proposer import Draft, ProposeInput
+
+log = logging.getLogger(__name__)
+
+FeatureSource = Callable[[str], torch.Tensor]  # request id -> tap features [committed_len - 1, n_taps * H]
+
+
+class DFlashProposer:
+    method = "dflash"
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        embedding: torch.Tensor,  # the target's [vocab, H]: used, never copied
+        lm_head: torch.Tensor,  # the target's [vocab, H]
+        features: FeatureSource,
+        num_slots: int,
+        max_len: int,
+        use_dynamic_conv: bool = True,
+        use_path_selector: bool = True,
+    ) -> None:
+        cfg = drafter.cfg
+        self.model, self.cfg = drafter, cfg
+        self.embedding, self.lm_head, self.features = embedding, lm_head, features
+        self.max_k = cfg.block_size - 1
+        self.max_len = max_len
+        self.use_dynamic_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
+        self.use_path_selector = use_path_selector and cfg.selector_rank is not None
+        # Context K/V of each request: one entry per committed position with known tap features.
+        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, embedding.dtype)
+        self._cos, self._sin = rope_table(cfg, max_len + cfg.block_size)
+        self._slots: dict[str, int] = {}
+
+    def release(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self.cache.release(slot)
+
+    def _extend_context(self, request_id: str, ctx_len: int) -> int:
+        """Bring the request's context K/V to `ctx_len` positions; returns its slot.
+
+        Committed tokens never change, so cached positions stay valid: a retry adds nothing.
+        """
+        if request_id not in self._slots:
+            self._slots[request_id] = self.cache.allocate()
+        slot = self._slots[request_id]
+        start = self.cache.lengths[slot]
+        if ctx_len > start:
+            taps = self.features(request_id)[start:ctx_len]  # [n, n_taps * H]
+            pos = torch.arange(start, ctx_len)
+            cos, sin = self._cos[pos][None, None], self._sin[pos][None, None]
+            for layer, (k, v) in enumerate(self.model.context_kv(self.model.context(taps)[None], cos, sin)):
+                self.cache.write(layer, slot, start, k[0], v[0])
+            self.cache.set_length(slot, ctx_len)
+        return slot
+
+    @torch.inference_mode()
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
+        live = [i for i in inputs if i.k > 0 and len(i.token_ids) - 1 + self.cfg.block_size <= self.max_len]
+        if not live:
+            return [Draft(()) for _ in inputs]
+        B = self.cfg.block_size
+        anchors = torch.tensor([i.token_ids[-1] for i in live])  # [R]
+        ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
+        slots = torch.tensor([self._extend_context(i.request_id, n) for i, n in zip(live, ctx_lens)])
+        block_ids = torch.full((len(live), B), self.cfg.mask_token_id)
+        block_ids[:, 0] = anchors
+        positions = torch.tensor(ctx_lens)[:, None] + torch.arange(B)  # [R, B]
+        key_len = max(ctx_lens)
+        layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
+        visible = torch.arange(key_len)[None, :] < torch.tensor(ctx_lens)[:, None]  # [R, key_len]
+        ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
+        hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)[:, 1:]  # [R, B - 1, H]
+        logits = self.model.draft_logits(hidden, self.lm_head)  # [R, B - 1, V]
+        if self.use_path_selector:
+            tokens, q = self.model.candidate_selector.walk(hidden, logits, anchors)
+        else:
+            tokens, q = logits.argmax(-1), logits.softmax(-1)
+        drafts = {i.request_id: Draft(tuple(tokens[r, : i.k].tolist()), q[r, : i.k]) for r, i in enumerate(live)}
+        return [drafts.get(i.request_id, Draft(())) for i in inputs]

@@ -1,0 +1,36 @@
+"""`blockspec build-default --profile tiny`: train a target, distil a drafter, generate losslessly."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from blockspec.services.cli import main
+from tests.conftest import hf_greedy
+
+
+def test_build_default_tiny_end_to_end(tmp_path, capsys):
+    started = time.perf_counter()
+    assert main(["build-default", "--profile", "tiny", "--home", str(tmp_path), "--threads", "1", "--json"]) == 0
+    built_s = time.perf_counter() - started
+    paths = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(paths) == {"target", "drafter"}
+    # Already there: returns at once with the same answer.
+    assert main(["build-default", "--profile", "tiny", "--home", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == paths
+    card = json.loads((tmp_path / "tiny" / "card.json").read_text())
+    dflash5 = next(r for r in card["tau"] if r["method"] == "dflash" and r["k"] == 5)
+    assert dflash5["tau"] > 1.0, "the distilled drafter must get drafts accepted"
+    assert main(["info", str(tmp_path / "tiny")]) == 0
+    assert "tau" in capsys.readouterr().out
+    # The pair generates exactly what the target alone generates.
+    from transformers import AutoTokenizer
+
+    prompt = "def fill(text, width=70):"
+    ids = AutoTokenizer.from_pretrained(paths["target"]).encode(prompt)
+    assert main(["generate", prompt, "--target", paths["target"], "--drafter", paths["drafter"], "-k", "7",
+                 "--max-tokens", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == hf_greedy(paths["target"], ids, 64)
+    assert out["stats"]["drafted"] > 0
+    print(f"build-default tiny took {built_s:.1f} s")
