@@ -75,7 +75,7 @@ def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
     ids = tokenizer.encode(text)
     prompts = [ids[97 * i : 97 * i + 24] for i in range(64)]
-    sequences = greedy_continuations(target, prompts, 64)
+    sequences = greedy_continuations(target, prompts, 64, progress=False)
     train_drafter(target, root / "qwen3-trained", sequences, [24] * len(prompts), DistillConfig(steps=150), progress=False)
     out["qwen3-trained"] = root / "qwen3-trained"
     return out

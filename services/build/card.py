@@ -30,6 +30,11 @@ def describe(path: Path) -> str:
             f"loop share of greedy output on {c['eval_prompts']} held-out prompts: {c['loop_share']:.1%}",
             f"tau on the same prompts ({c['max_tokens']} new tokens each):",
             *_table(c["tau"]),
+            "ablation at k=5 (modules switched off at inference on the same trained drafter):",
+            "| dynamic conv | path selector | tau | acceptance rate |",
+            "|---|---|---|---|",
+            *(f"| {a['dynamic_conv']} | {a['path_selector']} | {a['tau']:.2f} | {a['acceptance_rate']} |"
+              for a in c.get("ablation_k5", [])),
         ]
         return "\n".join(lines)
     if not (path / "config.json").is_file():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -83,8 +84,25 @@ def distill(target: Path, out: Path, token_ids, n_prompts: int, prompt_len: int,
     rng = np.random.default_rng(cfg.seed)
     starts = rng.integers(0, len(token_ids) - prompt_len, size=n_prompts)
     prompts = [[int(t) for t in token_ids[s : s + prompt_len]] for s in starts]
-    sequences = greedy_continuations(target, prompts, new_tokens, batch=32)
+    sequences = cached_continuations(target, prompts, new_tokens, progress)
     train_drafter(target, out, sequences, [prompt_len] * n_prompts, cfg, progress)
+
+
+def cached_continuations(target: Path, prompts: list[list[int]], new_tokens: int, progress: bool = True) -> list[list[int]]:
+    """greedy_continuations, cached on disk by (target weights, prompts, new_tokens): a rerun is cheap."""
+    key = hashlib.sha256(json.dumps([prompts, new_tokens]).encode())
+    for f in sorted(Path(target).glob("*.safetensors")):
+        key.update(f.read_bytes())
+    cache = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "supervision"
+    path = cache / f"{key.hexdigest()[:24]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    sequences = greedy_continuations(target, prompts, new_tokens, batch=32, progress=progress)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sequences))
+    os.replace(tmp, path)
+    return sequences
 
 
 def build_tiny(paths: PairPaths, seed: int = 0) -> None:
@@ -115,12 +133,14 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     write_card(paths, [tok.encode(p) for p in corpus.heldout_prompts(16)], max_tokens=128)
 
 
-def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[int]], k: int | None, max_tokens: int) -> dict:
-    """tau, acceptance and per-position acceptance of one method over the prompts (batched)."""
+def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[int]], k: int | None, max_tokens: int,
+            **modules: bool) -> dict:
+    """tau, acceptance and per-position acceptance of one method over the prompts (batched).
+    `modules`: use_dynamic_conv / use_path_selector switches for dflash."""
     from blockspec.services.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
 
-    engine = Engine(target, drafter, method, max_batch=len(prompts))
+    engine = Engine(target, drafter, method, max_batch=len(prompts), **modules)
     done = [e for e in engine.generate([engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)])
             if isinstance(e, FinishEvent)]
     steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
@@ -142,8 +162,13 @@ def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> d
     drafter_params = sum(p.numel() for p in drafter.parameters())
     rows = [measure(paths.target, paths.drafter, "dflash", prompts, k, max_tokens) for k in (3, 5, 7) if k <= drafter.cfg.max_k]
     rows.append(measure(paths.target, None, "ngram", prompts, 5, max_tokens))
+    ablation = []
+    for conv, selector in ((False, False), (True, False), (False, True), (True, True)):
+        row = measure(paths.target, paths.drafter, "dflash", prompts, 5, max_tokens, use_dynamic_conv=conv,
+                      use_path_selector=selector)
+        ablation.append({"dynamic_conv": conv, "path_selector": selector, **row})
     outputs = rows[-1].pop("outputs")
-    for row in rows:
+    for row in rows + ablation:
         row.pop("outputs", None)
     training = json.loads((paths.target / "training.json").read_text()) if (paths.target / "training.json").is_file() else {}
     card = {
@@ -156,6 +181,7 @@ def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> d
         "eval_prompts": len(prompts),
         "max_tokens": max_tokens,
         "tau": rows,
+        "ablation_k5": ablation,  # modules switched off at inference on the same trained drafter
         "drafter_config": drafter.cfg.to_hf()["dflash_config"],
     }
     paths.card.write_text(json.dumps(card, indent=2))
