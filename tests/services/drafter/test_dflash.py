@@ -106,3 +106,42 @@ def test_one_forward_per_step_shared_tensors_and_cache_equals_recompute(drafter_
     assert fresh.proposer.propose([ProposeInput("x", committed, 7)])[0].token_ids == incremental[-1]
     # A retry for the same committed length is idempotent.
     assert engine2.proposer.propose([ProposeInput("x", committed, 7)])[0].token_ids == incremental[-1]
+
+
+def test_selector_walk_is_argmax_without_pairwise_term_and_follows_it_with_one():
+    from blockspec.services.drafter.dflash.config import DFlashConfig
+    from blockspec.services.drafter.dflash.model import CandidateSelector
+
+    cfg = DFlashConfig(hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                       vocab_size=10, num_target_layers=2, target_layer_ids=(0,), block_size=4, mask_token_id=9,
+                       selector_rank=4, selector_top_k=3)
+    sel = CandidateSelector(cfg)
+    logits = torch.randn(2, 3, 10)
+    hidden = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        sel.predecessor_codebook.zero_()
+    tokens, q = sel.walk(hidden, logits, torch.tensor([0, 1]))
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.allclose(q.sum(-1), torch.ones(2, 3)) and int((q > 0).sum(-1).max()) <= 3
+    # A strong pairwise bonus for (anchor -> the slot's 2nd best candidate) changes the first pick.
+    second = logits[0, 0].topk(2).indices[1]
+    with torch.no_grad():
+        sel.hidden_projection.weight.zero_()
+        sel.hidden_projection.weight[:, 0] = 1.0
+        sel.predecessor_codebook[0] = 100.0
+        sel.successor_codebook.zero_()
+        sel.successor_codebook[second] = 1.0 if float(hidden[0, 0, 0]) > 0 else -1.0
+    tokens, _ = sel.walk(hidden, logits, torch.tensor([0, 1]))
+    assert int(tokens[0, 0]) == int(second)
+
+
+def test_distillation_is_deterministic_for_a_seed(tiny_models, tmp_path):
+    from blockspec.services.drafter.dflash.train import DistillConfig, train_drafter
+
+    target = tiny_models["qwen3"]["target"]
+    sequences = [list(range(5, 45)), list(range(50, 90))]
+    cfg = DistillConfig(steps=5, batch_sequences=2, anchors_per_sequence=4)
+    a = train_drafter(target, tmp_path / "a", sequences, [8, 8], cfg, progress=False)
+    b = train_drafter(target, tmp_path / "b", sequences, [8, 8], cfg, progress=False)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), DFlashDrafter(a.cfg).state_dict().values()))
