@@ -1,0 +1,87 @@
+"""The user-facing config.yaml schema, validated in one place: every error names the key, the value
+and what is allowed. Components receive only their own section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from blockspec.common.errors import InvalidArgument
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ServerConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)  # HTTP: /health, /metrics
+    grpc_port: int = Field(8001, ge=1, le=65535)  # the public gRPC API
+    workers: int = Field(1, ge=1, le=64)  # router event-loop workers
+    max_batch: int = Field(16, ge=1, le=1024)  # requests stepped together per replica
+    replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
+
+
+class SpecDecodeConfig(_Section):
+    enabled: bool = True  # false: plain decoding, no drafter is started
+    method: Literal["dflash", "draft_model", "ngram"] | None = None  # None: from the drafter checkpoint
+    num_speculative_tokens: int = Field(5, ge=1, le=16)  # k
+    draft_model_dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"  # fp32 on CPU, with a warning
+    use_dynamic_conv: bool = True
+    use_path_selector: bool = True
+
+
+class ModelSection(_Section):
+    target_model_path: str
+    draft_model_path: str | None = None
+    spec_decode: SpecDecodeConfig = SpecDecodeConfig()
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=16)  # KV cache per request; default: the model's context
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _single_device(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("tensor parallelism is not supported: one replica runs on one device; use 1")
+        return value
+
+
+class BlockspecConfig(_Section):
+    server: ServerConfig = ServerConfig()
+    model: ModelSection
+
+
+def _describe(error: dict) -> str:
+    key = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    if error["type"] == "missing":
+        return f"{key}: required key is missing"
+    msg = error["msg"].removeprefix("Value error, ")
+    return f"{key}: {error.get('input')!r} is not allowed: {msg}"
+
+
+def parse_config(raw: object, source: str = "config") -> BlockspecConfig:
+    """Validate a parsed YAML document; raises InvalidArgument listing every problem."""
+    if not isinstance(raw, dict):
+        raise InvalidArgument(source, f"expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        return BlockspecConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = [_describe(err) for err in e.errors()]
+        raise InvalidArgument(source, "; ".join(problems)) from None
+
+
+def load_config(path: str | Path) -> BlockspecConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgument(str(p), "config file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise InvalidArgument(str(p), f"not valid YAML ({e})") from None
+    return parse_config(raw, str(p))

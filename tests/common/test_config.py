@@ -1,0 +1,73 @@
+"""config.yaml validation: the operators' file works; every error names key, value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockspec.common.config import load_config, parse_config
+from blockspec.common.errors import InvalidArgument
+
+SEED = """
+server:
+  port: 8000
+  workers: 1
+model:
+  target_model_path: "/data/models/target_model"
+  draft_model_path: "/data/models/draft_model"
+  spec_decode:
+    enabled: true
+    num_speculative_tokens: 5
+    draft_model_dtype: "float16"
+    use_dynamic_conv: true
+    use_path_selector: true
+  tensor_parallel_size: 1
+  gpu_memory_utilization: 0.9
+"""
+
+
+def test_the_operators_config_loads_with_our_defaults(tmp_path):
+    f = tmp_path / "config.yaml"
+    f.write_text(SEED)
+    cfg = load_config(f)
+    assert cfg.server.port == 8000 and cfg.server.grpc_port == 8001 and cfg.server.replicas == 1
+    assert cfg.model.spec_decode.num_speculative_tokens == 5 and cfg.model.spec_decode.draft_model_dtype == "float16"
+    assert cfg.model.draft_model_path == "/data/models/draft_model"
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"server": {"port": 70000}}, "server.port: 70000 is not allowed: Input should be less than or equal to 65535"),
+        ({"server": {"prot": 1}}, "server.prot: unknown key"),
+        ({"model": {"tensor_parallel_size": 2}}, "model.tensor_parallel_size: 2 is not allowed: tensor parallelism is not supported"),
+        ({"model": {"gpu_memory_utilization": 1.5}}, "model.gpu_memory_utilization: 1.5 is not allowed"),
+        ({"model": {"spec_decode": {"num_speculative_tokens": 0}}}, "model.spec_decode.num_speculative_tokens: 0 is not allowed: Input should be greater than or equal to 1"),
+        ({"model": {"spec_decode": {"num_speculative_tokens": "5"}}}, "model.spec_decode.num_speculative_tokens: '5' is not allowed: Input should be a valid integer"),
+        ({"model": {"spec_decode": {"draft_model_dtype": "int4"}}}, "model.spec_decode.draft_model_dtype: 'int4' is not allowed: Input should be 'float32', 'float16' or 'bfloat16'"),
+        ({"model": {"target_model_path": None}}, "model.target_model_path: None is not allowed"),
+    ],
+)
+def test_errors_name_key_value_and_allowed(patch, message):
+    import yaml
+
+    raw = yaml.safe_load(SEED)
+    for section, values in patch.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                raw[section][key].update(value)
+            else:
+                raw[section][key] = value
+    with pytest.raises(InvalidArgument) as e:
+        parse_config(raw)
+    assert message in str(e.value)
+
+
+def test_missing_file_bad_yaml_and_missing_required_key(tmp_path):
+    with pytest.raises(InvalidArgument, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: [1, 2\n")
+    with pytest.raises(InvalidArgument, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(InvalidArgument, match="model: required key is missing"):
+        parse_config({"server": {"port": 8000}})
