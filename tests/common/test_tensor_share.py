@@ -1,0 +1,70 @@
+"""Shared tensors: another process maps the same memory (no copy); segments are removed on close and
+after their owner dies."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from blockspec.common.tensor_share import SHM_DIR, SharedTensors, cleanup_stale, open_handle
+
+
+def _child_reads_and_writes(handle, queue):
+    t = open_handle(handle)
+    queue.put(float(t.sum()))
+    t[0, 0] = 42.0
+
+
+def test_another_process_sees_and_writes_the_same_memory():
+    shares = SharedTensors()
+    try:
+        shared, handle = shares.export(torch.arange(12, dtype=torch.float32).view(3, 4))
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child_reads_and_writes, args=(handle, queue))
+        proc.start()
+        proc.join(60)
+        assert queue.get(timeout=5) == 66.0
+        assert float(shared[0, 0]) == 42.0  # the child's write, seen here: one memory, not a copy
+    finally:
+        shares.close()
+    assert not (SHM_DIR / handle.name).exists()
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        open_handle(handle)
+
+
+def _child_exports_and_dies(queue):
+    shares = SharedTensors()
+    _, handle = shares.export(torch.zeros(4))
+    queue.put(handle.name)  # exits without close(): a killed owner
+
+
+def test_segments_of_dead_owners_are_cleaned_up():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_exports_and_dies, args=(queue,))
+    proc.start()
+    name = queue.get(timeout=60)
+    proc.join(60)
+    assert (SHM_DIR / name).exists()
+    assert name in cleanup_stale()
+    assert not (SHM_DIR / name).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device")
+def test_cuda_ipc_handle_maps_the_same_device_memory_in_another_process():
+    shares = SharedTensors()
+    t = torch.arange(12, device="cuda", dtype=torch.float32).view(3, 4)
+    _, handle = shares.export(t)
+    assert handle.kind == "cuda_ipc"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_reads_and_writes, args=(handle, queue))
+    proc.start()
+    proc.join(120)
+    assert queue.get(timeout=5) == 66.0
+    torch.cuda.synchronize()
+    assert float(t[0, 0]) == 42.0
