@@ -80,7 +80,7 @@ class TokenEvent:
 @dataclass(frozen=True)
 class FinishEvent:
     request_id: str
-    reason: str  # "stop" (end-of-sequence token) or "length" (max_tokens)
+    reason: str  # "stop" (end-of-sequence token), "length" (max_tokens) or "cancelled"
     token_ids: tuple[int, ...]  # every generated token
     stats: RequestStats
 
@@ -97,38 +97,79 @@ class _Live:
 
 
 class StepLoop:
-    """Runs requests to completion, stepping all running ones together (one propose, one verify)."""
+    """Steps all running requests together (one propose, one verify); new requests join between steps.
+
+    Not thread-safe: call submit / cancel / step from one thread (the server runs them on one executor).
+    """
 
     def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self.max_batch = max_batch
+        self._waiting: deque[_Live] = deque()
+        self._running: dict[str, _Live] = {}
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it is prefilled at the next step with a free slot."""
+        self._waiting.append(_Live(request, list(request.prompt_ids), RequestStats()))
+
+    def cancel(self, request_id: str) -> FinishEvent | None:
+        """Drop a request wherever it is and free its slots in both roles."""
+        live = self._running.pop(request_id, None)
+        if live is None:
+            live = next((lv for lv in self._waiting if lv.request.request_id == request_id), None)
+            if live is None:
+                return None
+            self._waiting.remove(live)
+            return self._finish(live, "cancelled")
+        self.verifier.release(request_id)
+        self.drafter.release(request_id)
+        return self._finish(live, "cancelled")
+
+    def step(self) -> list[TokenEvent | FinishEvent]:
+        """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests."""
+        events: list[TokenEvent | FinishEvent] = []
+        admitted = []
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch and self.verifier.free_slots:
+            live = self._waiting.popleft()
+            self.verifier.add(live.request.request_id, live.request.prompt_ids)
+            admitted.append(live)
+        if admitted:
+            results = self.verifier.prefill([live.request.request_id for live in admitted])
+            for live, result in zip(admitted, results):
+                self._running[live.request.request_id] = live
+                live.stats.first_token_s = time.perf_counter() - live.stats.started
+                events.extend(self._commit(live, result))
+        if self._running:
+            events.extend(self._step())
+        return events
 
     def run(self, requests: Iterable[Request]) -> Iterator[TokenEvent | FinishEvent]:
-        waiting = deque(requests)
-        running: dict[str, _Live] = {}
-        while waiting or running:
-            admitted = []
-            while waiting and len(running) + len(admitted) < self.max_batch and self.verifier.free_slots:
-                req = waiting.popleft()
-                self.verifier.add(req.request_id, req.prompt_ids)
-                admitted.append(_Live(req, list(req.prompt_ids), RequestStats()))
-            if admitted:
-                results = self.verifier.prefill([live.request.request_id for live in admitted])
-                for live, result in zip(admitted, results):
-                    running[live.request.request_id] = live
-                    live.stats.first_token_s = time.perf_counter() - live.stats.started
-                    yield from self._commit(live, result, running)
-            if running:
-                yield from self._step(running)
+        """Submit all requests and step until every one has finished."""
+        for request in requests:
+            self.submit(request)
+        while not self.idle:
+            yield from self.step()
 
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
         remaining = live.request.max_tokens - live.generated
         return max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
 
-    def _step(self, running: dict[str, _Live]) -> Iterator[TokenEvent | FinishEvent]:
-        lives = list(running.values())
+    def _step(self) -> Iterator[TokenEvent | FinishEvent]:
+        lives = list(self._running.values())
         wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv)) for lv in lives]
         t0 = time.perf_counter()
         to_draft = [w for w in wants if w.k > 0]
@@ -144,17 +185,22 @@ class StepLoop:
             live.stats.record(len(inp.draft_ids), result.num_accepted)
             live.stats.draft_s += t1 - t0
             live.stats.verify_s += t2 - t1
-            yield from self._commit(live, result, running)
+            yield from self._commit(live, result)
 
-    def _commit(self, live: _Live, result: VerifyResult, running: dict[str, _Live]) -> Iterator[TokenEvent | FinishEvent]:
+    def _commit(self, live: _Live, result: VerifyResult) -> Iterator[TokenEvent | FinishEvent]:
         live.token_ids.extend(result.token_ids)
         rid = live.request.request_id
         yield TokenEvent(rid, result.token_ids)
         reason = "stop" if result.eos else "length" if live.generated >= live.request.max_tokens else None
         if reason is None:
             return
-        del running[rid]
+        del self._running[rid]
         self.verifier.release(rid)
         self.drafter.release(rid)
+        yield self._finish(live, reason)
+
+    @staticmethod
+    def _finish(live: _Live, reason: str) -> FinishEvent:
         live.stats.elapsed_s = time.perf_counter() - live.stats.started
-        yield FinishEvent(rid, reason, tuple(live.token_ids[len(live.request.prompt_ids) :]), live.stats)
+        generated = tuple(live.token_ids[len(live.request.prompt_ids) :])
+        return FinishEvent(live.request.request_id, reason, generated, live.stats)

@@ -1,0 +1,41 @@
+"""The step loop as a server drives it: requests join between steps, cancellation frees both roles' slots."""
+
+from __future__ import annotations
+
+from blockspec.services.engine import Engine
+from blockspec.services.router.step_loop import FinishEvent, TokenEvent
+
+
+def test_requests_join_between_steps_and_stay_exact(tiny_models, prompts, references):
+    engine = Engine(tiny_models["llama"]["target"], tiny_models["llama"]["other"], "draft_model", max_batch=4)
+    loop, tokens, done = engine.loop, {}, {}
+    loop.submit(engine.request("a", prompts[2], 128, 3))
+    for _ in range(5):
+        for e in loop.step():
+            tokens.setdefault(e.request_id, []).extend(e.token_ids if isinstance(e, TokenEvent) else [])
+    loop.submit(engine.request("b", prompts[5], 128, 5))  # joins a running batch
+    while not loop.idle:
+        for e in loop.step():
+            if isinstance(e, TokenEvent):
+                tokens.setdefault(e.request_id, []).extend(e.token_ids)
+            else:
+                done[e.request_id] = e
+    assert list(done["a"].token_ids) == tokens["a"] == references["llama"][2]
+    assert list(done["b"].token_ids) == tokens["b"] == references["llama"][5]
+
+
+def test_cancel_frees_slots_in_both_roles(tiny_models, prompts):
+    engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+    loop = engine.loop
+    free_verifier, free_drafter = engine.verifier.free_slots, engine.proposer.runner.cache.free_slots
+    for i in range(2):
+        loop.submit(engine.request(f"r{i}", prompts[3], 64, 4))
+    loop.submit(engine.request("queued", prompts[3], 64, 4))
+    loop.step()
+    loop.step()
+    assert engine.verifier.free_slots == free_verifier - 2
+    events = [loop.cancel(rid) for rid in ("r0", "r1", "queued")]
+    assert all(isinstance(e, FinishEvent) and e.reason == "cancelled" for e in events)
+    assert loop.idle and loop.cancel("r0") is None
+    assert engine.verifier.free_slots == free_verifier
+    assert engine.proposer.runner.cache.free_slots == free_drafter
