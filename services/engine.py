@@ -50,6 +50,7 @@ class Engine:
                                        use_dynamic_conv, use_path_selector)
         self.tokenizer = checkpoint.tokenizer
         self.method = method
+        self.target_path, self.drafter_path = Path(target), drafter
         self.loop = StepLoop(self.verifier, self.proposer, max_batch)
 
     @property

@@ -1,0 +1,59 @@
+"""Assemble a router gRPC server: the Generation API, grpc.health.v1 and reflection, over a step loop."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.router.scheduler import Scheduler
+from blockspec.services.router.server import GenerationService, ModelFacts
+from blockspec.services.router.step_loop import StepLoop
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass
+class RouterServer:
+    server: grpc.aio.Server
+    scheduler: Scheduler
+    health: health.HealthServicer
+    port: int
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.scheduler.stop()
+
+
+async def start_router(step_loop: StepLoop, facts: ModelFacts, host: str = "127.0.0.1", port: int = 0) -> RouterServer:
+    """Start serving on host:port (0 = a free port); health says SERVING once the server is up."""
+    scheduler = Scheduler(step_loop)
+    await scheduler.start()
+    server = grpc.aio.server()
+    api_grpc.add_GenerationServicer_to_server(GenerationService(scheduler, facts), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("router listening on %s:%d", host, bound)
+    return RouterServer(server, scheduler, health_servicer, bound)
+
+
+def facts_from_engine(engine) -> ModelFacts:
+    """ModelFacts of an in-process Engine (tests and `serve --inprocess`)."""
+    from blockspec.services.engine import DEFAULT_K
+
+    runner = engine.verifier.runner
+    return ModelFacts(target=str(engine.target_path), drafter=str(engine.drafter_path or ""), method=engine.method,
+                      max_k=engine.proposer.max_k, default_k=min(DEFAULT_K, engine.proposer.max_k),
+                      context_len=engine.context_len, vocab_size=runner.config.vocab_size, tokenizer=engine.tokenizer)

@@ -1,0 +1,76 @@
+"""Drives the step loop for an asyncio server: requests in, one event queue per request out.
+
+submit / cancel / step all run on one dedicated thread, so the step loop needs no locks and a slow
+forward never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, step_loop: StepLoop) -> None:
+        self.step_loop = step_loop
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-loop")
+        self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="step-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def submit(self, request: Request) -> asyncio.Queue[TokenEvent | FinishEvent]:
+        if request.request_id in self._queues:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        queue: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        await self._call(self.step_loop.submit, request)
+        self._wake.set()
+        return queue
+
+    async def cancel(self, request_id: str) -> FinishEvent | None:
+        """Stop a request (client gone, deadline, stop sequence) and free its KV slots in both roles."""
+        self._queues.pop(request_id, None)
+        return await self._call(self.step_loop.cancel, request_id)
+
+    async def _run(self) -> None:
+        while True:
+            if self.step_loop.idle:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                events = await self._call(self.step_loop.step)
+            except Exception:
+                log.exception("step failed; failing the running requests")
+                await self._fail_all()
+                continue
+            for event in events:
+                queue = self._queues.get(event.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+                if isinstance(event, FinishEvent):
+                    self._queues.pop(event.request_id, None)
+
+    async def _fail_all(self) -> None:
+        for request_id in list(self._queues):
+            queue = self._queues.pop(request_id)
+            event = await self._call(self.step_loop.cancel, request_id)
+            if event is not None:
+                queue.put_nowait(FinishEvent(request_id, "error", event.token_ids, event.stats))

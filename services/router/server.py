@@ -1,0 +1,121 @@
+"""The public gRPC API (blockspec.v1.Generation): unpack -> validate -> schedule -> stream back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from blockspec.common.detokenize import TextStream
+from blockspec.common.errors import InvalidArgument
+from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.router.scheduler import Scheduler
+from blockspec.services.router.step_loop import FinishEvent, Request
+from blockspec.services.router.stops import StopMatcher
+from blockspec.services.router.validation import validate_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the router knows of the models: for validation, tokenization and ModelInfo."""
+
+    target: str
+    drafter: str
+    method: str
+    max_k: int
+    default_k: int
+    context_len: int
+    vocab_size: int
+    tokenizer: object
+
+
+def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
+    """Validate a GenerateRequest (errors name the field) and turn it into a step-loop Request."""
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise InvalidArgument("prompt", "set prompt.text or prompt.token_ids")
+    if which == "text":
+        ids = facts.tokenizer.encode(msg.text) if msg.text else []
+    else:
+        ids = list(msg.token_ids.ids)
+        bad = [t for t in ids if t >= facts.vocab_size]
+        if bad:
+            raise InvalidArgument("token_ids", f"id {bad[0]} is outside the vocabulary of {facts.vocab_size}")
+    s = msg.sampling
+    if s.temperature != 0 or s.top_k != 0 or s.top_p not in (0.0, 1.0) or s.HasField("seed"):
+        raise InvalidArgument("sampling", "only greedy decoding (temperature 0, no top_p/top_k/seed) is supported")
+    if any(not stop for stop in msg.stop):
+        raise InvalidArgument("stop", "stop sequences must not be empty")
+    k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
+    validate_request(ids, msg.max_tokens, k, context_len=facts.context_len, max_k=facts.max_k)
+    return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), msg.max_tokens, k)
+
+
+def finish_message(event: FinishEvent, prompt_tokens: int, reason: str) -> api_pb2.Finish:
+    st = event.stats
+    return api_pb2.Finish(
+        reason=reason,
+        usage=api_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(event.token_ids)),
+        acceptance=api_pb2.AcceptanceSummary(
+            steps=st.steps, drafted=st.drafted, accepted=st.accepted, tau=st.tau,
+            acceptance_rate=st.acceptance_rate or 0.0, accepted_per_pos=st.accepted_per_pos,
+        ),
+    )
+
+
+class GenerationService(api_grpc.GenerationServicer):
+    def __init__(self, scheduler: Scheduler, facts: ModelFacts) -> None:
+        self.scheduler = scheduler
+        self.facts = facts
+
+    async def Generate(self, msg: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        started = time.perf_counter_ns()
+        try:
+            request = to_request(msg, self.facts)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            queue = await self.scheduler.submit(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
+        text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
+        rid, finished = request.request_id, False
+        try:
+            while True:
+                event = await queue.get()
+                total_ns = time.perf_counter_ns() - started
+                if not isinstance(event, FinishEvent):
+                    delta, hit = stops.push(text.push(event.token_ids))
+                    if not hit:
+                        yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns)
+                        continue
+                    finished = True
+                    final = await self.scheduler.cancel(rid)  # stop generating; slots freed
+                    yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns,
+                                                   finish=finish_message(final, len(request.prompt_ids), "stop_sequence"))
+                    return
+                finished = True
+                delta, _ = stops.push(text.flush())
+                delta += stops.flush()
+                if event.reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, "the request failed inside the engine; see server logs")
+                yield api_pb2.GenerateResponse(request_id=rid, text=delta, total_ns=total_ns,
+                                               finish=finish_message(event, len(request.prompt_ids), event.reason))
+                return
+        finally:
+            if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
+                await asyncio.shield(self.scheduler.cancel(rid))
+
+    async def ModelInfo(self, msg: api_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext) -> api_pb2.ModelInfoResponse:
+        f = self.facts
+        return api_pb2.ModelInfoResponse(target=f.target, drafter=f.drafter, method=f.method,
+                                         max_speculative_tokens=f.max_k, context_len=f.context_len, vocab_size=f.vocab_size)
+
+    async def Tokenize(self, msg: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> api_pb2.TokenizeResponse:
+        return api_pb2.TokenizeResponse(token_ids=self.facts.tokenizer.encode(msg.text) if msg.text else [])

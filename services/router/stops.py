@@ -1,0 +1,29 @@
+"""Stop sequences over a text stream: hold back what could still become a stop sequence."""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._held = ""  # text not yet released: it may be the start of a stop sequence
+        self._keep = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """New text in -> (text safe to release, whether a stop sequence was hit).
+
+        On a hit the released text ends right before the stop sequence, which is never released.
+        """
+        text = self._held + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return text[: min(hits)], True
+        cut = max(0, len(text) - self._keep) if self.stops else len(text)
+        self._held = text[cut:]
+        return text[:cut], False
+
+    def flush(self) -> str:
+        """End of stream: what was held back is plain text after all."""
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,132 @@
+"""The public gRPC API over an in-process engine: streaming equals the target alone, bad requests are
+INVALID_ARGUMENT naming the field, cancellation frees the slots, health and reflection answer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.engine import Engine
+from blockspec.services.router.app import facts_from_engine, start_router
+
+
+class RouterThread:
+    """A router on a free port, its asyncio loop in a background thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.router = asyncio.run_coroutine_threadsafe(
+            start_router(engine.loop, facts_from_engine(engine)), self.loop).result(60)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
+        self.stub = api_grpc.GenerationStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.router.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def router(tiny_models):
+    engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=4)
+    r = RouterThread(engine)
+    yield r
+    r.close()
+
+
+def collect(stream) -> tuple[list[int], str, api_pb2.Finish]:
+    ids, text, finish = [], "", None
+    for msg in stream:
+        ids += msg.token_ids
+        text += msg.text
+        if msg.HasField("finish"):
+            finish = msg.finish
+    return ids, text, finish
+
+
+def test_concurrent_streams_equal_the_target_alone(router, prompts, references, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i):
+        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[i]), max_tokens=128, num_speculative_tokens=4)
+        return collect(router.stub.Generate(req, timeout=120))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    for i, (ids, text, finish) in enumerate(results):
+        assert ids == references["qwen3"][i]
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert finish.reason in ("length", "stop") and finish.usage.completion_tokens == len(ids)
+        a = finish.acceptance
+        assert a.drafted > 0 and sum(a.accepted_per_pos) == a.accepted
+        assert a.tau == pytest.approx(1 + a.accepted / a.steps)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"text": "", "max_tokens": 8}, "prompt: must not be empty"),
+        ({"text": "hi", "max_tokens": 0}, "max_tokens: must be at least 1"),
+        ({"text": "hi", "max_tokens": 8, "num_speculative_tokens": 99}, "k: must be between 1 and 16"),
+        ({"text": "x " * 600, "max_tokens": 8}, "prompt: "),
+        ({"max_tokens": 8}, "prompt: set prompt.text or prompt.token_ids"),
+        ({"token_ids": api_pb2.TokenIds(ids=[1, 99999]), "max_tokens": 8}, "token_ids: id 99999 is outside"),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=0.7)}, "sampling: only greedy"),
+    ],
+)
+def test_bad_requests_are_invalid_argument_naming_the_field(router, request_kwargs, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(router.stub.Generate(api_pb2.GenerateRequest(**request_kwargs), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+    assert collect(router.stub.Generate(api_pb2.GenerateRequest(text="ok", max_tokens=3), timeout=30))[2] is not None
+
+
+def test_stop_sequence_truncates_text_and_frees_the_request(router, tokenizer, references, prompts):
+    full = tokenizer.decode(references["qwen3"][3], skip_special_tokens=True)
+    stop = full[20:24]
+    req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=128, stop=[stop])
+    _, text, finish = collect(router.stub.Generate(req, timeout=60))
+    assert finish.reason == "stop_sequence" and text == full[: full.find(stop)]
+
+
+def test_cancelled_streams_leave_no_slot_behind(router, prompts):
+    free = router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots
+    for _ in range(10):
+        call = router.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[4]), max_tokens=128), timeout=60)
+        next(call)
+        call.cancel()
+    deadline_call = router.stub.Generate(api_pb2.GenerateRequest(text="x", max_tokens=128), timeout=0.05)
+    with pytest.raises(grpc.RpcError):
+        list(deadline_call)
+    for _ in range(100):  # cancellation is processed between steps
+        if (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free:
+            break
+        import time
+
+        time.sleep(0.05)
+    assert (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free
+    assert router.engine.loop.idle
+
+
+def test_model_info_tokenize_health_and_reflection(router, tokenizer):
+    info = router.stub.ModelInfo(api_pb2.ModelInfoRequest())
+    assert info.method == "draft_model" and info.max_speculative_tokens == 16 and info.vocab_size == len(tokenizer)
+    assert list(router.stub.Tokenize(api_pb2.TokenizeRequest(text="def f():")).token_ids) == tokenizer.encode("def f():")
+    health = health_pb2_grpc.HealthStub(router.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="blockspec.v1.Generation")).status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    refl = reflection_pb2_grpc.ServerReflectionStub(router.channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"blockspec.v1.Generation", "grpc.health.v1.Health"} <= names
