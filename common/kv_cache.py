@@ -75,3 +75,12 @@ class SlotKVCache:
             s = int(slots[0])
             return kc[s : s + 1, :, :key_len], vc[s : s + 1, :, :key_len]
         return kc[slots, :, :key_len], vc[slots, :, :key_len]
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [kv_heads, n, hd] of one slot at positions [start, start + n)."""
+        self.k[layer, slot, :, start : start + k.shape[1]] = k
+        self.v[layer, slot, :, start : start + v.shape[1]] = v
+
+    def read(self, layer: int, slots: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [len(slots), kv_heads, key_len, hd]."""
+        return self.k[layer, slots, :, :key_len], self.v[layer, slots, :, :key_len]

@@ -167,12 +167,13 @@ def load_tokenizer(path: Path) -> object:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load config, weights and tokenizer of a Llama / Qwen2 / Qwen3 checkpoint directory."""
+def load_checkpoint(path: str | Path, with_weights: bool = True) -> Checkpoint:
+    """Load config, weights and tokenizer of a Llama / Qwen2 / Qwen3 checkpoint directory.
+    `with_weights=False`: config and tokenizer only (a role that needs to know the target, not run it)."""
     p = _checkpoint_dir(path)
     config = parse_config(read_config(p), p)
     tokenizer = load_tokenizer(p)
-    weights = load_weights(p)
+    weights = load_weights(p) if with_weights else {}
     log.info("loaded %s checkpoint %s (%d tensors)", config.family, p, len(weights))
     return Checkpoint(path=p, config=config, weights=weights, tokenizer=tokenizer)
 

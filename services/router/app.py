@@ -6,9 +6,9 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
+from blockspec.common.grpc_server import start_server
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.server import GenerationService, ModelFacts
@@ -36,15 +36,9 @@ async def start_router(step_loop: StepLoop, facts: ModelFacts, host: str = "127.
     """Start serving on host:port (0 = a free port); health says SERVING once the server is up."""
     scheduler = Scheduler(step_loop)
     await scheduler.start()
-    server = grpc.aio.server()
-    api_grpc.add_GenerationServicer_to_server(GenerationService(scheduler, facts), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service = GenerationService(scheduler, facts)
+    server, health_servicer, bound = await start_server(
+        lambda s: api_grpc.add_GenerationServicer_to_server(service, s), (SERVICE_NAME,), host, port)
     log.info("router listening on %s:%d", host, bound)
     return RouterServer(server, scheduler, health_servicer, bound)
 

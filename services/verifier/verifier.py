@@ -65,6 +65,9 @@ class Verifier:
     def free_slots(self) -> int:
         return self.runner.cache.free_slots
 
+    def slot_of(self, request_id: str) -> int:
+        return self._requests[request_id].slot
+
     def committed(self, request_id: str) -> list[int]:
         return self._requests[request_id].token_ids
 

@@ -1,0 +1,30 @@
+"""Start a grpc.aio server with our services, grpc.health.v1 and server reflection: the same for every role."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE = 64 * 1024 * 1024
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None], service_names: Sequence[str], host: str, port: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Bind host:port (0 = any free port), register the services, mark them SERVING; returns the bound port."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE)])
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, bound

@@ -1,0 +1,105 @@
+"""The drafter role over gRPC: a proposer fed with token deltas, versioned by committed length, and
+(dflash) mapping the verifier's shared embedding, LM head and tap buffer instead of copying them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+
+from blockspec.common.models import load_checkpoint
+from blockspec.common.tensor_share import TensorHandle, open_handle
+from blockspec.protos import roles_grpc, roles_pb2
+from blockspec.services.drafter.proposer import ProposeInput
+from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method
+
+log = logging.getLogger(__name__)
+
+
+def _open(pb: roles_pb2.TensorHandle):
+    return open_handle(TensorHandle(kind=pb.kind, dtype=pb.dtype, shape=tuple(pb.shape), name=pb.name, payload=pb.payload))
+
+
+class DrafterService(roles_grpc.DrafterServicer):
+    def __init__(self, method: str, drafter_path: str | None, target_path: str, num_slots: int, max_len: int,
+                 use_dynamic_conv: bool = True, use_path_selector: bool = True) -> None:
+        check_method(method, drafter_path)
+        self.method, self.drafter_path, self.num_slots, self.max_len = method, drafter_path, num_slots, max_len
+        self.modules = {"use_dynamic_conv": use_dynamic_conv, "use_path_selector": use_path_selector}
+        self.target = load_checkpoint(target_path, with_weights=False)  # config and tokenizer: for the fit checks
+        self.dflash_model = None
+        self.proposer = None
+        if method == "dflash":
+            from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
+
+            self.dflash_model = load_drafter(drafter_path)
+            check_fits_target(self.dflash_model.cfg, self.target.config, str(drafter_path))
+        else:
+            self.proposer = build_proposer(method, self.target, drafter_path, num_slots, max_len)
+        self._tokens: dict[str, list[int]] = {}  # committed tokens seen per request
+        self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
+        self._tap_buffer = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _info(self) -> roles_pb2.DrafterInfo:
+        max_k = self.dflash_model.cfg.max_k if self.dflash_model is not None else self.proposer.max_k
+        return roles_pb2.DrafterInfo(method=self.method, max_k=max_k, attached=self.proposer is not None,
+                                     rss_bytes=psutil.Process().memory_info().rss)
+
+    async def Info(self, request, context: grpc.aio.ServicerContext) -> roles_pb2.DrafterInfo:
+        return self._info()
+
+    async def Attach(self, info: roles_pb2.VerifierInfo, context: grpc.aio.ServicerContext) -> roles_pb2.DrafterInfo:
+        if self.proposer is None:
+            self._tap_buffer = _open(info.tap_buffer)
+            view = TargetView(_open(info.embedding), _open(info.lm_head), self._features)
+            self.proposer = build_proposer("dflash", self.target, self.drafter_path, self.num_slots,
+                                           min(self.max_len, info.max_len), view, self.dflash_model, **self.modules)
+        return self._info()
+
+    def _features(self, request_id: str):
+        return self._tap_buffer[self._slots[request_id], : len(self._tokens[request_id]) - 1]
+
+    async def Steps(self, requests, context: grpc.aio.ServicerContext):
+        loop = asyncio.get_running_loop()
+        async for req in requests:
+            if self.proposer is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dflash drafter not attached to a verifier")
+            yield await loop.run_in_executor(self._executor, self._handle, req)
+
+    def _forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+        self._slots.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def _accept(self, item: roles_pb2.ProposeItem) -> bool:
+        """Apply a delta versioned by committed length; False (stale) when it does not follow our view."""
+        known = self._tokens.setdefault(item.request_id, [])
+        if item.committed_len == len(known) and known:
+            return True  # a retry of a propose already applied: idempotent
+        if item.committed_len == len(known) + len(item.new_token_ids):
+            known.extend(item.new_token_ids)
+            self._slots[item.request_id] = item.feature_slot
+            return True
+        if item.committed_len > len(known):  # a gap (e.g. we restarted): the router resends everything
+            self._forget(item.request_id)
+        return False
+
+    def _handle(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:
+        started = time.perf_counter_ns()
+        for rid in req.release:
+            self._forget(rid)
+        fresh = [item for item in req.items if self._accept(item)]
+        inputs = [ProposeInput(i.request_id, self._tokens[i.request_id], i.k) for i in fresh]
+        drafts = dict(zip((i.request_id for i in fresh), self.proposer.propose(inputs))) if inputs else {}
+        items = [roles_pb2.DraftItem(request_id=i.request_id, draft_ids=drafts[i.request_id].token_ids)
+                 if i.request_id in drafts else roles_pb2.DraftItem(request_id=i.request_id, stale=True)
+                 for i in req.items]
+        return roles_pb2.DrafterResponse(seq=req.seq, items=items, forward_ns=time.perf_counter_ns() - started)

@@ -1,0 +1,94 @@
+"""Wiring of the three roles: build each role's service, serve it, and connect a router to them.
+
+The one place that knows all three services (like the in-process engine); the roles themselves never
+import each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from blockspec.common.grpc_server import start_server
+from blockspec.common.models import load_checkpoint
+from blockspec.protos import roles_grpc, roles_pb2
+from blockspec.services.drafter.service import DrafterService
+from blockspec.services.engine import DEFAULT_K, DEFAULT_MAX_LEN
+from blockspec.services.router.app import RouterServer, start_router
+from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
+from blockspec.services.router.server import ModelFacts
+from blockspec.services.router.step_loop import StepLoop
+from blockspec.services.verifier.service import VerifierService
+from blockspec.services.verifier.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+VERIFIER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+DRAFTER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+def drafter_tap_layers(method: str, drafter: str | None) -> tuple[int, ...]:
+    if method != "dflash":
+        return ()
+    from blockspec.services.drafter.dflash.checkpoint import load_drafter
+
+    return load_drafter(drafter).cfg.target_layer_ids
+
+
+def context_len(target: str, max_len: int | None) -> int:
+    cfg = load_checkpoint(target, with_weights=False).config
+    return min(max_len or DEFAULT_MAX_LEN, cfg.max_position_embeddings)
+
+
+def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None) -> VerifierService:
+    verifier = Verifier(load_checkpoint(target), max_batch, context_len(target, max_len),
+                        tap_layers=drafter_tap_layers(method, drafter))
+    return VerifierService(verifier, str(target))
+
+
+async def serve_verifier(service: VerifierService, host: str = "127.0.0.1", port: int = 0):
+    return await start_server(lambda s: roles_grpc.add_VerifierServicer_to_server(service, s), (VERIFIER_SERVICE,), host, port)
+
+
+async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: int = 0):
+    return await start_server(lambda s: roles_grpc.add_DrafterServicer_to_server(service, s), (DRAFTER_SERVICE,), host, port)
+
+
+def connect_roles(verifier_addr: str, drafter_addr: str | None) -> tuple[RemoteVerifier, object]:
+    """Router-side role clients; without a drafter address the router decodes plainly."""
+    from blockspec.services.drafter.proposers.none import NoneProposer
+
+    verifier = RemoteVerifier(verifier_addr)
+    drafter = RemoteDrafter(drafter_addr, verifier) if drafter_addr else NoneProposer()
+    return verifier, drafter
+
+
+async def start_split_router(verifier_addr: str, drafter_addr: str | None, method: str, max_batch: int,
+                             host: str = "127.0.0.1", port: int = 0) -> RouterServer:
+    verifier, drafter = await asyncio.to_thread(connect_roles, verifier_addr, drafter_addr)
+    target = verifier.info.target_path
+    tokenizer = load_checkpoint(target, with_weights=False).tokenizer
+    facts = ModelFacts(target=target, drafter=drafter_addr or "", method=method if drafter_addr else "none",
+                       max_k=drafter.max_k, default_k=min(DEFAULT_K, drafter.max_k), context_len=verifier.info.max_len,
+                       vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
+    return await start_router(StepLoop(verifier, drafter, max_batch), facts, host, port)
+
+
+def run_role_process(kind: str, service, host: str, port: int) -> None:
+    """Serve one role until SIGTERM/SIGINT; shared segments are removed on the way out."""
+    async def main() -> None:
+        serve = serve_verifier if kind == "verifier" else serve_drafter
+        server, _, bound = await serve(service, host, port)
+        log.info("%s role listening on %s:%d", kind, host, bound)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.close()

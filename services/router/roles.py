@@ -1,0 +1,174 @@
+"""Router-side clients of the two roles: each a long-lived bidirectional stream used synchronously from
+the step-loop thread. A failing drafter degrades its requests to k=0 (plain decoding) and is
+reconnected in the background of later steps; the output never changes."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from blockspec.protos import roles_grpc, roles_pb2
+from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class StreamCall:
+    """One bidirectional stream: put a request, wait (with a timeout) for its response."""
+
+    def __init__(self, steps_method) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._responses = steps_method(iter(self._requests.get, _END))
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="role-stream")
+
+    def call(self, message, timeout_s: float):
+        self._requests.put(message)
+        return self._reader.submit(next, self._responses).result(timeout_s)
+
+    def close(self) -> None:
+        self._requests.put(_END)
+        self._responses.cancel()
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+class RemoteVerifier:
+    """VerifierRole over gRPC. Its failures are fatal for the requests of the step (no fallback)."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+        self.channel = grpc.insecure_channel(address)
+        stub = roles_grpc.VerifierStub(self.channel)
+        self.info = stub.Info(roles_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
+        self._stream = StreamCall(stub.Steps)
+        self._timeout_s = timeout_s
+        self._seq = 0
+        self._pending: dict[str, list[int]] = {}  # added, not yet prefilled
+        self._active: dict[str, int] = {}  # request -> tap buffer row
+        self._release: list[str] = []
+
+    @property
+    def free_slots(self) -> int:
+        return self.info.num_slots - len(self._active) - len(self._pending)
+
+    def slot_of(self, request_id: str) -> int:
+        return self._active[request_id]
+
+    def add(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._pending[request_id] = list(prompt_ids)
+
+    def release(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is None and self._active.pop(request_id, None) is not None:
+            self._release.append(request_id)
+
+    def _call(self, **ops) -> list[VerifyResult]:
+        self._seq += 1
+        req = roles_pb2.VerifierRequest(seq=self._seq, release=self._release, **ops)
+        self._release = []
+        resp = self._stream.call(req, self._timeout_s)
+        if resp.error:
+            raise RuntimeError(f"verifier: {resp.error}")
+        out = []
+        for r in resp.results:
+            self._active[r.request_id] = r.slot
+            out.append(VerifyResult(r.request_id, r.num_accepted, tuple(r.token_ids), r.eos, r.committed_len))
+        return out
+
+    def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]:
+        items = [roles_pb2.PrefillItem(request_id=rid, prompt_ids=self._pending.pop(rid)) for rid in request_ids]
+        return self._call(prefill=items)
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
+        return self._call(verify=[roles_pb2.VerifyItem(request_id=i.request_id, draft_ids=i.draft_ids) for i in inputs])
+
+    def close(self) -> None:
+        self._stream.close()
+        self.channel.close()
+
+
+class RemoteDrafter:
+    """DrafterRole over gRPC, sending only token deltas; on failure or timeout it drafts nothing."""
+
+    def __init__(self, address: str, verifier: RemoteVerifier, timeout_s: float = 5.0, retry_s: float = 1.0) -> None:
+        self.address, self.verifier = address, verifier
+        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.max_k = 0
+        self.fallbacks = 0  # requests that stepped at k=0 because the drafter failed
+        self.reconnects = 0
+        self._sent: dict[str, int] = {}  # committed tokens the drafter has seen, per request
+        self._release: list[str] = []
+        self._seq = 0
+        self._stream: StreamCall | None = None
+        self._channel: grpc.Channel | None = None
+        self._next_try = 0.0
+        self._connect(wait=True)
+
+    @property
+    def up(self) -> bool:
+        return self._stream is not None
+
+    def _connect(self, wait: bool = False) -> None:
+        self._channel = grpc.insecure_channel(self.address)
+        stub = roles_grpc.DrafterStub(self._channel)
+        info = stub.Attach(self.verifier.info, timeout=60 if wait else self.timeout_s, wait_for_ready=wait)
+        self.max_k = info.max_k
+        self._stream = StreamCall(stub.Steps)
+        self._sent.clear()  # a (re)started drafter knows nothing: send whole contexts
+
+    def _down(self, error: BaseException) -> None:
+        log.warning("drafter %s failed (%s): continuing at k=0", self.address, error)
+        if self._stream is not None:
+            self._stream.close()
+            self._channel.close()
+        self._stream = None
+        self._next_try = time.monotonic() + self.retry_s
+
+    def release(self, request_id: str) -> None:
+        if self._sent.pop(request_id, None) is not None:
+            self._release.append(request_id)
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
+        if self._stream is None and time.monotonic() >= self._next_try:
+            try:
+                self._connect()
+                self.reconnects += 1
+            except Exception as e:  # still down
+                self._down(e)
+        if self._stream is None:
+            self.fallbacks += len(inputs)
+            return [Draft(()) for _ in inputs]
+        items = []
+        for i in inputs:
+            sent = self._sent.get(i.request_id, 0)
+            items.append(roles_pb2.ProposeItem(request_id=i.request_id, committed_len=len(i.token_ids),
+                                               new_token_ids=i.token_ids[sent:], k=i.k,
+                                               feature_slot=self.verifier.slot_of(i.request_id)))
+        self._seq += 1
+        try:
+            resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release),
+                                     self.timeout_s)
+        except Exception as e:
+            self._down(e)
+            self.fallbacks += len(inputs)
+            return [Draft(()) for _ in inputs]
+        self._release = []
+        drafts = []
+        for i, item in zip(inputs, resp.items):
+            if item.stale:
+                self._sent[i.request_id] = 0  # resend the whole context next step
+                drafts.append(Draft(()))
+            else:
+                self._sent[i.request_id] = len(i.token_ids)
+                drafts.append(Draft(tuple(item.draft_ids)))
+        return drafts
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._channel.close()

@@ -1,0 +1,90 @@
+"""The verifier role over gRPC: one long-lived stream of prefill / verify / release ops, and the
+target's embedding, LM head and tap-feature buffer exported as shared-memory handles."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from blockspec.common.tensor_share import SharedTensors, TensorHandle
+from blockspec.protos import roles_grpc, roles_pb2
+from blockspec.services.verifier.verifier import Verifier, VerifyInput
+
+log = logging.getLogger(__name__)
+
+
+def handle_to_pb(h: TensorHandle) -> roles_pb2.TensorHandle:
+    return roles_pb2.TensorHandle(kind=h.kind, dtype=h.dtype, shape=h.shape, name=h.name, payload=h.payload)
+
+
+def handle_from_pb(pb: roles_pb2.TensorHandle) -> TensorHandle:
+    return TensorHandle(kind=pb.kind, dtype=pb.dtype, shape=tuple(pb.shape), name=pb.name, payload=pb.payload)
+
+
+def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path: str) -> roles_pb2.VerifierInfo:
+    """Move the embedding, LM head and tap buffer into shared memory (the verifier keeps using them)."""
+    model = verifier.runner.model
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    emb, emb_handle = shares.export(model.embed_tokens.weight.data)
+    model.embed_tokens.weight.data = emb
+    head_handle = emb_handle
+    if not tied:
+        head, head_handle = shares.export(model.lm_head.weight.data)
+        model.lm_head.weight.data = head
+    info = roles_pb2.VerifierInfo(
+        embedding=handle_to_pb(emb_handle), lm_head=handle_to_pb(head_handle), max_len=verifier.max_len,
+        num_slots=verifier.runner.cache.num_slots, vocab_size=verifier.runner.config.vocab_size,
+        tap_layers=verifier.runner.tap_layers, target_path=target_path,
+    )
+    if verifier.tap_buffer is not None:
+        verifier.tap_buffer, taps_handle = shares.export(verifier.tap_buffer)
+        info.tap_buffer.CopyFrom(handle_to_pb(taps_handle))
+    return info
+
+
+def result_to_pb(verifier: Verifier, r) -> roles_pb2.VerifyResult:
+    return roles_pb2.VerifyResult(request_id=r.request_id, num_accepted=r.num_accepted, token_ids=r.token_ids, eos=r.eos,
+                                  committed_len=r.committed_len, slot=verifier.slot_of(r.request_id))
+
+
+class VerifierService(roles_grpc.VerifierServicer):
+    def __init__(self, verifier: Verifier, target_path: str) -> None:
+        self.verifier = verifier
+        self.shares = SharedTensors()
+        self.info = share_target_tensors(verifier, self.shares, target_path)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.shares.close()
+
+    async def Info(self, request: roles_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> roles_pb2.VerifierInfo:
+        return self.info
+
+    async def Steps(self, requests, context: grpc.aio.ServicerContext):
+        loop = asyncio.get_running_loop()
+        async for req in requests:
+            yield await loop.run_in_executor(self._executor, self._handle, req)
+
+    def _handle(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
+        started = time.perf_counter_ns()
+        v = self.verifier
+        try:
+            for rid in req.release:
+                v.release(rid)
+            results = []
+            if req.prefill:
+                for item in req.prefill:
+                    v.add(item.request_id, list(item.prompt_ids))
+                results += v.prefill([item.request_id for item in req.prefill])
+            if req.verify:
+                results += v.verify([VerifyInput(i.request_id, tuple(i.draft_ids)) for i in req.verify])
+            pb = [result_to_pb(v, r) for r in results]
+        except Exception as e:  # the router fails these requests; the role keeps serving
+            log.exception("verifier op failed")
+            return roles_pb2.VerifierResponse(seq=req.seq, error=f"{type(e).__name__}: {e}")
+        return roles_pb2.VerifierResponse(seq=req.seq, results=pb, forward_ns=time.perf_counter_ns() - started)
