@@ -20,9 +20,17 @@ class ServerConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)  # HTTP: /health, /metrics
     grpc_port: int = Field(8001, ge=1, le=65535)  # the public gRPC API
-    workers: int = Field(1, ge=1, le=64)  # router event-loop workers
+    workers: int = Field(1, ge=1)  # router processes; one per server (scale out with replicas / more servers)
     max_batch: int = Field(16, ge=1, le=1024)  # requests stepped together per replica
     replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
+
+
+    @field_validator("workers")
+    @classmethod
+    def _one_worker(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("one router worker per server is supported; use 1 and scale with server.replicas")
+        return value
 
 
 class SpecDecodeConfig(_Section):

@@ -157,6 +157,38 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_role(args: argparse.Namespace) -> int:
+    """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
+    from blockspec.services import launch
+
+    if args.role == "verifier":
+        service = launch.verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len)
+    else:
+        from blockspec.services.drafter.service import DrafterService
+
+        service = DrafterService(args.method, args.drafter, args.target, args.max_batch,
+                                 launch.context_len(args.target, args.max_model_len),
+                                 not args.no_dynamic_conv, not args.no_path_selector)
+
+    launch.run_role_process(args.role, service, args.host, args.port)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from blockspec.common.config import load_config
+    from blockspec.services.serve import serve_processes
+
+    cfg = load_config(args.config)
+    host = args.host or cfg.server.host
+    port = cfg.server.port if args.port is None else args.port
+    grpc_port = cfg.server.grpc_port if args.grpc_port is None else args.grpc_port
+    if args.no_ray:
+        return serve_processes(cfg, host, port, grpc_port)
+    from blockspec.services.ray_placement import serve_ray
+
+    return serve_ray(cfg, host, port, grpc_port, args.ray_address)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -200,6 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--layers", type=int, default=1)
     td.add_argument("--seed", type=int, default=0)
     td.set_defaults(func=cmd_train_drafter)
+    sv = sub.add_parser("serve", help="serve the gRPC API (and HTTP /health, /metrics) from a config file")
+    sv.add_argument("--config", required=True, help="config.yaml (see README)")
+    sv.add_argument("--host", help="bind address (default: server.host)")
+    sv.add_argument("--port", type=int, help="HTTP port for /health and /metrics (default: server.port, 8000)")
+    sv.add_argument("--grpc-port", type=int, help="gRPC port (default: server.grpc_port, 8001)")
+    sv.add_argument("--no-ray", action="store_true", help="run the roles as plain supervised processes")
+    sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    sv.set_defaults(func=cmd_serve)
+    role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
+    role.add_argument("role", choices=("verifier", "drafter"))
+    role.add_argument("--target", required=True)
+    role.add_argument("--drafter")
+    role.add_argument("--method", choices=METHODS, required=True)
+    role.add_argument("--max-batch", type=int, default=16)
+    role.add_argument("--max-model-len", type=int)
+    role.add_argument("--no-dynamic-conv", action="store_true")
+    role.add_argument("--no-path-selector", action="store_true")
+    role.add_argument("--host", default="127.0.0.1")
+    role.add_argument("--port", type=int, default=0)
+    role.set_defaults(func=cmd_role)
     inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
     inv.add_argument("--target", required=True, help="target checkpoint directory")
     inv.add_argument("--text-file", required=True, help="text whose tokens are verified and decoded")

@@ -11,6 +11,7 @@ import logging
 import signal
 from pathlib import Path
 
+from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
 from blockspec.protos import roles_grpc, roles_pb2
@@ -66,12 +67,15 @@ def connect_roles(verifier_addr: str, drafter_addr: str | None) -> tuple[RemoteV
 
 
 async def start_split_router(verifier_addr: str, drafter_addr: str | None, method: str, max_batch: int,
-                             host: str = "127.0.0.1", port: int = 0) -> RouterServer:
+                             host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K) -> RouterServer:
     verifier, drafter = await asyncio.to_thread(connect_roles, verifier_addr, drafter_addr)
+    if drafter_addr and not 1 <= default_k <= drafter.max_k:
+        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
+                              f"{default_k} is not allowed: the {method} drafter supports 1..{drafter.max_k}")
     target = verifier.info.target_path
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     facts = ModelFacts(target=target, drafter=drafter_addr or "", method=method if drafter_addr else "none",
-                       max_k=drafter.max_k, default_k=min(DEFAULT_K, drafter.max_k), context_len=verifier.info.max_len,
+                       max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     return await start_router(StepLoop(verifier, drafter, max_batch), facts, host, port)
 
@@ -81,6 +85,7 @@ def run_role_process(kind: str, service, host: str, port: int) -> None:
     async def main() -> None:
         serve = serve_verifier if kind == "verifier" else serve_drafter
         server, _, bound = await serve(service, host, port)
+        print(f"LISTENING {bound}", flush=True)  # the supervisor reads the bound port from this line
         log.info("%s role listening on %s:%d", kind, host, bound)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

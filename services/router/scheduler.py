@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
@@ -22,6 +23,8 @@ class Scheduler:
         self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
+        self.steps = 0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="step-loop")
@@ -55,18 +58,27 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self.step_started = time.monotonic()
             try:
                 events = await self._call(self.step_loop.step)
+                self.steps += 1
             except Exception:
                 log.exception("step failed; failing the running requests")
                 await self._fail_all()
                 continue
+            finally:
+                self.step_started = None
             for event in events:
                 queue = self._queues.get(event.request_id)
                 if queue is not None:
                     queue.put_nowait(event)
                 if isinstance(event, FinishEvent):
                     self._queues.pop(event.request_id, None)
+
+    def stalled(self, limit_s: float) -> bool:
+        """True when a step has been running for longer than limit_s: the engine is not making progress."""
+        started = self.step_started
+        return started is not None and time.monotonic() - started > limit_s
 
     async def _fail_all(self) -> None:
         for request_id in list(self._queues):

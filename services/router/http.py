@@ -1,0 +1,41 @@
+"""The HTTP side of the router: GET /health (readiness: 200 or 503) and GET /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+
+log = logging.getLogger(__name__)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        log.debug(format, *args)
+
+
+def http_app(readiness: Callable[[], tuple[bool, str]]):
+    metrics = make_wsgi_app()
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/health":
+            ok, why = readiness()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [why.encode()]
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: GET /health or /metrics\n"]
+
+    return app
+
+
+def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]]) -> WSGIServer:
+    """Serve in a daemon thread; returns the server (server.server_port is the bound port)."""
+    server = make_server(host, port, http_app(readiness), handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    return server

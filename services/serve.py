@@ -1,0 +1,165 @@
+"""`blockspec serve`: the roles as supervised processes (or Ray actors), the router, the HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from blockspec.common.config import BlockspecConfig
+from blockspec.common.errors import InvalidArgument
+from blockspec.common.tensor_share import cleanup_stale
+from blockspec.services.drafter.proposers import check_method, default_method
+from blockspec.services.launch import start_split_router
+from blockspec.services.router.http import start_http
+
+log = logging.getLogger(__name__)
+
+STALL_S = 30.0  # a step running longer than this makes /health answer 503
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run, resolved from the config: the method, the drafter and the role command lines."""
+
+    method: str
+    drafter: str | None
+    verifier_argv: tuple[str, ...]
+    drafter_argv: tuple[str, ...] | None
+
+
+def plan(cfg: BlockspecConfig) -> Plan:
+    m, spec = cfg.model, cfg.model.spec_decode
+    if not spec.enabled:
+        method, drafter = "none", None
+    else:
+        drafter = m.draft_model_path
+        method = spec.method or default_method(drafter)
+        try:
+            check_method(method, drafter)
+        except InvalidArgument as e:
+            raise InvalidArgument("model.draft_model_path", e.message) from None
+    common = ["--target", m.target_model_path, "--max-batch", str(cfg.server.max_batch)]
+    if m.max_model_len:
+        common += ["--max-model-len", str(m.max_model_len)]
+    if spec.draft_model_dtype != "float32":
+        log.warning("draft_model_dtype %s: this build runs the roles in float32 on CPU (bf16/fp16 are 5-6x "
+                    "slower without CPU support); falling back to float32", spec.draft_model_dtype)
+    verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
+    drafter_argv = None
+    if method != "none":
+        drafter_argv = ["role", "drafter", *common, "--method", method]
+        drafter_argv += ["--drafter", drafter] if drafter else []
+        drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
+        drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
+    return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+
+
+class RoleProcess:
+    """One role as a child process; it prints `LISTENING <port>` once serving. Restarted on the same port."""
+
+    def __init__(self, name: str, argv: tuple[str, ...], host: str = "127.0.0.1", port: int = 0) -> None:
+        self.name, self.argv, self.host = name, argv, host
+        self.port = port
+        self.restarts = 0
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", *self.argv, "--host", self.host,
+                                 "--port", str(self.port)], stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("LISTENING "):
+                self.port = int(line.split()[1])
+                return proc
+        raise RuntimeError(f"{self.name} role exited before serving (code {proc.wait()})")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def restart(self) -> None:
+        log.warning("%s role exited (code %s); restarting on port %d", self.name, self.proc.poll(), self.port)
+        self.proc = self._spawn()
+        self.restarts += 1
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def role_healthy(address: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) -> int:
+    """Run until SIGTERM/SIGINT: roles as supervised processes, router and HTTP in this one."""
+    cleanup_stale()
+    p = plan(cfg)
+    verifier = RoleProcess("verifier", p.verifier_argv)
+    drafter = RoleProcess("drafter", p.drafter_argv) if p.drafter_argv else None
+    state = {"router": None}
+
+    def readiness() -> tuple[bool, str]:
+        router = state["router"]
+        if router is None:
+            return False, "starting\n"
+        if not role_healthy(verifier.address):
+            return False, "verifier not answering\n"
+        if drafter is not None and not role_healthy(drafter.address):
+            return False, "drafter not answering (requests continue at k=0)\n"
+        if router.scheduler.stalled(STALL_S):
+            return False, f"no step finished in {STALL_S:.0f} s\n"
+        return True, "ok\n"
+
+    http = start_http(host, port, readiness)
+    log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
+
+    async def main() -> None:
+        router = await start_split_router(verifier.address, drafter.address if drafter else None, p.method,
+                                          cfg.server.max_batch, host, grpc_port,
+                                          default_k=cfg.model.spec_decode.num_speculative_tokens)
+        state["router"] = router
+        print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        while not stop.is_set():
+            if drafter is not None and not drafter.alive():
+                await asyncio.to_thread(drafter.restart)
+            if not verifier.alive():
+                log.error("verifier role exited; stopping")
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+        await router.stop(1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        http.shutdown()
+        for role in (drafter, verifier):
+            if role is not None:
+                role.stop()
+    return 0
