@@ -18,8 +18,8 @@ class _Section(BaseModel):
 
 class ServerConfig(_Section):
     host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)  # HTTP: /health, /metrics
-    grpc_port: int = Field(8001, ge=1, le=65535)  # the public gRPC API
+    port: int = Field(8000, ge=0, le=65535)  # HTTP: /health, /metrics; 0 = any free port (printed)
+    grpc_port: int = Field(8001, ge=0, le=65535)  # the public gRPC API; 0 = any free port (printed)
     workers: int = Field(1, ge=1)  # router processes; one per server (scale out with replicas / more servers)
     max_batch: int = Field(16, ge=1, le=1024)  # requests stepped together per replica
     replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)

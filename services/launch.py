@@ -14,6 +14,7 @@ from pathlib import Path
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.engine import DEFAULT_K, DEFAULT_MAX_LEN
@@ -67,7 +68,8 @@ def connect_roles(verifier_addr: str, drafter_addr: str | None) -> tuple[RemoteV
 
 
 async def start_split_router(verifier_addr: str, drafter_addr: str | None, method: str, max_batch: int,
-                             host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K) -> RouterServer:
+                             host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
+                             metrics: RouterMetrics | None = None) -> RouterServer:
     verifier, drafter = await asyncio.to_thread(connect_roles, verifier_addr, drafter_addr)
     if drafter_addr and not 1 <= default_k <= drafter.max_k:
         raise InvalidArgument("model.spec_decode.num_speculative_tokens",
@@ -77,7 +79,7 @@ async def start_split_router(verifier_addr: str, drafter_addr: str | None, metho
     facts = ModelFacts(target=target, drafter=drafter_addr or "", method=method if drafter_addr else "none",
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
-    return await start_router(StepLoop(verifier, drafter, max_batch), facts, host, port)
+    return await start_router(StepLoop(verifier, drafter, max_batch), facts, host, port, metrics)
 
 
 def run_role_process(kind: str, service, host: str, port: int) -> None:

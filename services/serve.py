@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.models import read_config
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.launch import start_split_router
@@ -36,8 +38,18 @@ class Plan:
     drafter_argv: tuple[str, ...] | None
 
 
+def _check_dir(key: str, path: str) -> None:
+    try:
+        read_config(path)
+    except InvalidArgument as e:
+        raise InvalidArgument(key, e.message + f" ({path})") from None
+
+
 def plan(cfg: BlockspecConfig) -> Plan:
     m, spec = cfg.model, cfg.model.spec_decode
+    _check_dir("model.target_model_path", m.target_model_path)
+    if spec.enabled and m.draft_model_path:
+        _check_dir("model.draft_model_path", m.draft_model_path)
     if not spec.enabled:
         method, drafter = "none", None
     else:
@@ -115,12 +127,10 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     """Run until SIGTERM/SIGINT: roles as supervised processes, router and HTTP in this one."""
     cleanup_stale()
     p = plan(cfg)
-    verifier = RoleProcess("verifier", p.verifier_argv)
-    drafter = RoleProcess("drafter", p.drafter_argv) if p.drafter_argv else None
-    state = {"router": None}
+    state: dict = {"router": None}
 
     def readiness() -> tuple[bool, str]:
-        router = state["router"]
+        router, verifier, drafter = state["router"], state.get("verifier"), state.get("drafter")
         if router is None:
             return False, "starting\n"
         if not role_healthy(verifier.address):
@@ -131,13 +141,16 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
             return False, f"no step finished in {STALL_S:.0f} s\n"
         return True, "ok\n"
 
-    http = start_http(host, port, readiness)
+    http = start_http(host, port, readiness)  # first, so that /health answers 503 while the roles load
+    print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
+    verifier = state["verifier"] = RoleProcess("verifier", p.verifier_argv)
+    drafter = state["drafter"] = RoleProcess("drafter", p.drafter_argv) if p.drafter_argv else None
 
     async def main() -> None:
         router = await start_split_router(verifier.address, drafter.address if drafter else None, p.method,
                                           cfg.server.max_batch, host, grpc_port,
-                                          default_k=cfg.model.spec_decode.num_speculative_tokens)
+                                          default_k=cfg.model.spec_decode.num_speculative_tokens, metrics=RouterMetrics())
         state["router"] = router
         print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
         stop = asyncio.Event()

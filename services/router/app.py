@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health
 
 from blockspec.common.grpc_server import start_server
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.server import GenerationService, ModelFacts
@@ -32,9 +33,10 @@ class RouterServer:
         await self.scheduler.stop()
 
 
-async def start_router(step_loop: StepLoop, facts: ModelFacts, host: str = "127.0.0.1", port: int = 0) -> RouterServer:
+async def start_router(step_loop: StepLoop, facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
+                       metrics: RouterMetrics | None = None) -> RouterServer:
     """Start serving on host:port (0 = a free port); health says SERVING once the server is up."""
-    scheduler = Scheduler(step_loop)
+    scheduler = Scheduler(step_loop, metrics)
     await scheduler.start()
     service = GenerationService(scheduler, facts)
     server, health_servicer, bound = await start_server(

@@ -11,19 +11,22 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, step_loop: StepLoop) -> None:
+    def __init__(self, step_loop: StepLoop, metrics: RouterMetrics | None = None) -> None:
         self.step_loop = step_loop
+        self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-loop")
         self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
+        self._fallbacks_seen = 0
         self.steps = 0
 
     async def start(self) -> None:
@@ -68,12 +71,31 @@ class Scheduler:
                 continue
             finally:
                 self.step_started = None
+            self._observe(events)
             for event in events:
                 queue = self._queues.get(event.request_id)
                 if queue is not None:
                     queue.put_nowait(event)
                 if isinstance(event, FinishEvent):
                     self._queues.pop(event.request_id, None)
+
+    def _observe(self, events: list) -> None:
+        m, loop = self.metrics, self.step_loop
+        if m is None:
+            return
+        m.steps.inc()
+        m.requests_running.set(loop.num_running)
+        m.requests_waiting.set(loop.num_waiting)
+        m.kv_slots_used.set(loop.num_running)
+        report = loop.last_report
+        if report is not None:
+            m.num_drafts.inc(report.drafts)
+            m.num_draft_tokens.inc(report.draft_tokens)
+            m.num_accepted_tokens.inc(report.accepted_tokens)
+        fallbacks = getattr(loop.drafter, "fallbacks", 0)
+        if fallbacks > self._fallbacks_seen:
+            m.drafter_fallbacks.inc(fallbacks - self._fallbacks_seen)
+            self._fallbacks_seen = fallbacks
 
     def stalled(self, limit_s: float) -> bool:
         """True when a step has been running for longer than limit_s: the engine is not making progress."""

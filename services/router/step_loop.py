@@ -72,6 +72,18 @@ class RequestStats:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """What one step did, summed over its requests (for metrics and traces)."""
+
+    batch_size: int
+    drafts: int  # requests that had a non-empty draft
+    draft_tokens: int
+    accepted_tokens: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     request_id: str
     token_ids: tuple[int, ...]
@@ -108,6 +120,7 @@ class StepLoop:
         self.max_batch = max_batch
         self._waiting: deque[_Live] = deque()
         self._running: dict[str, _Live] = {}
+        self.last_report: StepReport | None = None
 
     @property
     def idle(self) -> bool:
@@ -141,6 +154,7 @@ class StepLoop:
     def step(self) -> list[TokenEvent | FinishEvent]:
         """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests."""
         events: list[TokenEvent | FinishEvent] = []
+        self.last_report = None
         admitted = []
         while self._waiting and len(self._running) + len(admitted) < self.max_batch and self.verifier.free_slots:
             live = self._waiting.popleft()
@@ -181,6 +195,10 @@ class StepLoop:
         ]
         results = self.verifier.verify(inputs)
         t2 = time.perf_counter()
+        self.last_report = StepReport(
+            batch_size=len(inputs), drafts=sum(1 for i in inputs if i.draft_ids),
+            draft_tokens=sum(len(i.draft_ids) for i in inputs), accepted_tokens=sum(r.num_accepted for r in results),
+            draft_s=t1 - t0, verify_s=t2 - t1)
         for live, inp, result in zip(lives, inputs, results):
             live.stats.record(len(inp.draft_ids), result.num_accepted)
             live.stats.draft_s += t1 - t0

@@ -1,0 +1,147 @@
+"""`blockspec serve --config ... --no-ray` as a user runs it: real processes, ports, health, faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import pytest
+
+from blockspec.protos import api_grpc, api_pb2
+from tests.services.router.test_server import collect
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = """
+server:
+  port: 0
+  grpc_port: 0
+  workers: 1
+  max_batch: 4
+model:
+  target_model_path: "{target}"
+  draft_model_path: "{drafter}"
+  spec_decode:
+    enabled: true
+    num_speculative_tokens: 5
+    draft_model_dtype: "float16"
+    use_dynamic_conv: true
+    use_path_selector: true
+  tensor_parallel_size: 1
+  gpu_memory_utilization: 0.9
+"""
+
+
+def http_status(port: int, path: str = "/health") -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, dflash_drafters, tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg), "--no-ray"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    info = {"proc": proc, "before": None}
+    for line in proc.stdout:
+        if line.startswith("HTTP "):
+            info["http"] = int(line.split()[1])
+            info["before"] = http_status(info["http"])  # roles still loading
+        if line.startswith("SERVING "):
+            info["grpc"] = int(line.split()[1].split("=")[1])
+            break
+    assert "grpc" in info, f"serve exited with code {proc.wait()} before serving"
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc']}")
+    info["stub"] = api_grpc.GenerationStub(channel)
+    yield info
+    channel.close()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+def generate(stub, ids, max_tokens=128, timeout=120):
+    return collect(stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=ids), max_tokens=max_tokens),
+                                 timeout=timeout))
+
+
+def role_pids(proc: subprocess.Popen, role: str) -> list[int]:
+    pids = []
+    for child in psutil.Process(proc.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and role in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:  # exited in between
+            continue
+    return pids
+
+
+def test_health_503_then_200_and_streams_equal_the_target_alone(server, prompts, references):
+    assert server["before"] == 503
+    for _ in range(50):
+        if http_status(server["http"]) == 200:
+            break
+        time.sleep(0.2)
+    assert http_status(server["http"]) == 200
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda i: generate(server["stub"], prompts[i]), range(3)))
+    for i, (ids, _, finish) in enumerate(results):
+        assert ids == references["qwen3"][i]
+        assert finish.acceptance.drafted > 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server['http']}/metrics").read().decode()
+    assert "blockspec_spec_decode_num_draft_tokens_total" in metrics
+
+
+def test_killing_the_drafter_mid_stream_loses_nothing_and_speculation_resumes(server, prompts, references):
+    call = server["stub"].Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[6]), max_tokens=128),
+                                   timeout=120)
+    ids = list(next(call).token_ids)
+    (pid,) = role_pids(server["proc"], "role drafter")
+    os.kill(pid, signal.SIGKILL)
+    finish = None
+    for msg in call:
+        ids += msg.token_ids
+        if msg.HasField("finish"):
+            finish = msg.finish
+    assert ids == references["qwen3"][6], "output must not change when the drafter dies"
+    assert finish is not None
+    for _ in range(100):  # the supervisor restarts the drafter; the router reconnects
+        if role_pids(server["proc"], "role drafter") and http_status(server["http"]) == 200:
+            break
+        time.sleep(0.2)
+    later = [generate(server["stub"], prompts[7], 64) for _ in range(2)][-1]
+    assert later[0] == references["qwen3"][7][:64]
+    assert later[2].acceptance.drafted > 0, "speculation must resume after the drafter restarts"
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server['http']}/metrics").read().decode()
+    fallbacks = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("blockspec_drafter_fallbacks_total")]
+    assert fallbacks and fallbacks[0] > 0
+
+
+def test_cancelled_streams_leave_no_slot_or_segment_behind(server, prompts):
+    segments_before = sorted(p for p in os.listdir("/dev/shm") if p.startswith("blockspec-"))
+    for _ in range(100):
+        call = server["stub"].Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=128),
+                                       timeout=60)
+        next(call)
+        call.cancel()
+    for _ in range(100):
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server['http']}/metrics").read().decode()
+        used = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("blockspec_kv_slots_used")]
+        if used and used[0] == 0:
+            break
+        time.sleep(0.1)
+    assert used == [0.0]
+    assert sorted(p for p in os.listdir("/dev/shm") if p.startswith("blockspec-")) == segments_before
+    # and the server still answers
+    assert generate(server["stub"], prompts[1], 8)[2] is not None
