@@ -189,6 +189,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_ray(cfg, host, port, grpc_port, args.ray_address)
 
 
+def parse_role_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments of `blockspec role ...` (also how the Ray actors receive their role)."""
+    return build_parser().parse_args(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from pathlib import Path
+from collections.abc import Callable
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
@@ -44,6 +44,14 @@ def context_len(target: str, max_len: int | None) -> int:
     return min(max_len or DEFAULT_MAX_LEN, cfg.max_position_embeddings)
 
 
+def role_service(args) -> VerifierService | DrafterService:
+    """The service of `blockspec role verifier|drafter ...` arguments."""
+    if args.role == "verifier":
+        return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len)
+    return DrafterService(args.method, args.drafter, args.target, args.max_batch, context_len(args.target, args.max_model_len),
+                          not args.no_dynamic_conv, not args.no_path_selector)
+
+
 def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None) -> VerifierService:
     verifier = Verifier(load_checkpoint(target), max_batch, context_len(target, max_len),
                         tap_layers=drafter_tap_layers(method, drafter))
@@ -58,7 +66,7 @@ async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: 
     return await start_server(lambda s: roles_grpc.add_DrafterServicer_to_server(service, s), (DRAFTER_SERVICE,), host, port)
 
 
-def connect_roles(verifier_addr: str, drafter_addr: str | None) -> tuple[RemoteVerifier, object]:
+def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | None) -> tuple[RemoteVerifier, object]:
     """Router-side role clients; without a drafter address the router decodes plainly."""
     from blockspec.services.drafter.proposers.none import NoneProposer
 
@@ -67,7 +75,7 @@ def connect_roles(verifier_addr: str, drafter_addr: str | None) -> tuple[RemoteV
     return verifier, drafter
 
 
-async def start_split_router(verifier_addr: str, drafter_addr: str | None, method: str, max_batch: int,
+async def start_split_router(verifier_addr: str, drafter_addr: str | Callable[[], str] | None, method: str, max_batch: int,
                              host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
                              metrics: RouterMetrics | None = None) -> RouterServer:
     verifier, drafter = await asyncio.to_thread(connect_roles, verifier_addr, drafter_addr)
@@ -76,7 +84,7 @@ async def start_split_router(verifier_addr: str, drafter_addr: str | None, metho
                               f"{default_k} is not allowed: the {method} drafter supports 1..{drafter.max_k}")
     target = verifier.info.target_path
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
-    facts = ModelFacts(target=target, drafter=drafter_addr or "", method=method if drafter_addr else "none",
+    facts = ModelFacts(target=target, drafter=drafter.address if drafter_addr else "", method=method if drafter_addr else "none",
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     return await start_router(StepLoop(verifier, drafter, max_batch), facts, host, port, metrics)

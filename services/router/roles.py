@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -95,8 +95,10 @@ class RemoteVerifier:
 class RemoteDrafter:
     """DrafterRole over gRPC, sending only token deltas; on failure or timeout it drafts nothing."""
 
-    def __init__(self, address: str, verifier: RemoteVerifier, timeout_s: float = 5.0, retry_s: float = 1.0) -> None:
-        self.address, self.verifier = address, verifier
+    def __init__(self, address: str | Callable[[], str], verifier: RemoteVerifier, timeout_s: float = 5.0,
+                 retry_s: float = 1.0) -> None:
+        # A callable address is asked again on every reconnect (a restarted Ray actor gets a new port).
+        self._address, self.verifier = address, verifier
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.max_k = 0
         self.fallbacks = 0  # requests that stepped at k=0 because the drafter failed
@@ -113,6 +115,10 @@ class RemoteDrafter:
     def up(self) -> bool:
         return self._stream is not None
 
+    @property
+    def address(self) -> str:
+        return self._address() if callable(self._address) else self._address
+
     def _connect(self, wait: bool = False) -> None:
         self._channel = grpc.insecure_channel(self.address)
         stub = roles_grpc.DrafterStub(self._channel)
@@ -122,7 +128,7 @@ class RemoteDrafter:
         self._sent.clear()  # a (re)started drafter knows nothing: send whole contexts
 
     def _down(self, error: BaseException) -> None:
-        log.warning("drafter %s failed (%s): continuing at k=0", self.address, error)
+        log.warning("drafter failed (%s): continuing at k=0", error)
         if self._stream is not None:
             self._stream.close()
             self._channel.close()

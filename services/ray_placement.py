@@ -1,0 +1,147 @@
+"""`blockspec serve` on Ray: per replica one STRICT_PACK placement group holding a verifier actor and a
+drafter actor on the same node (and GPU), each serving its role over gRPC; the router runs here.
+
+The only module that imports Ray; the role classes stay plain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+
+from blockspec.common.config import BlockspecConfig
+from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.tensor_share import cleanup_stale
+from blockspec.services.launch import start_split_router
+from blockspec.services.router.http import start_http
+from blockspec.services.serve import STALL_S, plan, role_healthy
+
+log = logging.getLogger(__name__)
+
+
+class RoleActor:
+    """Serves one role (`blockspec role ...` arguments) from inside a Ray actor process."""
+
+    def __init__(self, argv: list[str]) -> None:
+        from blockspec.services import launch
+        from blockspec.services.cli import parse_role_args
+
+        args = parse_role_args(list(argv))
+        self.service = launch.role_service(args)
+        serve = launch.serve_verifier if args.role == "verifier" else launch.serve_drafter
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="role-server", daemon=True).start()
+        # Keep the server referenced: a collected grpc.aio server cancels all its calls.
+        self.server, _, port = asyncio.run_coroutine_threadsafe(serve(self.service, "0.0.0.0", 0), self.loop).result(300)
+        self._address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+
+    def address(self) -> str:
+        return self._address
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class VerifierActor(RoleActor):
+    """Named apart so that `ray list actors` and process titles tell the roles apart."""
+
+
+class DrafterActor(RoleActor):
+    pass
+
+
+def _drafter_healthy(ray, drafter) -> bool:
+    try:
+        return role_healthy(ray.get(drafter.address.remote(), timeout=2))
+    except Exception:  # restarting
+        return False
+
+
+def _gpu_shares(cfg: BlockspecConfig) -> tuple[float, float]:
+    """Fractions of one GPU for verifier and drafter; 0 on a machine without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0, 0.0
+    total = cfg.model.gpu_memory_utilization
+    return round(total * 0.8, 3), round(total * 0.2, 3)
+
+
+def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv):
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    v_gpu, d_gpu = _gpu_shares(cfg)
+    bundles = [{"CPU": 1, **({"GPU": v_gpu} if v_gpu else {})}]
+    if drafter_argv:
+        bundles.append({"CPU": 1, **({"GPU": d_gpu} if d_gpu else {})})
+    pg = placement_group(bundles, strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=300)
+    def actor(cls, index: int, argv, gpu: float, restarts: int):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+        return ray.remote(cls).options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpu, max_restarts=restarts,
+                                       max_task_retries=0).remote(list(argv))
+
+    verifier = actor(VerifierActor, 0, verifier_argv, v_gpu, 0)
+    drafter = actor(DrafterActor, 1, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter
+    return pg, verifier, drafter
+
+
+def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
+    import ray
+
+    if cfg.server.replicas != 1:
+        log.warning("server.replicas=%d: this version runs one replica per router", cfg.server.replicas)
+    p = plan(cfg)
+    cleanup_stale()
+    state: dict = {"router": None}
+
+    def readiness() -> tuple[bool, str]:
+        router = state["router"]
+        if router is None:
+            return False, "starting\n"
+        if not role_healthy(state["verifier_addr"]):
+            return False, "verifier not answering\n"
+        if state["drafter"] is not None and not _drafter_healthy(ray, state["drafter"]):
+            return False, "drafter not answering (requests continue at k=0)\n"
+        if router.scheduler.stalled(STALL_S):
+            return False, f"no step finished in {STALL_S:.0f} s\n"
+        return True, "ok\n"
+
+    http = start_http(host, port, readiness)
+    print(f"HTTP {http.server_port}", flush=True)
+    ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    try:
+        pg, verifier, drafter = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv)
+        state["verifier_addr"] = ray.get(verifier.address.remote(), timeout=300)
+        state["drafter"] = drafter
+        drafter_addr = None
+        if drafter is not None:
+            ray.get(drafter.address.remote(), timeout=300)  # loaded and serving
+            # Asked again at each reconnect: a restarted actor serves on a new port. Short timeout: while
+            # Ray restarts it, the step loop keeps going at k=0 and retries later.
+            drafter_addr = lambda: ray.get(drafter.address.remote(), timeout=2)  # noqa: E731
+
+        async def main() -> None:
+            router = await start_split_router(state["verifier_addr"], drafter_addr, p.method, cfg.server.max_batch,
+                                              host, grpc_port, default_k=cfg.model.spec_decode.num_speculative_tokens,
+                                              metrics=RouterMetrics())
+            state["router"] = router
+            print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            await stop.wait()
+            await router.stop(1)
+
+        asyncio.run(main())
+    finally:
+        http.shutdown()
+        ray.shutdown()
+        cleanup_stale()  # the actors' segments: their processes are gone now
+    return 0

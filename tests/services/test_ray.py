@@ -1,0 +1,88 @@
+"""`blockspec serve --config` on a local Ray cluster started by the test: one STRICT_PACK placement group
+with a verifier and a drafter actor; streams equal the target alone; a killed drafter actor is restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import pytest
+
+from blockspec.protos import api_grpc, api_pb2
+from tests.services.router.test_server import collect
+from tests.services.test_serve import CONFIG, generate, http_status
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=["dflash", "draft_model"])
+def ray_server(request, tiny_models, dflash_drafters, tmp_path_factory):
+    drafter = dflash_drafters["qwen3-trained"] if request.param == "dflash" else tiny_models["qwen3"]["other"]
+    cfg = tmp_path_factory.mktemp("ray") / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    info = {"proc": proc, "method": request.param}
+    for line in proc.stdout:
+        if line.startswith("HTTP "):
+            info["http"] = int(line.split()[1])
+        if line.startswith("SERVING "):
+            info["grpc"] = int(line.split()[1].split("=")[1])
+            break
+    assert "grpc" in info, f"serve exited with code {proc.wait()} before serving"
+    channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc']}")
+    info["stub"] = api_grpc.GenerationStub(channel)
+    yield info
+    channel.close()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def actor_pids(title: str) -> list[int]:
+    pids = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(title in part for part in (p.info["cmdline"] or [])):
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def test_streams_over_ray_equal_the_target_alone(ray_server, prompts, references):
+    assert http_status(ray_server["http"]) == 200
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: generate(ray_server["stub"], prompts[i]), range(4)))
+    for i, (ids, _, finish) in enumerate(results):
+        assert ids == references["qwen3"][i], f"{ray_server['method']} prompt {i}"
+    assert sum(f.acceptance.drafted for _, _, f in results) > 0
+    assert len(actor_pids("ray::VerifierActor")) == 1 and len(actor_pids("ray::DrafterActor")) == 1
+
+
+def test_killed_drafter_actor_is_restarted_and_nothing_is_lost(ray_server, prompts, references):
+    call = ray_server["stub"].Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[5]), max_tokens=128),
+                                       timeout=120)
+    ids = list(next(call).token_ids)
+    (pid,) = actor_pids("ray::DrafterActor")
+    os.kill(pid, signal.SIGKILL)
+    ids += [t for msg in call for t in msg.token_ids]
+    assert ids == references["qwen3"][5]
+    for _ in range(150):
+        if actor_pids("ray::DrafterActor") and http_status(ray_server["http"]) == 200:
+            break
+        time.sleep(0.2)
+    drafted = 0
+    for _ in range(5):  # the router reconnects on its next retry
+        out = generate(ray_server["stub"], prompts[7], 32)
+        assert out[0] == references["qwen3"][7][:32]
+        drafted = out[2].acceptance.drafted
+        if drafted:
+            break
+        time.sleep(1)
+    assert drafted > 0, "speculation must resume after Ray restarts the drafter"
