@@ -54,10 +54,75 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
+    """`generate --server`: the same output through the public gRPC API and its generated stubs."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from blockspec.protos import api_grpc, api_pb2
+
+    channel = grpc.insecure_channel(args.server)
+    stub = api_grpc.GenerationStub(channel)
+    stream_text = not args.json and len(prompts) == 1
+
+    def one(prompt: str) -> dict:
+        req = api_pb2.GenerateRequest(text=prompt, max_tokens=args.max_tokens)
+        if args.k is not None:
+            req.num_speculative_tokens = args.k
+        started, ids, text, finish = time.perf_counter(), [], "", None
+        for msg in stub.Generate(req, timeout=args.timeout):
+            ids += msg.token_ids
+            text += msg.text
+            if stream_text:
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+            if msg.HasField("finish"):
+                finish = msg.finish
+        elapsed, a = time.perf_counter() - started, finish.acceptance
+        return {"text": text, "token_ids": ids, "stats": {
+            "steps": a.steps, "drafted": a.drafted, "accepted": a.accepted, "tau": round(a.tau, 4),
+            "acceptance_rate": round(a.acceptance_rate, 4) if a.drafted else None,
+            "accepted_per_pos": list(a.accepted_per_pos), "tokens_per_s": round(len(ids) / elapsed, 2),
+            "elapsed_s": round(elapsed, 4)}}
+
+    try:
+        with ThreadPoolExecutor(max(1, min(len(prompts), args.max_batch))) as pool:
+            results = list(pool.map(one, prompts))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidArgument("request", e.details()) from None
+        print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    if stream_text:
+        sys.stdout.write("\n")
+    _print_results(args, results, stream_text)
+    return 0
+
+
+def _print_results(args: argparse.Namespace, results: list[dict], streamed: bool) -> None:
+    for i, result in enumerate(results):
+        if args.json:
+            print(json.dumps(result))
+        else:
+            if not streamed:
+                print(f"--- prompt {i}\n{result['text']}")
+            print(stats_line(result["stats"]))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _prompts(args)
+    if args.server:
+        if args.target or args.drafter or args.method:
+            raise InvalidArgument("--server", "the server has its models: drop --target, --drafter and --method")
+        return generate_remote(args, prompts)
+    if not args.target:
+        raise InvalidArgument("--target", "give a target checkpoint directory (or --server HOST:PORT)")
     from blockspec.services.engine import Engine
 
-    prompts = _prompts(args)
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument("--threads", f"must be at least 1, got {args.threads}")
@@ -85,14 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             }
     if stream_text:
         sys.stdout.write(text_stream.flush() + "\n")
-    for req in requests:
-        result = results[req.request_id]
-        if args.json:
-            print(json.dumps(result))
-        else:
-            if not stream_text:
-                print(f"--- prompt {req.request_id}\n{result['text']}")
-            print(stats_line(result["stats"]))
+    _print_results(args, [results[req.request_id] for req in requests], stream_text)
     return 0
 
 
@@ -201,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate in this process and stream the text")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompts-file", help="one prompt per line; all run concurrently in batched steps")
-    gen.add_argument("--target", required=True, help="target checkpoint directory (HF layout)")
+    gen.add_argument("--target", help="target checkpoint directory (HF layout)")
+    gen.add_argument("--server", help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
+    gen.add_argument("--timeout", type=float, default=600, help="--server: deadline per request in seconds")
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
     gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")

@@ -6,11 +6,12 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 
 from blockspec.common.grpc_server import start_server
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.protos import api_grpc, api_pb2
+from blockspec.protos import api_pb2
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.server import GenerationService, ModelFacts
 from blockspec.services.router.step_loop import StepLoop
@@ -39,10 +40,36 @@ async def start_router(step_loop: StepLoop, facts: ModelFacts, host: str = "127.
     scheduler = Scheduler(step_loop, metrics)
     await scheduler.start()
     service = GenerationService(scheduler, facts)
-    server, health_servicer, bound = await start_server(
-        lambda s: api_grpc.add_GenerationServicer_to_server(service, s), (SERVICE_NAME,), host, port)
+    server, health_servicer, bound = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,),
+                                                        host, port)
     log.info("router listening on %s:%d", host, bound)
     return RouterServer(server, scheduler, health_servicer, bound)
+
+
+def register_generation(service: GenerationService, server: grpc.aio.Server) -> None:
+    """Like the generated add_GenerationServicer_to_server, but a request that does not parse (e.g. invalid
+    UTF-8 in a string field) reaches the servicer as a DecodeError, to be answered INVALID_ARGUMENT
+    instead of grpc's generic INTERNAL."""
+    def tolerant(message_cls):
+        def parse(data: bytes):
+            try:
+                return message_cls.FromString(data)
+            except DecodeError as e:
+                return e
+        return parse
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=tolerant(api_pb2.GenerateRequest),
+            response_serializer=api_pb2.GenerateResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.ModelInfo, request_deserializer=tolerant(api_pb2.ModelInfoRequest),
+            response_serializer=api_pb2.ModelInfoResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, request_deserializer=tolerant(api_pb2.TokenizeRequest),
+            response_serializer=api_pb2.TokenizeResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def facts_from_engine(engine) -> ModelFacts:

@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
@@ -35,8 +37,20 @@ class ModelFacts:
     tokenizer: object
 
 
+def check_message(msg: object) -> None:
+    """A request that did not parse, or that carries fields this server does not know, is refused."""
+    if isinstance(msg, DecodeError):
+        raise InvalidArgument("request", f"does not parse as {api_pb2.DESCRIPTOR.package} message ({msg}); "
+                              "string fields must be valid UTF-8")
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        raise InvalidArgument("request", f"unknown field number(s) {numbers} for {msg.DESCRIPTOR.full_name}")
+
+
 def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     """Validate a GenerateRequest (errors name the field) and turn it into a step-loop Request."""
+    check_message(msg)
     which = msg.WhichOneof("prompt")
     if which is None:
         raise InvalidArgument("prompt", "set prompt.text or prompt.token_ids")
@@ -112,10 +126,19 @@ class GenerationService(api_grpc.GenerationServicer):
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
                 await asyncio.shield(self.scheduler.cancel(rid))
 
+    @staticmethod
+    async def _check(msg: object, context: grpc.aio.ServicerContext) -> None:
+        try:
+            check_message(msg)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     async def ModelInfo(self, msg: api_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext) -> api_pb2.ModelInfoResponse:
+        await self._check(msg, context)
         f = self.facts
         return api_pb2.ModelInfoResponse(target=f.target, drafter=f.drafter, method=f.method,
                                          max_speculative_tokens=f.max_k, context_len=f.context_len, vocab_size=f.vocab_size)
 
     async def Tokenize(self, msg: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> api_pb2.TokenizeResponse:
+        await self._check(msg, context)
         return api_pb2.TokenizeResponse(token_ids=self.facts.tokenizer.encode(msg.text) if msg.text else [])

@@ -145,3 +145,18 @@ def test_cancelled_streams_leave_no_slot_or_segment_behind(server, prompts):
     assert sorted(p for p in os.listdir("/dev/shm") if p.startswith("blockspec-")) == segments_before
     # and the server still answers
     assert generate(server["stub"], prompts[1], 8)[2] is not None
+
+
+def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys):
+    import json
+
+    from blockspec.services.cli import main
+    from tests.conftest import hf_greedy
+
+    address = f"127.0.0.1:{server['grpc']}"
+    assert main(["generate", "def f(x):", "--server", address, "--max-tokens", "24", "-k", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == hf_greedy(tiny_models["qwen3"]["target"], tokenizer.encode("def f(x):"), 24)
+    assert out["stats"]["drafted"] > 0 and set(out["stats"]) >= {"tau", "acceptance_rate", "accepted_per_pos"}
+    assert main(["generate", "hi", "--server", address, "--max-tokens", "0"]) == 2
+    assert "max_tokens: must be at least 1" in capsys.readouterr().err

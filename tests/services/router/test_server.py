@@ -130,3 +130,17 @@ def test_model_info_tokenize_health_and_reflection(router, tokenizer):
     reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
     assert {"blockspec.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_unparseable_and_unknown_field_requests_are_invalid_argument(router):
+    raw = router.channel.unary_stream("/blockspec.v1.Generation/Generate", request_serializer=lambda b: b,
+                                      response_deserializer=api_pb2.GenerateResponse.FromString)
+    bad_utf8 = b"\x12\x03\xff\xfe\xfd" + b"\x20\x08"  # field 2 (text) with invalid UTF-8, max_tokens 8
+    with pytest.raises(grpc.RpcError) as e:
+        list(raw(bad_utf8, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "valid UTF-8" in e.value.details()
+    unknown = api_pb2.GenerateRequest(text="hi", max_tokens=4).SerializeToString() + b"\xa0\x06\x01"  # field 100
+    with pytest.raises(grpc.RpcError) as e:
+        list(raw(unknown, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field number(s) [100]" in e.value.details()
+    assert collect(router.stub.Generate(api_pb2.GenerateRequest(text="ok", max_tokens=2), timeout=30))[2] is not None
