@@ -240,6 +240,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or cfg.server.host
     port = cfg.server.port if args.port is None else args.port
     grpc_port = cfg.server.grpc_port if args.grpc_port is None else args.grpc_port
+    if args.verifier_address:
+        from blockspec.services.serve import serve_external
+
+        return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
     if args.no_ray:
         return serve_processes(cfg, host, port, grpc_port)
     from blockspec.services.ray_placement import serve_ray
@@ -304,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grpc-port", type=int, help="gRPC port (default: server.grpc_port, 8001)")
     sv.add_argument("--no-ray", action="store_true", help="run the roles as plain supervised processes")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    sv.add_argument("--verifier-address", help="HOST:PORT of a running verifier role: start only the router")
+    sv.add_argument("--drafter-address", help="HOST:PORT of a running drafter role (with --verifier-address)")
     sv.set_defaults(func=cmd_serve)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
     role.add_argument("role", choices=("verifier", "drafter"))

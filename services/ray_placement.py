@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import threading
 
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
-from blockspec.services.launch import start_split_router
-from blockspec.services.router.http import start_http
-from blockspec.services.serve import STALL_S, plan, role_healthy
+from blockspec.common.errors import InvalidArgument
+from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +52,6 @@ class DrafterActor(RoleActor):
     pass
 
 
-def _drafter_healthy(ray, drafter) -> bool:
-    try:
-        return role_healthy(ray.get(drafter.address.remote(), timeout=2))
-    except Exception:  # restarting
-        return False
-
-
 def _gpu_shares(cfg: BlockspecConfig) -> tuple[float, float]:
     """Fractions of one GPU for verifier and drafter; 0 on a machine without CUDA."""
     import torch
@@ -92,56 +82,46 @@ def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv):
     return pg, verifier, drafter
 
 
+class RayRole:
+    """A role actor as `serve_roles` sees it: a current address; Ray itself restarts it."""
+
+    def __init__(self, ray, actor) -> None:
+        self._ray, self._actor = ray, actor
+
+    @property
+    def address(self) -> str:
+        return self._ray.get(self._actor.address.remote(), timeout=2)
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self._ray.kill(self._actor)
+
+
 def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
     import ray
 
     if cfg.server.replicas != 1:
-        log.warning("server.replicas=%d: this version runs one replica per router", cfg.server.replicas)
+        raise InvalidArgument("server.replicas", f"{cfg.server.replicas} is not allowed yet: one replica per router")
     p = plan(cfg)
     cleanup_stale()
-    state: dict = {"router": None}
-
-    def readiness() -> tuple[bool, str]:
-        router = state["router"]
-        if router is None:
-            return False, "starting\n"
-        if not role_healthy(state["verifier_addr"]):
-            return False, "verifier not answering\n"
-        if state["drafter"] is not None and not _drafter_healthy(ray, state["drafter"]):
-            return False, "drafter not answering (requests continue at k=0)\n"
-        if router.scheduler.stalled(STALL_S):
-            return False, f"no step finished in {STALL_S:.0f} s\n"
-        return True, "ok\n"
-
-    http = start_http(host, port, readiness)
-    print(f"HTTP {http.server_port}", flush=True)
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     try:
-        pg, verifier, drafter = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv)
-        state["verifier_addr"] = ray.get(verifier.address.remote(), timeout=300)
-        state["drafter"] = drafter
-        drafter_addr = None
-        if drafter is not None:
-            ray.get(drafter.address.remote(), timeout=300)  # loaded and serving
-            # Asked again at each reconnect: a restarted actor serves on a new port. Short timeout: while
-            # Ray restarts it, the step loop keeps going at k=0 and retries later.
-            drafter_addr = lambda: ray.get(drafter.address.remote(), timeout=2)  # noqa: E731
+        replica: dict = {}
 
-        async def main() -> None:
-            router = await start_split_router(state["verifier_addr"], drafter_addr, p.method, cfg.server.max_batch,
-                                              host, grpc_port, default_k=cfg.model.spec_decode.num_speculative_tokens,
-                                              metrics=RouterMetrics())
-            state["router"] = router
-            print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
-            stop = asyncio.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            await stop.wait()
-            await router.stop(1)
+        def start_verifier() -> RayRole:
+            replica["pg"], verifier, replica["drafter"] = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv)
+            ray.get(verifier.address.remote(), timeout=300)  # loaded and serving
+            return RayRole(ray, verifier)
 
-        asyncio.run(main())
+        def start_drafter() -> RayRole | None:
+            if replica["drafter"] is None:
+                return None
+            ray.get(replica["drafter"].address.remote(), timeout=300)
+            return RayRole(ray, replica["drafter"])
+
+        return serve_roles(cfg, p, host, port, grpc_port, start_verifier, start_drafter)
     finally:
-        http.shutdown()
         ray.shutdown()
         cleanup_stale()  # the actors' segments: their processes are gone now
-    return 0

@@ -7,8 +7,6 @@ import logging
 import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -123,10 +121,46 @@ def role_healthy(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+class ExternalRole:
+    """A role started by someone else (compose, systemd): only its address; nothing to supervise."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+def _answers(role) -> bool:
+    try:
+        return role_healthy(role.address)
+    except Exception:  # no address right now (restarting)
+        return False
+
+
 def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) -> int:
-    """Run until SIGTERM/SIGINT: roles as supervised processes, router and HTTP in this one."""
+    """Roles as supervised child processes, router and HTTP in this one."""
     cleanup_stale()
     p = plan(cfg)
+    return serve_roles(cfg, p, host, port, grpc_port,
+                  lambda: RoleProcess("verifier", p.verifier_argv),
+                  lambda: RoleProcess("drafter", p.drafter_argv) if p.drafter_argv else None)
+
+
+def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, verifier: str, drafter: str | None) -> int:
+    """Only the router: the roles run elsewhere (docker-compose, systemd units) at the given addresses."""
+    p = plan(cfg)
+    if p.drafter_argv and not drafter:
+        raise InvalidArgument("--drafter-address", f"method {p.method} needs a drafter role address")
+    return serve_roles(cfg, p, host, port, grpc_port, lambda: ExternalRole(verifier),
+                  lambda: ExternalRole(drafter) if p.drafter_argv else None)
+
+
+def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_verifier, start_drafter) -> int:
+    """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router."""
     state: dict = {"router": None}
 
     def readiness() -> tuple[bool, str]:
@@ -135,20 +169,22 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
             return False, "starting\n"
         if not role_healthy(verifier.address):
             return False, "verifier not answering\n"
-        if drafter is not None and not role_healthy(drafter.address):
+        if drafter is not None and not _answers(drafter):
             return False, "drafter not answering (requests continue at k=0)\n"
         if router.scheduler.stalled(STALL_S):
             return False, f"no step finished in {STALL_S:.0f} s\n"
         return True, "ok\n"
 
-    http = start_http(host, port, readiness)  # first, so that /health answers 503 while the roles load
+    http = start_http(host, port, readiness)
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
-    verifier = state["verifier"] = RoleProcess("verifier", p.verifier_argv)
-    drafter = state["drafter"] = RoleProcess("drafter", p.drafter_argv) if p.drafter_argv else None
+    verifier = state["verifier"] = start_verifier()
+    drafter = state["drafter"] = start_drafter()
 
     async def main() -> None:
-        router = await start_split_router(verifier.address, drafter.address if drafter else None, p.method,
+        # The drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
+        drafter_address = (lambda: drafter.address) if drafter else None
+        router = await start_split_router(verifier.address, drafter_address, p.method,
                                           cfg.server.max_batch, host, grpc_port,
                                           default_k=cfg.model.spec_decode.num_speculative_tokens, metrics=RouterMetrics())
         state["router"] = router
