@@ -42,6 +42,7 @@ def build_tiny_checkpoint(
     max_position_embeddings: int = 512,
     tokenizer: object | None = None,
     tie_word_embeddings: bool = False,
+    vocab_size: int | None = None,
 ) -> Path:
     """Save a random-init causal LM of `family` with its tokenizer to `out` (HF layout) and return the path."""
     from transformers import (
@@ -62,7 +63,7 @@ def build_tiny_checkpoint(
     tokenizer = tokenizer or tiny_tokenizer()
     eos = tokenizer.convert_tokens_to_ids(SPECIALS[0])
     config = config_cls(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),  # larger: rows no token maps to (memory tests)
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,

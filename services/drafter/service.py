@@ -50,8 +50,9 @@ class DrafterService(roles_grpc.DrafterServicer):
 
     def _info(self) -> roles_pb2.DrafterInfo:
         max_k = self.dflash_model.cfg.max_k if self.dflash_model is not None else self.proposer.max_k
+        mem = psutil.Process().memory_full_info()
         return roles_pb2.DrafterInfo(method=self.method, max_k=max_k, attached=self.proposer is not None,
-                                     rss_bytes=psutil.Process().memory_info().rss)
+                                     rss_bytes=mem.rss, uss_bytes=mem.uss)
 
     async def Info(self, request, context: grpc.aio.ServicerContext) -> roles_pb2.DrafterInfo:
         return self._info()
