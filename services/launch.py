@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
@@ -75,19 +75,23 @@ def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | No
     return verifier, drafter
 
 
-async def start_split_router(verifier_addr: str, drafter_addr: str | Callable[[], str] | None, method: str, max_batch: int,
-                             host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
+async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], str] | None]], method: str,
+                             max_batch: int, host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
                              metrics: RouterMetrics | None = None) -> RouterServer:
-    verifier, drafter = await asyncio.to_thread(connect_roles, verifier_addr, drafter_addr)
-    if drafter_addr and not 1 <= default_k <= drafter.max_k:
+    """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
+    roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
+    verifier, drafter = roles[0]
+    has_drafter = replicas[0][1] is not None
+    if has_drafter and not 1 <= default_k <= drafter.max_k:
         raise InvalidArgument("model.spec_decode.num_speculative_tokens",
                               f"{default_k} is not allowed: the {method} drafter supports 1..{drafter.max_k}")
     target = verifier.info.target_path
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
-    facts = ModelFacts(target=target, drafter=drafter.address if drafter_addr else "", method=method if drafter_addr else "none",
+    facts = ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
-    return await start_router(StepLoop(verifier, drafter, max_batch), facts, host, port, metrics)
+    loops = [StepLoop(v, d, max_batch) for v, d in roles]
+    return await start_router(loops, facts, host, port, metrics)
 
 
 def run_role_process(kind: str, service, host: str, port: int) -> None:

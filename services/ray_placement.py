@@ -13,7 +13,6 @@ import threading
 
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.tensor_share import cleanup_stale
-from blockspec.common.errors import InvalidArgument
 from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
@@ -100,28 +99,32 @@ class RayRole:
 
 
 def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
+    import os
+
     import ray
 
-    if cfg.server.replicas != 1:
-        raise InvalidArgument("server.replicas", f"{cfg.server.replicas} is not allowed yet: one replica per router")
     p = plan(cfg)
     cleanup_stale()
-    ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    if ray_address:
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
+        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * cfg.server.replicas), include_dashboard=False, log_to_driver=False)
+
+    def start_roles():
+        roles = []
+        for _ in range(cfg.server.replicas):
+            _, verifier, drafter = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv)
+            roles.append((verifier, drafter))
+        out = []
+        for verifier, drafter in roles:  # the replicas load in parallel; wait for each
+            ray.get(verifier.address.remote(), timeout=300)
+            if drafter is not None:
+                ray.get(drafter.address.remote(), timeout=300)
+            out.append((RayRole(ray, verifier), RayRole(ray, drafter) if drafter is not None else None))
+        return out
+
     try:
-        replica: dict = {}
-
-        def start_verifier() -> RayRole:
-            replica["pg"], verifier, replica["drafter"] = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv)
-            ray.get(verifier.address.remote(), timeout=300)  # loaded and serving
-            return RayRole(ray, verifier)
-
-        def start_drafter() -> RayRole | None:
-            if replica["drafter"] is None:
-                return None
-            ray.get(replica["drafter"].address.remote(), timeout=300)
-            return RayRole(ray, replica["drafter"])
-
-        return serve_roles(cfg, p, host, port, grpc_port, start_verifier, start_drafter)
+        return serve_roles(cfg, p, host, port, grpc_port, start_roles)
     finally:
         ray.shutdown()
         cleanup_stale()  # the actors' segments: their processes are gone now

@@ -142,12 +142,16 @@ def _answers(role) -> bool:
 
 
 def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) -> int:
-    """Roles as supervised child processes, router and HTTP in this one."""
+    """Roles as supervised child processes (a verifier and a drafter per replica), router and HTTP here."""
     cleanup_stale()
     p = plan(cfg)
-    return serve_roles(cfg, p, host, port, grpc_port,
-                  lambda: RoleProcess("verifier", p.verifier_argv),
-                  lambda: RoleProcess("drafter", p.drafter_argv) if p.drafter_argv else None)
+
+    def start_roles():
+        return [(RoleProcess(f"verifier-{r}", p.verifier_argv),
+                 RoleProcess(f"drafter-{r}", p.drafter_argv) if p.drafter_argv else None)
+                for r in range(cfg.server.replicas)]
+
+    return serve_roles(cfg, p, host, port, grpc_port, start_roles)
 
 
 def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, verifier: str, drafter: str | None) -> int:
@@ -155,37 +159,41 @@ def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, v
     p = plan(cfg)
     if p.drafter_argv and not drafter:
         raise InvalidArgument("--drafter-address", f"method {p.method} needs a drafter role address")
-    return serve_roles(cfg, p, host, port, grpc_port, lambda: ExternalRole(verifier),
-                  lambda: ExternalRole(drafter) if p.drafter_argv else None)
+    if cfg.server.replicas != 1:
+        raise InvalidArgument("server.replicas", "with --verifier-address the router serves exactly one replica")
+    return serve_roles(cfg, p, host, port, grpc_port,
+                       lambda: [(ExternalRole(verifier), ExternalRole(drafter) if p.drafter_argv else None)])
 
 
-def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_verifier, start_drafter) -> int:
-    """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router."""
-    state: dict = {"router": None}
+def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles) -> int:
+    """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router.
+
+    `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
+    `.alive()`, `.stop()` (and `.restart()` where this process supervises it)."""
+    state: dict = {"router": None, "replicas": []}
 
     def readiness() -> tuple[bool, str]:
-        router, verifier, drafter = state["router"], state.get("verifier"), state.get("drafter")
+        router = state["router"]
         if router is None:
             return False, "starting\n"
-        if not role_healthy(verifier.address):
-            return False, "verifier not answering\n"
-        if drafter is not None and not _answers(drafter):
-            return False, "drafter not answering (requests continue at k=0)\n"
-        if router.scheduler.stalled(STALL_S):
+        for i, (verifier, drafter) in enumerate(state["replicas"]):
+            if not _answers(verifier):
+                return False, f"replica {i}: verifier not answering\n"
+            if drafter is not None and not _answers(drafter):
+                return False, f"replica {i}: drafter not answering (requests continue at k=0)\n"
+        if router.stalled(STALL_S):
             return False, f"no step finished in {STALL_S:.0f} s\n"
         return True, "ok\n"
 
     http = start_http(host, port, readiness)
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
-    verifier = state["verifier"] = start_verifier()
-    drafter = state["drafter"] = start_drafter()
+    replicas = state["replicas"] = start_roles()
 
     async def main() -> None:
-        # The drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
-        drafter_address = (lambda: drafter.address) if drafter else None
-        router = await start_split_router(verifier.address, drafter_address, p.method,
-                                          cfg.server.max_batch, host, grpc_port,
+        # A drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
+        pairs = [(v.address, (lambda d=d: d.address) if d else None) for v, d in replicas]
+        router = await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,
                                           default_k=cfg.model.spec_decode.num_speculative_tokens, metrics=RouterMetrics())
         state["router"] = router
         print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
@@ -193,11 +201,12 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         while not stop.is_set():
-            if drafter is not None and not drafter.alive():
-                await asyncio.to_thread(drafter.restart)
-            if not verifier.alive():
-                log.error("verifier role exited; stopping")
-                break
+            for verifier, drafter in replicas:
+                if drafter is not None and not drafter.alive():
+                    await asyncio.to_thread(drafter.restart)
+                if not verifier.alive():
+                    log.error("a verifier role exited; stopping")
+                    stop.set()
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except TimeoutError:
@@ -208,7 +217,8 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         asyncio.run(main())
     finally:
         http.shutdown()
-        for role in (drafter, verifier):
-            if role is not None:
-                role.stop()
+        for verifier, drafter in replicas:
+            for role in (drafter, verifier):
+                if role is not None:
+                    role.stop()
     return 0

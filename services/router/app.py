@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -24,26 +25,31 @@ SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 @dataclass
 class RouterServer:
     server: grpc.aio.Server
-    scheduler: Scheduler
+    schedulers: list[Scheduler]  # one per replica
     health: health.HealthServicer
     port: int
+
+    def stalled(self, limit_s: float) -> bool:
+        return any(s.stalled(limit_s) for s in self.schedulers)
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        await self.scheduler.stop()
+        for scheduler in self.schedulers:
+            await scheduler.stop()
 
 
-async def start_router(step_loop: StepLoop, facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
+async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
                        metrics: RouterMetrics | None = None) -> RouterServer:
-    """Start serving on host:port (0 = a free port); health says SERVING once the server is up."""
-    scheduler = Scheduler(step_loop, metrics)
-    await scheduler.start()
-    service = GenerationService(scheduler, facts)
+    """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up."""
+    schedulers = [Scheduler(loop, metrics, replica=i) for i, loop in enumerate(step_loops)]
+    for scheduler in schedulers:
+        await scheduler.start()
+    service = GenerationService(schedulers, facts)
     server, health_servicer, bound = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,),
                                                         host, port)
     log.info("router listening on %s:%d", host, bound)
-    return RouterServer(server, scheduler, health_servicer, bound)
+    return RouterServer(server, schedulers, health_servicer, bound)
 
 
 def register_generation(service: GenerationService, server: grpc.aio.Server) -> None:

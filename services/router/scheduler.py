@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, step_loop: StepLoop, metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, step_loop: StepLoop, metrics: RouterMetrics | None = None, replica: int = 0) -> None:
         self.step_loop = step_loop
         self.metrics = metrics
+        self.replica = str(replica)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-loop")
         self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}
         self._wake = asyncio.Event()
@@ -28,6 +29,11 @@ class Scheduler:
         self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
         self._fallbacks_seen = 0
         self.steps = 0
+
+    @property
+    def load(self) -> int:
+        """Requests this replica holds (queued, running, or submitted and not finished)."""
+        return len(self._queues)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="step-loop")
@@ -84,9 +90,9 @@ class Scheduler:
         if m is None:
             return
         m.steps.inc()
-        m.requests_running.set(loop.num_running)
-        m.requests_waiting.set(loop.num_waiting)
-        m.kv_slots_used.set(loop.num_running)
+        m.requests_running.labels(replica=self.replica).set(loop.num_running)
+        m.requests_waiting.labels(replica=self.replica).set(loop.num_waiting)
+        m.kv_slots_used.labels(replica=self.replica).set(loop.num_running)
         report = loop.last_report
         if report is not None:
             m.num_drafts.inc(report.drafts)

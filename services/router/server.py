@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -84,8 +85,8 @@ def finish_message(event: FinishEvent, prompt_tokens: int, reason: str) -> api_p
 
 
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, scheduler: Scheduler, facts: ModelFacts) -> None:
-        self.scheduler = scheduler
+    def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts) -> None:
+        self.schedulers = list(schedulers)
         self.facts = facts
 
     async def Generate(self, msg: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -94,8 +95,9 @@ class GenerationService(api_grpc.GenerationServicer):
             request = to_request(msg, self.facts)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
         try:
-            queue = await self.scheduler.submit(request)
+            queue = await scheduler.submit(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
         text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
@@ -110,7 +112,7 @@ class GenerationService(api_grpc.GenerationServicer):
                         yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns)
                         continue
                     finished = True
-                    final = await self.scheduler.cancel(rid)  # stop generating; slots freed
+                    final = await scheduler.cancel(rid)  # stop generating; slots freed
                     yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns,
                                                    finish=finish_message(final, len(request.prompt_ids), "stop_sequence"))
                     return
@@ -124,7 +126,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 return
         finally:
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
-                await asyncio.shield(self.scheduler.cancel(rid))
+                await asyncio.shield(scheduler.cancel(rid))
 
     @staticmethod
     async def _check(msg: object, context: grpc.aio.ServicerContext) -> None:

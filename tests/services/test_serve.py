@@ -160,3 +160,28 @@ def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys)
     assert out["stats"]["drafted"] > 0 and set(out["stats"]) >= {"tau", "acceptance_rate", "accepted_per_pos"}
     assert main(["generate", "hi", "--server", address, "--max-tokens", "0"]) == 2
     assert "max_tokens: must be at least 1" in capsys.readouterr().err
+
+
+def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters, tmp_path, prompts, references):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("  max_batch: 4", "  max_batch: 2\n  replicas: 2"))
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg), "--no-ray"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ports = {}
+        for line in proc.stdout:
+            if line.startswith("SERVING "):
+                ports = dict(kv.split("=") for kv in line.split()[1:])
+                break
+        assert len(role_pids(proc, "role verifier")) == 2 and len(role_pids(proc, "role drafter")) == 2
+        stub = api_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: generate(stub, prompts[i], 64), range(4)))
+        for i, (ids, _, _) in enumerate(results):
+            assert ids == references["qwen3"][i][:64]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/metrics").read().decode()
+        assert 'blockspec_requests_running{replica="0"}' in metrics and 'blockspec_requests_running{replica="1"}' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

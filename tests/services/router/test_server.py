@@ -24,7 +24,7 @@ class RouterThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.router = asyncio.run_coroutine_threadsafe(
-            start_router(engine.loop, facts_from_engine(engine)), self.loop).result(60)
+            start_router([engine.loop], facts_from_engine(engine)), self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
         self.stub = api_grpc.GenerationStub(self.channel)
 
