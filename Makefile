@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEMO := .cache/demo
 
 .PHONY: setup demo test test-slow clean
 
@@ -15,14 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# Until the default model pair ships (issue 3) the demo builds a tiny RANDOM-weight Qwen3 checkpoint:
-# the text is gibberish, the mechanics (streaming, drafting, acceptance, speed) are real.
+# The main job: serve the default pair shipped in models/base, stream a completion through the
+# gRPC API and print tau, acceptance and speed (deploy/demo.sh).
 demo: setup
-	$(BIN)/python -c "from blockspec.services.build.tiny import build_tiny_checkpoint as b; \
-	  import pathlib; p = pathlib.Path('$(DEMO)/target'); (p / 'config.json').exists() or b(p, 'qwen3', hidden_size=128, num_layers=4)"
-	$(BIN)/blockspec generate "def fibonacci(n):" --target $(DEMO)/target --method none --max-tokens 96
-	$(BIN)/blockspec generate "def fibonacci(n):" --target $(DEMO)/target --method ngram -k 5 --max-tokens 96
-	$(BIN)/blockspec generate "def fibonacci(n):" --target $(DEMO)/target --drafter $(DEMO)/target --method draft_model -k 5 --max-tokens 96
+	BIN=$(BIN) bash deploy/demo.sh
 
 test: setup
 	$(BIN)/python -m pytest -q

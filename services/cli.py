@@ -48,7 +48,16 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     path = Path(args.prompts_file)
     if not path.is_file():
         raise InvalidArgument("--prompts-file", f"{path} is not a file")
-    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":  # one JSON string per line: prompts that contain newlines
+        try:
+            prompts = [json.loads(line) for line in lines]
+        except json.JSONDecodeError as e:
+            raise InvalidArgument("--prompts-file", f"{path}: not JSON lines ({e})") from None
+        if not all(isinstance(p, str) for p in prompts):
+            raise InvalidArgument("--prompts-file", f"{path}: every line must be a JSON string")
+    else:
+        prompts = lines
     if not prompts:
         raise InvalidArgument("--prompts-file", f"{path} holds no prompt")
     return prompts
@@ -262,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate in this process and stream the text")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
-    gen.add_argument("--prompts-file", help="one prompt per line; all run concurrently in batched steps")
+    gen.add_argument("--prompts-file", help="one prompt per line (.jsonl: one JSON string per line); all run "
+                     "concurrently in batched steps")
     gen.add_argument("--target", help="target checkpoint directory (HF layout)")
     gen.add_argument("--server", help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
     gen.add_argument("--timeout", type=float, default=600, help="--server: deadline per request in seconds")

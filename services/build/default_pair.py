@@ -130,7 +130,9 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
-    write_card(paths, [tok.encode(p) for p in corpus.heldout_prompts(16)], max_tokens=128)
+    prompts = corpus.heldout_prompts(16)
+    (paths.root / "heldout_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    write_card(paths, [tok.encode(p) for p in prompts], max_tokens=128)
 
 
 def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[int]], k: int | None, max_tokens: int,
