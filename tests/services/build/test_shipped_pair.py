@@ -1,0 +1,42 @@
+"""The default pair shipped in models/base: its card's promises, and lossless generation on held-out prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from blockspec.services.engine import Engine
+from blockspec.services.router.step_loop import FinishEvent
+from tests.conftest import hf_greedy
+
+PAIR = Path(__file__).resolve().parents[3] / "models" / "base"
+pytestmark = pytest.mark.skipif(not (PAIR / "card.json").is_file(), reason="models/base is not built (build-default)")
+
+
+def heldout_prompts(tokenizer, n: int = 4) -> list[list[int]]:
+    lines = (PAIR / "heldout_prompts.jsonl").read_text().splitlines()
+    return [tokenizer.encode(json.loads(line)) for line in lines[:n]]
+
+
+def test_card_keeps_the_size_promises():
+    card = json.loads((PAIR / "card.json").read_text())
+    assert card["drafter_share_of_target"] <= 0.15
+    from safetensors import safe_open
+
+    with safe_open(str(PAIR / "drafter" / "model.safetensors"), framework="pt") as f:
+        assert not any("embed" in k or "lm_head" in k for k in f.keys())
+
+
+def test_dflash_on_the_shipped_pair_equals_the_target_alone():
+    engine = Engine(PAIR / "target", PAIR / "drafter", "dflash", max_batch=4)
+    prompts = heldout_prompts(engine.tokenizer)
+    expected = [hf_greedy(PAIR / "target", p, 64) for p in prompts]
+    for k in (3, 5, 7):
+        for batch in ([[i] for i in range(len(prompts))] + [list(range(len(prompts)))]):
+            done = {e.request_id: e for e in engine.generate([engine.request(str(i), prompts[i], 64, k) for i in batch])
+                    if isinstance(e, FinishEvent)}
+            for i in batch:
+                assert list(done[str(i)].token_ids) == expected[i], f"k={k} prompt {i}"
+                assert done[str(i)].stats.drafted > 0
