@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import grpc
 import pytest
 
-from blockspec.protos import api_grpc, api_pb2
-from tests.services.test_serve import http_status
+from blockspec.protos import api_pb2
+from tests.services.test_serve import http_status, spawn_serve, stop_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (ROOT / "models" / "base" / "card.json").is_file(),
@@ -20,22 +16,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (ROOT / "models" / "base" 
 
 
 def test_seed_config_serves_the_shipped_pair():
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", "deploy/config.yaml",
-                             "--no-ray", "--port", "0", "--grpc-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    info = spawn_serve("--config", "deploy/config.yaml", "--no-ray", "--port", "0", "--grpc-port", "0", cwd=ROOT)
     try:
-        before = None
-        for line in proc.stdout:
-            if line.startswith("HTTP "):
-                http = int(line.split()[1])
-                before = http_status(http)
-            if line.startswith("SERVING "):
-                grpc_port = int(line.split()[1].split("=")[1])
-                break
-        assert before == 503
-        assert http_status(http) == 200
-        stub = api_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
-        msgs = list(stub.Generate(api_pb2.GenerateRequest(text="def main():\n", max_tokens=32), timeout=60))
+        assert info["before"] == 503
+        assert http_status(info["http"]) == 200
+        msgs = list(info["stub"].Generate(api_pb2.GenerateRequest(text="def main():\n", max_tokens=32), timeout=60))
         assert msgs[-1].finish.usage.completion_tokens == 32 and msgs[-1].finish.acceptance.drafted > 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        stop_serve(info)

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import psutil
 import pytest
 
-from blockspec.protos import api_grpc, api_pb2
-from tests.services.router.test_server import collect
-from tests.services.test_serve import CONFIG, generate, http_status
+from blockspec.protos import api_pb2
+from tests.services.test_serve import CONFIG, generate, http_status, spawn_serve, stop_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -26,22 +22,9 @@ def ray_server(request, tiny_models, dflash_drafters, tmp_path_factory):
     drafter = dflash_drafters["qwen3-trained"] if request.param == "dflash" else tiny_models["qwen3"]["other"]
     cfg = tmp_path_factory.mktemp("ray") / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    info = {"proc": proc, "method": request.param}
-    for line in proc.stdout:
-        if line.startswith("HTTP "):
-            info["http"] = int(line.split()[1])
-        if line.startswith("SERVING "):
-            info["grpc"] = int(line.split()[1].split("=")[1])
-            break
-    assert "grpc" in info, f"serve exited with code {proc.wait()} before serving"
-    channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc']}")
-    info["stub"] = api_grpc.GenerationStub(channel)
+    info = spawn_serve("--config", str(cfg)) | {"method": request.param}
     yield info
-    channel.close()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(60)
+    stop_serve(info)
 
 
 def actor_pids(title: str) -> list[int]:

@@ -48,11 +48,10 @@ def http_status(port: int, path: str = "/health") -> int:
         return e.code
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models, dflash_drafters, tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
-    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg), "--no-ray"],
+def spawn_serve(*args: str, cwd=None) -> dict:
+    """`blockspec serve ARGS` as a child process, once it serves: its proc, ports, a stub, and the
+    /health status seen while the roles were still loading."""
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", *args], cwd=cwd,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     info = {"proc": proc, "before": None}
     for line in proc.stdout:
@@ -63,12 +62,24 @@ def server(tiny_models, dflash_drafters, tmp_path_factory):
             info["grpc"] = int(line.split()[1].split("=")[1])
             break
     assert "grpc" in info, f"serve exited with code {proc.wait()} before serving"
-    channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc']}")
-    info["stub"] = api_grpc.GenerationStub(channel)
+    info["channel"] = grpc.insecure_channel(f"127.0.0.1:{info['grpc']}")
+    info["stub"] = api_grpc.GenerationStub(info["channel"])
+    return info
+
+
+def stop_serve(info: dict) -> None:
+    info["channel"].close()
+    info["proc"].send_signal(signal.SIGTERM)
+    info["proc"].wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, dflash_drafters, tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("serve") / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
+    info = spawn_serve("--config", str(cfg), "--no-ray")
     yield info
-    channel.close()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+    stop_serve(info)
 
 
 def generate(stub, ids, max_tokens=128, timeout=120):
@@ -166,22 +177,14 @@ def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
                    .replace("  max_batch: 4", "  max_batch: 2\n  replicas: 2"))
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg), "--no-ray"],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    info = spawn_serve("--config", str(cfg), "--no-ray")
     try:
-        ports = {}
-        for line in proc.stdout:
-            if line.startswith("SERVING "):
-                ports = dict(kv.split("=") for kv in line.split()[1:])
-                break
-        assert len(role_pids(proc, "role verifier")) == 2 and len(role_pids(proc, "role drafter")) == 2
-        stub = api_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
+        assert len(role_pids(info["proc"], "role verifier")) == 2 and len(role_pids(info["proc"], "role drafter")) == 2
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda i: generate(stub, prompts[i], 64), range(4)))
+            results = list(pool.map(lambda i: generate(info["stub"], prompts[i], 64), range(4)))
         for i, (ids, _, _) in enumerate(results):
             assert ids == references["qwen3"][i][:64]
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/metrics").read().decode()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{info['http']}/metrics").read().decode()
         assert 'blockspec_requests_running{replica="0"}' in metrics and 'blockspec_requests_running{replica="1"}' in metrics
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        stop_serve(info)
