@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Split-deployment overhead at concurrency 1: the same held-out prompts through the in-process engine,
+# through `serve --no-ray` (role processes + gRPC) and through `serve` on Ray (actors + gRPC).
+# Prints aggregate tokens/s (all generated tokens / all request times) and the ratios.
+set -euo pipefail
+BIN=${BIN:-.venv/bin}
+PAIR=${PAIR:-models/base}
+PROMPTS=${PROMPTS:-$PAIR/heldout_prompts.jsonl}
+N=${N:-128}
+agg() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")]; t=sum(len(x["token_ids"]) for x in r); s=sum(x["stats"]["elapsed_s"] for x in r); print(f"{t/s:.1f}")'; }
+served() {  # $1: extra serve flags
+  local log; log=$(mktemp)
+  "$BIN/blockspec" serve --config deploy/config.yaml $1 --port 0 --grpc-port 0 >"$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 240); do grep -q '^SERVING' "$log" && break; sleep 0.5; done
+  local port; port=$(sed -n 's/^SERVING grpc=\([0-9]*\).*/\1/p' "$log")
+  "$BIN/blockspec" generate --server "localhost:$port" --prompts-file "$PROMPTS" --max-batch 1 --max-tokens "$N" --json | agg
+  kill "$pid"; wait "$pid" 2>/dev/null || true; rm -f "$log"
+}
+inproc=$("$BIN/blockspec" generate --target "$PAIR/target" --drafter "$PAIR/drafter" --prompts-file "$PROMPTS" \
+         --max-batch 1 --max-tokens "$N" --json | agg)
+norai=$(served --no-ray)
+onray=$(served "")
+python3 - "$inproc" "$norai" "$onray" <<'PY'
+import sys
+a, b, c = map(float, sys.argv[1:])
+print("| deployment (dflash, k=5, c=1) | tokens/s | vs in-process |")
+print("|---|---|---|")
+for name, v in (("in-process engine", a), ("serve --no-ray (processes + gRPC)", b), ("serve on Ray (actors + gRPC)", c)):
+    print(f"| {name} | {v:.1f} | {v / a:.2f} |")
+PY
