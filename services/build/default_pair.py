@@ -126,7 +126,7 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
         shutil.rmtree(paths.target)
     shutil.copytree(work / "target", paths.target)
     train_ids = np.load(work / "data" / "train.npy", mmap_mode="r")
-    distill(paths.target, paths.drafter, train_ids, 1536, 64, 128, BASE_DISTILL)
+    distill(paths.target, paths.drafter, train_ids, 2048, 64, 128, BASE_DISTILL)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
