@@ -10,7 +10,7 @@ N=${N:-128}
 # tokens / wall time. In-process all requests are submitted at once and run one at a time, so the wall
 # time is the last request's elapsed (it includes the queueing); through the server the client sends
 # them one after the other, so it is the sum.
-agg() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")]; t=sum(len(x["token_ids"]) for x in r); e=[x["stats"]["elapsed_s"] for x in r]; print(f"{t/(max(e) if sys.argv[1]=="max" else sum(e)):.1f}")' "$1"; }
+agg() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")]; t=sum(len(x["token_ids"]) for x in r); e=[x["stats"]["elapsed_s"] for x in r]; w=max(e) if sys.argv[1]=="max" else sum(e); print(round(t/w, 1))' "$1"; }
 served() {  # $1: extra serve flags
   local log; log=$(mktemp)
   "$BIN/blockspec" serve --config deploy/config.yaml $1 --port 0 --grpc-port 0 >"$log" 2>&1 &
