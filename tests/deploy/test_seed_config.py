@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ def test_seed_config_serves_the_shipped_pair():
     try:
         assert info["before"] == 503
         assert http_status(info["http"]) == 200
-        msgs = list(info["stub"].Generate(api_pb2.GenerateRequest(text="def main():\n", max_tokens=32), timeout=60))
-        assert msgs[-1].finish.usage.completion_tokens == 32 and msgs[-1].finish.acceptance.drafted > 0
+        prompt = json.loads((ROOT / "models" / "base" / "heldout_prompts.jsonl").read_text().splitlines()[0])
+        msgs = list(info["stub"].Generate(api_pb2.GenerateRequest(text=prompt, max_tokens=32), timeout=60))
+        finish = msgs[-1].finish
+        assert finish.reason == "length" and finish.usage.completion_tokens == 32 and finish.acceptance.drafted > 0
     finally:
         stop_serve(info)

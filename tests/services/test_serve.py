@@ -16,28 +16,14 @@ import psutil
 import pytest
 
 from blockspec.protos import api_grpc, api_pb2
+from tests.common.test_config import SEED
 from tests.services.router.test_server import collect
 
 pytestmark = pytest.mark.e2e
 
-CONFIG = """
-server:
-  port: 0
-  grpc_port: 0
-  workers: 1
-  max_batch: 4
-model:
-  target_model_path: "{target}"
-  draft_model_path: "{drafter}"
-  spec_decode:
-    enabled: true
-    num_speculative_tokens: 5
-    draft_model_dtype: "float16"
-    use_dynamic_conv: true
-    use_path_selector: true
-  tensor_parallel_size: 1
-  gpu_memory_utilization: 0.9
-"""
+# The operators' seed config (tests/common/test_config.py) on free ports, with the models filled in.
+CONFIG = (SEED.replace('"/data/models/target_model"', '"{target}"').replace('"/data/models/draft_model"', '"{drafter}"')
+          .replace("  port: 8000\n", "  port: 0\n  grpc_port: 0\n  max_batch: 4\n"))
 
 
 def http_status(port: int, path: str = "/health") -> int:
