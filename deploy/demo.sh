@@ -5,7 +5,8 @@
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 PAIR=${PAIR:-models/base}
-PROMPT=${PROMPT:-$'def parse_args(argv=None):\n    """Parse the command line."""\n'}
+# Default: the first held-out prompt (a file the pair never trained on).
+PROMPT=${PROMPT:-$("$BIN/python" -c "import json; print(json.loads(open('$PAIR/heldout_prompts.jsonl').readline()))")}
 LOG=$(mktemp)
 "$BIN/blockspec" serve --config deploy/config.yaml --no-ray --port 0 --grpc-port 0 >"$LOG" 2>&1 &
 SERVER=$!
@@ -20,5 +21,7 @@ HTTP=$(sed -n 's/^SERVING .*http=\([0-9]*\)/\1/p' "$LOG")
 echo "== blockspec serving on gRPC :$GRPC, HTTP :$HTTP (health: $(curl -s -o /dev/null -w '%{http_code}' localhost:$HTTP/health))"
 echo "== speculative (dflash, k=5), streamed from the server:"
 "$BIN/blockspec" generate "$PROMPT" --server "localhost:$GRPC" --max-tokens 128
-echo "== the same prompt, plain decoding in-process (the baseline):"
+echo "== the same prompt in-process: speculative (dflash, k=5), then plain decoding (the baseline):"
+"$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --drafter "$PAIR/drafter" -k 5 --max-tokens 128 | tail -n 1
 "$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --method none --max-tokens 128 | tail -n 1
+echo "(the small target loops under greedy decoding; see README, 'The default pair')"
