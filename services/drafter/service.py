@@ -70,10 +70,13 @@ class DrafterService(roles_grpc.DrafterServicer):
 
     async def Steps(self, requests, context: grpc.aio.ServicerContext):
         loop = asyncio.get_running_loop()
-        async for req in requests:
-            if self.proposer is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dflash drafter not attached to a verifier")
-            yield await loop.run_in_executor(self._executor, self._handle, req)
+        try:
+            async for req in requests:
+                if self.proposer is None:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dflash drafter not attached to a verifier")
+                yield await loop.run_in_executor(self._executor, self._handle, req)
+        except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
+            return
 
     def _forget(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)

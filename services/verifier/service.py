@@ -67,8 +67,11 @@ class VerifierService(roles_grpc.VerifierServicer):
 
     async def Steps(self, requests, context: grpc.aio.ServicerContext):
         loop = asyncio.get_running_loop()
-        async for req in requests:
-            yield await loop.run_in_executor(self._executor, self._handle, req)
+        try:
+            async for req in requests:
+                yield await loop.run_in_executor(self._executor, self._handle, req)
+        except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
+            return
 
     def _handle(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
         started = time.perf_counter_ns()
