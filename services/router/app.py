@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health
+from grpc_health.v1 import health as grpc_health
 
 from blockspec.common.grpc_server import start_server
 from blockspec.common.telemetry import RouterMetrics
@@ -26,7 +26,7 @@ SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 class RouterServer:
     server: grpc.aio.Server
     schedulers: list[Scheduler]  # one per replica
-    health: health.HealthServicer
+    health: grpc_health.aio.HealthServicer
     port: int
 
     def stalled(self, limit_s: float) -> bool:

@@ -17,16 +17,21 @@ def _child_reads_and_writes(handle, queue):
     t[0, 0] = 42.0
 
 
+def sum_in_child(handle) -> float:
+    """Map `handle` in a fresh (spawned) process, return its sum; the child also writes 42 at [0, 0]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_reads_and_writes, args=(handle, queue))
+    proc.start()
+    proc.join(120)
+    return queue.get(timeout=5)
+
+
 def test_another_process_sees_and_writes_the_same_memory():
     shares = SharedTensors()
     try:
         shared, handle = shares.export(torch.arange(12, dtype=torch.float32).view(3, 4))
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child_reads_and_writes, args=(handle, queue))
-        proc.start()
-        proc.join(60)
-        assert queue.get(timeout=5) == 66.0
+        assert sum_in_child(handle) == 66.0
         assert float(shared[0, 0]) == 42.0  # the child's write, seen here: one memory, not a copy
     finally:
         shares.close()
@@ -60,11 +65,6 @@ def test_cuda_ipc_handle_maps_the_same_device_memory_in_another_process():
     t = torch.arange(12, device="cuda", dtype=torch.float32).view(3, 4)
     _, handle = shares.export(t)
     assert handle.kind == "cuda_ipc"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child_reads_and_writes, args=(handle, queue))
-    proc.start()
-    proc.join(120)
-    assert queue.get(timeout=5) == 66.0
+    assert sum_in_child(handle) == 66.0
     torch.cuda.synchronize()
     assert float(t[0, 0]) == 42.0
