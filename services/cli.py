@@ -8,10 +8,12 @@ import logging
 import sys
 from pathlib import Path
 
-from blockspec.common.detokenize import TextStream, decode
+from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.sampling import RULES, SamplingParams
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
+from blockspec.services.router.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,22 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams (validated by the engine or the server)."""
+    bias = []
+    for item in args.logit_bias or []:
+        token, _, value = item.partition("=")
+        try:
+            bias.append((int(token), float(value)))
+        except ValueError:
+            raise InvalidArgument("--logit-bias", f"expected TOKEN_ID=BIAS, got {item!r}") from None
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
+        logit_bias=tuple(sorted(dict(bias).items())))
+
+
 def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
     """`generate --server`: the same output through the public gRPC API and its generated stubs."""
     import time
@@ -76,8 +94,13 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
     stub = api_grpc.GenerationStub(channel)
     stream_text = not args.json and len(prompts) == 1
 
+    from blockspec.common.sampling import fill_pb
+
+    sampling = _sampling(args)
+
     def one(prompt: str) -> dict:
-        req = api_pb2.GenerateRequest(text=prompt, max_tokens=args.max_tokens)
+        req = api_pb2.GenerateRequest(text=prompt, max_tokens=args.max_tokens, stop=args.stop or [])
+        fill_pb(sampling, req.sampling)
         if args.k is not None:
             req.num_speculative_tokens = args.k
         started, ids, text, finish = time.perf_counter(), [], "", None
@@ -90,7 +113,7 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
             if msg.HasField("finish"):
                 finish = msg.finish
         elapsed, a = time.perf_counter() - started, finish.acceptance
-        return {"text": text, "token_ids": ids, "stats": {
+        return {"text": text, "token_ids": ids, "finish_reason": finish.reason, "stats": {
             "steps": a.steps, "drafted": a.drafted, "accepted": a.accepted, "tau": round(a.tau, 4),
             "acceptance_rate": round(a.acceptance_rate, 4) if a.drafted else None,
             "accepted_per_pos": list(a.accepted_per_pos), "tokens_per_s": round(len(ids) / elapsed, 2),
@@ -112,6 +135,21 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
     return 0
 
 
+def total_stats(results: list[dict]) -> dict:
+    """The stats of several prompts run together: sums, and tokens/s over the longest elapsed time."""
+    stats = [r["stats"] for r in results]
+    steps, drafted, accepted = (sum(s[key] for s in stats) for key in ("steps", "drafted", "accepted"))
+    width = max(len(s["accepted_per_pos"]) for s in stats)
+    elapsed = max(s["elapsed_s"] for s in stats)
+    return {"steps": steps, "drafted": drafted, "accepted": accepted,
+            "tau": round(1 + accepted / steps, 4) if steps else 0.0,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "accepted_per_pos": [sum(s["accepted_per_pos"][i] for s in stats if i < len(s["accepted_per_pos"]))
+                                 for i in range(width)],
+            "tokens_per_s": round(sum(len(r["token_ids"]) for r in results) / elapsed, 2) if elapsed else 0.0,
+            "elapsed_s": elapsed}
+
+
 def _print_results(args: argparse.Namespace, results: list[dict], streamed: bool) -> None:
     for i, result in enumerate(results):
         if args.json:
@@ -120,6 +158,8 @@ def _print_results(args: argparse.Namespace, results: list[dict], streamed: bool
             if not streamed:
                 print(f"--- prompt {i}\n{result['text']}")
             print(stats_line(result["stats"]))
+    if len(results) > 1 and not args.json:
+        print(f"all {len(results)} prompts: {stats_line(total_stats(results))}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -143,24 +183,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     max_len=args.max_model_len, invariant=args.invariant,
                     use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector)
     # Validate every prompt before anything is generated or written.
-    requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k) for i, p in enumerate(prompts)]
+    sampling = _sampling(args)
+    requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
     stream_text = not args.json and len(prompts) == 1
-    text_stream = TextStream(engine.tokenizer)
+    streams = {r.request_id: (TextStream(engine.tokenizer), StopMatcher(args.stop or [])) for r in requests}
+    released = {r.request_id: "" for r in requests}
     results: dict[str, dict] = {}
     for event in engine.generate(requests):
-        if isinstance(event, TokenEvent) and stream_text:
-            sys.stdout.write(text_stream.push(event.token_ids))
+        rid = event.request_id
+        if rid in results:
+            continue  # stopped by a stop sequence: its cancellation is already reported
+        text, stops = streams[rid]
+        if isinstance(event, TokenEvent):
+            delta, hit = stops.push(text.push(event.token_ids))
+            released[rid] += delta
+            if hit:  # stop generating; the text ends before the stop sequence
+                results[rid] = _result(engine.loop.cancel(rid), "stop_sequence", released[rid])
+        else:
+            delta = stops.push(text.flush())[0] + stops.flush()
+            released[rid] += delta
+            results[rid] = _result(event, event.reason, released[rid])
+        if stream_text:
+            sys.stdout.write(delta)
             sys.stdout.flush()
-        elif isinstance(event, FinishEvent):
-            results[event.request_id] = {
-                "text": decode(engine.tokenizer, event.token_ids),
-                "token_ids": list(event.token_ids),
-                "stats": stats_dict(event.stats, len(event.token_ids)),
-            }
     if stream_text:
-        sys.stdout.write(text_stream.flush() + "\n")
+        sys.stdout.write("\n")
     _print_results(args, [results[req.request_id] for req in requests], stream_text)
     return 0
+
+
+def _result(event: FinishEvent, reason: str, text: str) -> dict:
+    return {"text": text, "token_ids": list(event.token_ids), "finish_reason": reason,
+            "stats": stats_dict(event.stats, len(event.token_ids))}
 
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
@@ -280,6 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
     gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")
     gen.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    gen.add_argument("--stop", action="append", help="stop sequence (text; repeatable): the output ends before it")
+    samp = gen.add_argument_group("sampling (defaults: greedy; see README, Sampling)")
+    samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    samp.add_argument("--seed", type=int, help="same seed -> same text (rule strict: with or without speculation)")
+    samp.add_argument("--rule", choices=RULES, default="rejection", help="verification rule when sampling")
+    samp.add_argument("--repetition-penalty", type=float, default=1.0, help="HF semantics over prompt + output; 1 = off")
+    samp.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics over the output")
+    samp.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics over the output")
+    samp.add_argument("--no-repeat-ngram-size", type=int, default=0, help="ban repeating an n-gram of prompt + output")
+    samp.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS", help="add BIAS to a token's logit (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     gen.add_argument("--max-batch", type=int, default=16, help="requests stepped together (default 16)")
     gen.add_argument("--max-model-len", type=int, help="KV cache length per request (default: model context, <= 4096)")

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from blockspec.common.models import load_checkpoint
+from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.services.drafter.proposers import MAX_K, TargetView, build_proposer, check_method
 from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
 from blockspec.services.router.validation import validate_request
@@ -57,12 +58,14 @@ class Engine:
     def context_len(self) -> int:
         return self.verifier.max_len
 
-    def request(self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int | None = None) -> Request:
+    def request(self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int | None = None,
+                sampling: SamplingParams = GREEDY) -> Request:
         """A validated request; k=None takes the method's default (0 for `none`)."""
         max_k = self.proposer.max_k
         k = (min(DEFAULT_K, max_k) if max_k else 0) if k is None else k
         validate_request(prompt_ids, max_tokens, k, context_len=self.context_len, max_k=max_k)
-        return Request(request_id, tuple(prompt_ids), max_tokens, k)
+        sampling = validate(sampling, self.verifier.runner.config.vocab_size)
+        return Request(request_id, tuple(prompt_ids), max_tokens, k, sampling)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []

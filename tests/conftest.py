@@ -47,13 +47,14 @@ def prompts(tokenizer) -> list[list[int]]:
     return [ids[200 * i : 200 * i + n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
-    """The oracle: transformers `generate(do_sample=False)` of the model alone; generated ids only."""
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS, **settings) -> list[int]:
+    """The oracle: transformers `generate(do_sample=False)` of the model alone (with `settings` such as
+    repetition_penalty); generated ids only."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, **settings)
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -79,3 +80,11 @@ def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]
     train_drafter(target, root / "qwen3-trained", sequences, [24] * len(prompts), DistillConfig(steps=150), progress=False)
     out["qwen3-trained"] = root / "qwen3-trained"
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """`build-default --profile tiny`: a trained target (peaked distributions) and its distilled drafter."""
+    from blockspec.services.build.default_pair import build_default
+
+    return build_default("tiny", tmp_path_factory.mktemp("pairs"), threads=1)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+from blockspec.common.sampling import GREEDY, DraftDist, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -14,12 +14,19 @@ class ProposeInput:
     request_id: str
     token_ids: Sequence[int]  # committed tokens, prompt included; the last one is the anchor
     k: int  # number of draft tokens wanted (the proposer may return fewer)
+    sampling: SamplingParams = GREEDY  # how the request samples: drafts follow it (see common/sampling.py)
 
 
 @dataclass(frozen=True)
 class Draft:
     token_ids: tuple[int, ...]  # at most k draft tokens
-    q: torch.Tensor | None = None  # [len, vocab] draft probabilities where the method has them
+    # Rejection rule: the distribution each token was sampled from. None: the tokens are deterministic
+    # given the context (greedy, strict, n-gram), which the rule treats as a one-hot q.
+    q: DraftDist | None = None
+    q_width: int = 0  # remote drafter: q sits in the verifier's shared q buffer, rows this wide
+
+    def head(self, k: int) -> Draft:
+        return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None, self.q_width)
 
 
 class Proposer(Protocol):

@@ -12,6 +12,7 @@ import grpc
 import psutil
 
 from blockspec.common.models import load_checkpoint
+from blockspec.common.sampling import Q_ROWS, from_pb
 from blockspec.common.tensor_share import TensorHandle, open_handle
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposer import ProposeInput
@@ -43,6 +44,7 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._tokens: dict[str, list[int]] = {}  # committed tokens seen per request
         self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
         self._tap_buffer = None
+        self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     def close(self) -> None:
@@ -58,6 +60,8 @@ class DrafterService(roles_grpc.DrafterServicer):
         return self._info()
 
     async def Attach(self, info: roles_pb2.VerifierInfo, context: grpc.aio.ServicerContext) -> roles_pb2.DrafterInfo:
+        if info.HasField("draft_q_ids") and self._q_ids is None:
+            self._q_ids, self._q_probs = _open(info.draft_q_ids), _open(info.draft_q_probs)
         if self.proposer is None:
             self._tap_buffer = _open(info.tap_buffer)
             view = TargetView(_open(info.embedding), _open(info.lm_head), self._features)
@@ -96,14 +100,24 @@ class DrafterService(roles_grpc.DrafterServicer):
             self._forget(item.request_id)
         return False
 
+    def _draft_item(self, item: roles_pb2.ProposeItem, draft) -> roles_pb2.DraftItem:
+        """Pack a draft; its q (rejection rule) goes to the verifier's shared buffer at the request's slot."""
+        if draft.q is None:
+            return roles_pb2.DraftItem(request_id=item.request_id, draft_ids=draft.token_ids)
+        if self._q_ids is None:  # q cannot reach the verifier: a draft without its q would not be lossless
+            return roles_pb2.DraftItem(request_id=item.request_id)
+        n, width = min(len(draft.token_ids), Q_ROWS), draft.q.token_ids.shape[-1]
+        self._q_ids[item.feature_slot, :n, :width] = draft.q.token_ids[:n]
+        self._q_probs[item.feature_slot, :n, :width] = draft.q.probs[:n]
+        return roles_pb2.DraftItem(request_id=item.request_id, draft_ids=draft.token_ids[:n], q_width=width)
+
     def _handle(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:
         started = time.perf_counter_ns()
         for rid in req.release:
             self._forget(rid)
         fresh = [item for item in req.items if self._accept(item)]
-        inputs = [ProposeInput(i.request_id, self._tokens[i.request_id], i.k) for i in fresh]
+        inputs = [ProposeInput(i.request_id, self._tokens[i.request_id], i.k, from_pb(i.sampling)) for i in fresh]
         drafts = dict(zip((i.request_id for i in fresh), self.proposer.propose(inputs))) if inputs else {}
-        items = [roles_pb2.DraftItem(request_id=i.request_id, draft_ids=drafts[i.request_id].token_ids)
-                 if i.request_id in drafts else roles_pb2.DraftItem(request_id=i.request_id, stale=True)
-                 for i in req.items]
+        items = [self._draft_item(i, drafts[i.request_id]) if i.request_id in drafts
+                 else roles_pb2.DraftItem(request_id=i.request_id, stale=True) for i in req.items]
         return roles_pb2.DrafterResponse(seq=req.seq, items=items, forward_ns=time.perf_counter_ns() - started)

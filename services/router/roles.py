@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
@@ -49,7 +50,7 @@ class RemoteVerifier:
         self._stream = StreamCall(stub.Steps)
         self._timeout_s = timeout_s
         self._seq = 0
-        self._pending: dict[str, list[int]] = {}  # added, not yet prefilled
+        self._pending: dict[str, roles_pb2.PrefillItem] = {}  # added, not yet prefilled
         self._active: dict[str, int] = {}  # request -> tap buffer row
         self._release: list[str] = []
 
@@ -60,8 +61,10 @@ class RemoteVerifier:
     def slot_of(self, request_id: str) -> int:
         return self._active[request_id]
 
-    def add(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        self._pending[request_id] = list(prompt_ids)
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
+        item = roles_pb2.PrefillItem(request_id=request_id, prompt_ids=prompt_ids)
+        fill_pb(sampling, item.sampling)
+        self._pending[request_id] = item
 
     def release(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is None and self._active.pop(request_id, None) is not None:
@@ -81,11 +84,11 @@ class RemoteVerifier:
         return out
 
     def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]:
-        items = [roles_pb2.PrefillItem(request_id=rid, prompt_ids=self._pending.pop(rid)) for rid in request_ids]
-        return self._call(prefill=items)
+        return self._call(prefill=[self._pending.pop(rid) for rid in request_ids])
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
-        return self._call(verify=[roles_pb2.VerifyItem(request_id=i.request_id, draft_ids=i.draft_ids) for i in inputs])
+        return self._call(verify=[roles_pb2.VerifyItem(request_id=i.request_id, draft_ids=i.draft_ids, q_width=i.q_width)
+                                  for i in inputs])
 
     def close(self) -> None:
         self._stream.close()
@@ -152,9 +155,11 @@ class RemoteDrafter:
         items = []
         for i in inputs:
             sent = self._sent.get(i.request_id, 0)
-            items.append(roles_pb2.ProposeItem(request_id=i.request_id, committed_len=len(i.token_ids),
-                                               new_token_ids=i.token_ids[sent:], k=i.k,
-                                               feature_slot=self.verifier.slot_of(i.request_id)))
+            item = roles_pb2.ProposeItem(request_id=i.request_id, committed_len=len(i.token_ids),
+                                         new_token_ids=i.token_ids[sent:], k=i.k,
+                                         feature_slot=self.verifier.slot_of(i.request_id))
+            fill_pb(i.sampling, item.sampling)
+            items.append(item)
         self._seq += 1
         try:
             resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release),
@@ -171,7 +176,7 @@ class RemoteDrafter:
                 drafts.append(Draft(()))
             else:
                 self._sent[i.request_id] = len(i.token_ids)
-                drafts.append(Draft(tuple(item.draft_ids)))
+                drafts.append(Draft(tuple(item.draft_ids), q_width=item.q_width))
         return drafts
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.sampling import from_pb, validate
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import FinishEvent, Request
@@ -62,14 +63,12 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
         bad = [t for t in ids if t >= facts.vocab_size]
         if bad:
             raise InvalidArgument("token_ids", f"id {bad[0]} is outside the vocabulary of {facts.vocab_size}")
-    s = msg.sampling
-    if s.temperature != 0 or s.top_k != 0 or s.top_p not in (0.0, 1.0) or s.HasField("seed"):
-        raise InvalidArgument("sampling", "only greedy decoding (temperature 0, no top_p/top_k/seed) is supported")
+    sampling = validate(from_pb(msg.sampling), facts.vocab_size)
     if any(not stop for stop in msg.stop):
         raise InvalidArgument("stop", "stop sequences must not be empty")
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
     validate_request(ids, msg.max_tokens, k, context_len=facts.context_len, max_k=facts.max_k)
-    return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), msg.max_tokens, k)
+    return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), msg.max_tokens, k, sampling)
 
 
 def finish_message(event: FinishEvent, prompt_tokens: int, reason: str) -> api_pb2.Finish:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class VerifierRole(Protocol):
     free_slots: int
 
-    def add(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
     def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]: ...
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]: ...
     def release(self, request_id: str) -> None: ...
@@ -37,6 +38,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     k: int  # draft tokens per step; 0 = plain decoding
+    sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.validate)
 
 
 @dataclass
@@ -158,7 +160,7 @@ class StepLoop:
         admitted = []
         while self._waiting and len(self._running) + len(admitted) < self.max_batch and self.verifier.free_slots:
             live = self._waiting.popleft()
-            self.verifier.add(live.request.request_id, live.request.prompt_ids)
+            self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
             admitted.append(live)
         if admitted:
             results = self.verifier.prefill([live.request.request_id for live in admitted])
@@ -184,15 +186,13 @@ class StepLoop:
 
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
-        wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv)) for lv in lives]
+        wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv), lv.request.sampling) for lv in lives]
         t0 = time.perf_counter()
         to_draft = [w for w in wants if w.k > 0]
         drafted = dict(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft))) if to_draft else {}
         t1 = time.perf_counter()
-        inputs = [
-            VerifyInput(w.request_id, drafted[w.request_id].token_ids[: w.k] if w.request_id in drafted else ())
-            for w in wants
-        ]
+        drafts = [drafted[w.request_id].head(w.k) if w.request_id in drafted else Draft(()) for w in wants]
+        inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width) for w, d in zip(wants, drafts)]
         results = self.verifier.verify(inputs)
         t2 = time.perf_counter()
         self.last_report = StepReport(

@@ -1,8 +1,9 @@
-"""The acceptance rule: which draft tokens the target keeps, and the token it adds itself.
+"""The acceptance rules: which draft tokens the target keeps, and the token it adds itself.
 
-Terms (DESIGN.md): for a draft d1..dk verified as [anchor, d1..dk], the target yields one token per
-position. *Accepted tokens* are the longest draft prefix equal to the target's tokens. The
-*recovered token* is the target's own token at the first mismatch; if all k drafts are accepted the
+Terms (DESIGN.md): a draft d1..dk is verified as [anchor, d1..dk]; row i of the target's output
+gives p for the token after d_i. *Accepted tokens* are the draft prefix the rule keeps (greedy and
+strict: equal to the target's argmax / seeded sample; rejection: passed the p/q test). The
+*recovered token* is the target's own token at the first rejection; if all k drafts are accepted the
 target's token after dk is the *bonus token*. Either way a step commits accepted + 1 tokens.
 """
 
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from blockspec.common.sampling import STREAM_ACCEPT, STREAM_TARGET, DraftDist, sample, uniforms
 
 
 @dataclass(frozen=True)
@@ -30,3 +33,37 @@ def greedy_accept(draft_ids: Sequence[int], target_ids: Sequence[int]) -> Accept
     # The first mismatch zeroes the running product; its sum is the accepted prefix length.
     n = int((draft == target[:k]).cumprod(0).sum()) if k else 0
     return Acceptance(num_accepted=n, token_ids=tuple(int(t) for t in target[: n + 1]))
+
+
+def strict_accept(draft_ids: Sequence[int], logp: torch.Tensor, seed: int, position: int) -> Acceptance:
+    """Strict rule: the target's token at every position is the Gumbel-max of p with noise keyed by
+    (seed, absolute position) - what plain decoding with that seed produces - and a draft token is
+    accepted iff it equals it. logp [k + 1, V]; row i samples the token at `position` + i."""
+    tokens = []
+    for i in range(len(draft_ids) + 1):  # lazily: stop at the first mismatch
+        tokens.append(sample(logp[i], seed, position + i, STREAM_TARGET))
+        if i == len(draft_ids) or tokens[-1] != draft_ids[i]:
+            break
+    return Acceptance(num_accepted=len(tokens) - 1, token_ids=tuple(tokens))
+
+
+def rejection_accept(draft_ids: Sequence[int], logp: torch.Tensor, q: DraftDist | None, seed: int,
+                     position: int) -> Acceptance:
+    """Rejection rule (Leviathan et al. / Chen et al.): accept draft x with probability min(1, p(x) / q(x));
+    at the first rejection the *recovered token* is sampled from norm(max(0, p - q)); when all k are
+    accepted the *bonus token* is sampled from p. q=None: a deterministic proposer (q one-hot)."""
+    vocab = logp.shape[-1]
+    for i, x in enumerate(draft_ids):
+        p = logp[i].exp()
+        q_row = q.dense(i, vocab) if q is not None else torch.nn.functional.one_hot(torch.tensor(x), vocab).double()
+        u = float(uniforms(seed, position + i, STREAM_ACCEPT, 1)[0])
+        if u * float(q_row[x]) < float(p[x]):
+            continue
+        residual = (p - q_row).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p == q: nothing to recover towards; p itself is the answer
+            residual = p
+        recovered = sample(residual.log(), seed, position + i, STREAM_ACCEPT, offset=1)
+        return Acceptance(num_accepted=i, token_ids=(*draft_ids[:i], recovered))
+    k = len(draft_ids)
+    bonus = sample(logp[k], seed, position + k, STREAM_ACCEPT, offset=1)
+    return Acceptance(num_accepted=k, token_ids=(*draft_ids, bonus))

@@ -10,6 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+import torch
+
+from blockspec.common.sampling import Q_ROWS, Q_WIDTH, DraftDist, from_pb
 from blockspec.common.tensor_share import SharedTensors, TensorHandle
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.verifier.verifier import Verifier, VerifyInput
@@ -46,6 +49,15 @@ def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path:
     return info
 
 
+def share_draft_q(num_slots: int, shares: SharedTensors, info: roles_pb2.VerifierInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers a remote drafter writes its draft distributions into: ids, probs [slots, Q_ROWS, Q_WIDTH]."""
+    ids, ids_handle = shares.export(torch.zeros(num_slots, Q_ROWS, Q_WIDTH, dtype=torch.long))
+    probs, probs_handle = shares.export(torch.zeros(num_slots, Q_ROWS, Q_WIDTH))
+    info.draft_q_ids.CopyFrom(handle_to_pb(ids_handle))
+    info.draft_q_probs.CopyFrom(handle_to_pb(probs_handle))
+    return ids, probs
+
+
 def result_to_pb(verifier: Verifier, r) -> roles_pb2.VerifyResult:
     return roles_pb2.VerifyResult(request_id=r.request_id, num_accepted=r.num_accepted, token_ids=r.token_ids, eos=r.eos,
                                   committed_len=r.committed_len, slot=verifier.slot_of(r.request_id))
@@ -56,6 +68,7 @@ class VerifierService(roles_grpc.VerifierServicer):
         self.verifier = verifier
         self.shares = SharedTensors()
         self.info = share_target_tensors(verifier, self.shares, target_path)
+        self.q_ids, self.q_probs = share_draft_q(verifier.runner.cache.num_slots, self.shares, self.info)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier")
 
     def close(self) -> None:
@@ -73,6 +86,13 @@ class VerifierService(roles_grpc.VerifierServicer):
         except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
             return
 
+    def _draft_q(self, item: roles_pb2.VerifyItem) -> DraftDist | None:
+        """The q rows the drafter left in the shared buffer for this request's draft (views, no copy)."""
+        if not item.q_width:
+            return None
+        slot, n = self.verifier.slot_of(item.request_id), len(item.draft_ids)
+        return DraftDist(self.q_ids[slot, :n, : item.q_width], self.q_probs[slot, :n, : item.q_width])
+
     def _handle(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
         started = time.perf_counter_ns()
         v = self.verifier
@@ -82,10 +102,10 @@ class VerifierService(roles_grpc.VerifierServicer):
             results = []
             if req.prefill:
                 for item in req.prefill:
-                    v.add(item.request_id, list(item.prompt_ids))
+                    v.add(item.request_id, list(item.prompt_ids), from_pb(item.sampling))
                 results += v.prefill([item.request_id for item in req.prefill])
             if req.verify:
-                results += v.verify([VerifyInput(i.request_id, tuple(i.draft_ids)) for i in req.verify])
+                results += v.verify([VerifyInput(i.request_id, tuple(i.draft_ids), self._draft_q(i)) for i in req.verify])
             pb = [result_to_pb(v, r) for r in results]
         except Exception as e:  # the router fails these requests; the role keeps serving
             log.exception("verifier op failed")

@@ -10,7 +10,8 @@ import torch
 
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
-from blockspec.services.verifier.acceptance import greedy_accept
+from blockspec.common.sampling import GREEDY, DraftDist, SamplingParams, log_probs, process
+from blockspec.services.verifier.acceptance import Acceptance, greedy_accept, rejection_accept, strict_accept
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 class VerifyInput:
     request_id: str
     draft_ids: tuple[int, ...]  # may be empty: a plain decoding step
+    q: DraftDist | None = None  # rejection rule: what the drafts were sampled from (None: deterministic)
+    q_width: int = 0  # remote drafter: q is in the verifier service's shared buffer instead
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class VerifyResult:
 class _State:
     slot: int
     token_ids: list[int]  # committed: prompt + generated; the last one (anchor) is not in the cache yet
+    prompt_len: int
+    sampling: SamplingParams
 
 
 class Verifier:
@@ -87,10 +92,10 @@ class Verifier:
             self._store_taps(segments, starts, out.taps)
         return out
 
-    def add(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already active")
-        self._requests[request_id] = _State(slot=self.runner.cache.allocate(), token_ids=list(prompt_ids))
+        self._requests[request_id] = _State(self.runner.cache.allocate(), list(prompt_ids), len(prompt_ids), sampling)
 
     def release(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -117,7 +122,7 @@ class Verifier:
                 pending[rid] = end
                 if end == len(state.token_ids):
                     del pending[rid]
-                    results[rid] = self._commit(rid, 0, (int(logits[-1].argmax()),))
+                    results[rid] = self._commit(rid, self._decide(state, logits[-1:], (), None))
         return [results[rid] for rid in request_ids]
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
@@ -127,14 +132,28 @@ class Verifier:
         out = self._forward(segments)
         results = []
         for inp, state, logits in zip(inputs, states, out.logits):
-            target_ids = logits.argmax(dim=-1).tolist()  # [k + 1]
-            acc = greedy_accept(inp.draft_ids, target_ids)
+            acc = self._decide(state, logits, inp.draft_ids, inp.q)  # logits [k + 1, vocab]
             # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
             self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
-            results.append(self._commit(inp.request_id, acc.num_accepted, acc.token_ids))
+            results.append(self._commit(inp.request_id, acc))
         return results
 
-    def _commit(self, request_id: str, num_accepted: int, token_ids: tuple[int, ...]) -> VerifyResult:
+    @staticmethod
+    def _decide(state: _State, logits: torch.Tensor, draft_ids: Sequence[int], q: DraftDist | None) -> Acceptance:
+        """The request's rule over logits [k + 1, vocab]; row i samples the token at committed_len + i."""
+        sp = state.sampling
+        if sp.plain_greedy:
+            return greedy_accept(draft_ids, logits.argmax(dim=-1).tolist())
+        processed = process(logits, state.token_ids, state.prompt_len, draft_ids, sp)
+        if sp.greedy:
+            return greedy_accept(draft_ids, processed.argmax(dim=-1).tolist())
+        logp, position = log_probs(processed, sp), len(state.token_ids)
+        if sp.rule == "strict":
+            return strict_accept(draft_ids, logp, sp.seed, position)
+        return rejection_accept(draft_ids, logp, q, sp.seed, position)
+
+    def _commit(self, request_id: str, acc: Acceptance) -> VerifyResult:
+        num_accepted, token_ids = acc.num_accepted, acc.token_ids
         eos_at = next((i for i, t in enumerate(token_ids) if t in self.eos_ids), None)
         if eos_at is not None:  # nothing after an end-of-sequence token is committed
             token_ids = token_ids[: eos_at + 1]

@@ -25,7 +25,8 @@ def test_generate_json_contract(capsys, tiny_models, tokenizer):
                            "--max-tokens", "40", "--json")
     assert code == 0
     obj = json.loads(out)
-    assert set(obj) == {"text", "token_ids", "stats"}
+    assert set(obj) == {"text", "token_ids", "finish_reason", "stats"}
+    assert obj["finish_reason"] in ("length", "stop")
     assert set(obj["stats"]) == {"steps", "drafted", "accepted", "tau", "acceptance_rate", "accepted_per_pos",
                                  "tokens_per_s", "elapsed_s"}
     assert obj["token_ids"] == hf_greedy(target, tokenizer.encode(prompt), 40)
@@ -71,6 +72,11 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["hi", "--method", "ngram", "--drafter", "DRAFTER"], "drafter: method 'ngram' takes no drafter"),
         (["hi", "--method", "draft_model"], "drafter: method 'draft_model' needs a drafter"),
         (["hi", "--method", "draft_model", "--drafter", "/nonexistent/dir"], "/nonexistent/dir: checkpoint directory not found"),
+        (["hi", "--temperature", "-1"], "sampling.temperature: must be a number in [0.0, 100.0]"),
+        (["hi", "--top-p", "0"], "sampling.top_p"),
+        (["hi", "--logit-bias", "5:1"], "--logit-bias: expected TOKEN_ID=BIAS"),
+        (["hi", "--logit-bias", "9999=1"], "sampling.logit_bias: token id 9999 is outside"),
+        (["hi", "--repetition-penalty", "0"], "sampling.repetition_penalty"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(capsys, tiny_models, extra, message):
@@ -88,3 +94,19 @@ def test_unknown_method_and_missing_target_exit_2(tiny_models):
         proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", *argv], capture_output=True, text=True)
         assert proc.returncode == 2 and proc.stdout == ""
         assert "magic" in proc.stderr or "/no/such/dir: checkpoint directory not found" in proc.stderr
+
+
+def test_sampling_flags_strict_seed_and_stop(capsys, tiny_pair):
+    """--rule strict --seed: the same text with and without speculation; --stop ends the text before it."""
+    common = ["generate", "    def fill(self, text):", "--target", str(tiny_pair.target), "--max-tokens", "48",
+              "--temperature", "0.9", "--top-k", "50", "--seed", "11", "--rule", "strict", "--json"]
+    outs = [json.loads(run_cli(capsys, *common, *extra)[1]) for extra in
+            (["--method", "none"], ["--drafter", str(tiny_pair.drafter), "-k", "6"], ["--method", "ngram"])]
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] == outs[2]["token_ids"]
+    other_seed = json.loads(run_cli(capsys, *common[:-5], "--seed", "12", "--rule", "strict", "--json")[1])
+    assert other_seed["token_ids"] != outs[0]["token_ids"]
+    text = outs[0]["text"]
+    stop = text[10:13]
+    code, out, _ = run_cli(capsys, *common, "--method", "none", "--stop", stop)
+    stopped = json.loads(out)
+    assert code == 0 and stopped["finish_reason"] == "stop_sequence" and stopped["text"] == text[: text.find(stop)]

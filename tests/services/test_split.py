@@ -77,3 +77,31 @@ def test_dflash_maps_the_verifiers_tensors(split):
     emb.data[3, 0] = 123.0
     assert float(proposer.embedding[3, 0]) == 123.0
     emb.data[3, 0] = old
+
+
+@pytest.mark.parametrize("rule", ["rejection", "strict"])
+def test_split_sampling_equals_the_in_process_engine_for_a_seed(split, tiny_models, dflash_drafters, prompts, rule):
+    """Sampling over the roles (the rejection rule's q travels through the verifier's shared buffer) gives
+    the tokens the in-process engine gives for the same seed: same p, same q, same noise."""
+    from blockspec.common.sampling import SamplingParams
+    from blockspec.services.engine import Engine
+    from blockspec.services.router.step_loop import FinishEvent
+
+    method = split["method"]
+    drafter = dflash_drafters["qwen3-trained"] if method == "dflash" else tiny_models["qwen3"]["other"]
+    engine = Engine(tiny_models["qwen3"]["target"], drafter, method, max_batch=4)
+    params = {"temperature": 0.9, "top_k": 40, "rule": rule}
+    local = {}
+    reqs = [engine.request(str(s), prompts[3], 40, 4, SamplingParams(**params, seed=s)) for s in range(4)]
+    for event in engine.generate(reqs):
+        if isinstance(event, FinishEvent):
+            local[int(event.request_id)] = list(event.token_ids)
+    accepted = 0
+    for seed in range(4):
+        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=40, num_speculative_tokens=4,
+                                      sampling=api_pb2.SamplingParams(**params, seed=seed))
+        ids, _, finish = collect(split["stub"].Generate(req, timeout=120))
+        assert ids == local[seed], f"{method} {rule} seed {seed}"
+        accepted += finish.acceptance.accepted
+    assert accepted > 0
+    assert len({tuple(v) for v in local.values()}) > 1

@@ -6,6 +6,8 @@ Shapes: R blocks (one per request at inference, many per sequence in training), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,17 +134,23 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook[prev] * self.hidden_projection(hidden)  # [..., r]
         return unary + (self.successor_codebook[candidates] * query.unsqueeze(-2)).sum(-1)
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy left-to-right walk from the anchor. hidden [R, S, H], logits [R, S, V], anchor [R]
-        -> tokens [R, S] and the selector's distribution per slot scattered to the vocabulary [R, S, V]."""
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, pick: "Pick | None" = None) -> torch.Tensor:
+        """Left-to-right walk from the anchor. hidden [R, S, H], logits [R, S, V], anchor [R] -> tokens [R, S].
+
+        At slot t, `pick(t, scores [R, top_k], candidates [R, top_k])` chooses a candidate index per row
+        (default: the best score, the greedy walk); the chosen token is the next slot's predecessor.
+        """
         unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [R, S, top_k]
-        prev, tokens, q_rows = anchor, [], []
+        prev, tokens = anchor, []
         for t in range(logits.shape[1]):
             s = self.scores(hidden[:, t], unary[:, t], candidates[:, t], prev)  # [R, top_k]
-            prev = candidates[:, t].gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
+            index = s.argmax(-1) if pick is None else pick(t, s, candidates[:, t])
+            prev = candidates[:, t].gather(1, index[:, None]).squeeze(1)
             tokens.append(prev)
-            q_rows.append(torch.zeros_like(logits[:, t]).scatter(1, candidates[:, t], s.softmax(-1)))
-        return torch.stack(tokens, 1), torch.stack(q_rows, 1)
+        return torch.stack(tokens, 1)
+
+
+Pick = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DFlashDrafter(nn.Module):

@@ -10,6 +10,7 @@ import torch
 
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 
@@ -85,9 +86,36 @@ class DFlashProposer:
         ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
         hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)[:, 1:]  # [R, B - 1, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, B - 1, V]
+        q_rows: list[list] = [[] for _ in live]
+        pick = None if all(i.sampling.greedy for i in live) else self._sampler(live, q_rows)
         if self.use_path_selector:
-            tokens, q = self.model.candidate_selector.walk(hidden, logits, anchors)
-        else:
-            tokens, q = logits.argmax(-1), logits.softmax(-1)
-        drafts = {i.request_id: Draft(tuple(tokens[r, : i.k].tolist()), q[r, : i.k]) for r, i in enumerate(live)}
+            tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick)  # [R, B - 1]
+        else:  # per-slot choice among the slot's own top tokens
+            unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, B - 1, m]
+            tokens = torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
+                                  pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(B - 1)], 1)
+        drafts = {}
+        for r, i in enumerate(live):
+            q = q_rows[r][: i.k]
+            dist = DraftDist(torch.stack([c for c, _ in q]), torch.stack([p for _, p in q])) if q else None
+            drafts[i.request_id] = Draft(tuple(tokens[r, : i.k].tolist()), dist)
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
+
+    def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
+        """A walk `pick` following each request's sampling (common/sampling.draft_pick); greedy rows take
+        the best score. Rejection rows record the q they sampled from in q_rows."""
+        vocab = self.lm_head.shape[0]
+
+        def pick(t: int, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+            index = scores.argmax(-1)
+            for r, inp in enumerate(live):
+                if inp.sampling.greedy:
+                    continue
+                m = min(Q_WIDTH, scores.shape[-1])  # candidates come sorted by the drafter's logits
+                choice = draft_pick(scores[r, :m], candidates[r, :m], inp.sampling, len(inp.token_ids) + t, vocab)
+                index[r] = choice.index
+                if choice.probs is not None:
+                    q_rows[r].append((candidates[r, :m], choice.probs))
+            return index
+
+        return pick

@@ -6,8 +6,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
+from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 
 log = logging.getLogger(__name__)
@@ -53,8 +56,20 @@ class DraftModelProposer:
         cached.extend(new)
         return Segment(slot, new, last_only=True)
 
+    @staticmethod
+    def _pick(logits: torch.Tensor, inp: ProposeInput, position: int, q_rows: list) -> int:
+        """The next draft token from the draft model's logits [V]; rejection rows keep (ids, q) in q_rows."""
+        if inp.sampling.greedy:
+            return int(logits.argmax())
+        ids = logits.topk(min(Q_WIDTH, logits.shape[-1])).indices  # q lives on the draft model's top tokens
+        pick = draft_pick(logits[ids], ids, inp.sampling, position, logits.shape[-1])
+        if pick.probs is not None:
+            q_rows.append((ids, pick.probs))
+        return int(ids[pick.index])
+
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
         drafts: list[list[int]] = [[] for _ in inputs]
+        q_rows: list[list] = [[] for _ in inputs]
         active = []  # (index in inputs, segment to run)
         for idx, inp in enumerate(inputs):
             seg = self._catch_up(inp) if inp.k > 0 else None
@@ -64,10 +79,12 @@ class DraftModelProposer:
             out = self.runner.forward([seg for _, seg in active])
             next_active = []
             for (idx, seg), logits in zip(active, out.logits):
-                token = int(logits[-1].argmax())
+                inp = inputs[idx]
+                token = self._pick(logits[-1], inp, len(inp.token_ids) + len(drafts[idx]), q_rows[idx])
                 drafts[idx].append(token)
                 if len(drafts[idx]) < inputs[idx].k:
                     self._cached[inputs[idx].request_id].append(token)
                     next_active.append((idx, Segment(seg.slot, (token,), last_only=True)))
             active = next_active
-        return [Draft(tuple(d)) for d in drafts]
+        return [Draft(tuple(d), DraftDist(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q])) if q else None)
+                for d, q in zip(drafts, q_rows)]

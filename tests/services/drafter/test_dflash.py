@@ -120,9 +120,8 @@ def test_selector_walk_is_argmax_without_pairwise_term_and_follows_it_with_one()
     hidden = torch.randn(2, 3, 16)
     with torch.no_grad():
         sel.predecessor_codebook.zero_()
-    tokens, q = sel.walk(hidden, logits, torch.tensor([0, 1]))
+    tokens = sel.walk(hidden, logits, torch.tensor([0, 1]))
     assert torch.equal(tokens, logits.argmax(-1))
-    assert torch.allclose(q.sum(-1), torch.ones(2, 3)) and int((q > 0).sum(-1).max()) <= 3
     # A strong pairwise bonus for (anchor -> the slot's 2nd best candidate) changes the first pick.
     second = logits[0, 0].topk(2).indices[1]
     with torch.no_grad():
@@ -131,7 +130,7 @@ def test_selector_walk_is_argmax_without_pairwise_term_and_follows_it_with_one()
         sel.predecessor_codebook[0] = 100.0
         sel.successor_codebook.zero_()
         sel.successor_codebook[second] = 1.0 if float(hidden[0, 0, 0]) > 0 else -1.0
-    tokens, _ = sel.walk(hidden, logits, torch.tensor([0, 1]))
+    tokens = sel.walk(hidden, logits, torch.tensor([0, 1]))
     assert int(tokens[0, 0]) == int(second)
 
 

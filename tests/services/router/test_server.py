@@ -80,7 +80,12 @@ def test_concurrent_streams_equal_the_target_alone(router, prompts, references, 
         ({"text": "x " * 600, "max_tokens": 8}, "prompt: "),
         ({"max_tokens": 8}, "prompt: set prompt.text or prompt.token_ids"),
         ({"token_ids": api_pb2.TokenIds(ids=[1, 99999]), "max_tokens": 8}, "token_ids: id 99999 is outside"),
-        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=0.7)}, "sampling: only greedy"),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=-0.5)}, "sampling.temperature: "),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=1, rule="typical")}, "sampling.rule: "),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(top_p=1.5)}, "sampling.top_p: "),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(repetition_penalty=0)}, "sampling.repetition_penalty"),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(logit_bias={99999: 1.0})}, "sampling.logit_bias: token id 99999"),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(frequency_penalty=float("nan"))}, "sampling.frequency_penalty"),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(router, request_kwargs, field):

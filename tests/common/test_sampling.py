@@ -1,0 +1,113 @@
+"""The target distribution p: processors and warpers against transformers' own, the counter-based noise,
+validation errors, and the acceptance rules at the function level."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from blockspec.common.errors import InvalidArgument
+from blockspec.common.sampling import (
+    STREAM_DRAFT, DraftDist, SamplingParams, gumbel, log_probs, process, sample, uniforms, validate,
+)
+from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
+
+
+def test_processors_equal_transformers_row_by_row():
+    """Row i of a verify block sees history + drafts[:i]: each row equals HF's processor on that context."""
+    from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    history = torch.randint(0, 12, (30,), generator=g).tolist()
+    drafts = [3, 3, 7, 1]
+    logits = torch.randn(5, 12, generator=g)
+    for params, hf in ((SamplingParams(repetition_penalty=1.3), RepetitionPenaltyLogitsProcessor(1.3)),
+                       (SamplingParams(no_repeat_ngram_size=2), NoRepeatNGramLogitsProcessor(2)),
+                       (SamplingParams(no_repeat_ngram_size=3), NoRepeatNGramLogitsProcessor(3))):
+        ours = process(logits, history, 10, drafts, params)
+        for i in range(5):
+            context = torch.tensor([history + drafts[:i]])
+            assert torch.equal(ours[i], hf(context, logits[i : i + 1].clone())[0]), (params, i)
+
+
+def test_presence_frequency_count_output_tokens_only_and_bias_adds():
+    history, prompt_len = [5, 5, 6, 7, 7, 7], 3  # output so far: 7, 7, 7
+    logits = torch.zeros(2, 10)
+    out = process(logits, history, prompt_len, [5], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                                                                    logit_bias=((9, 3.0),)))
+    assert out[0, 7] == pytest.approx(-0.5 - 0.75) and out[0, 5] == 0.0  # 5 is only in the prompt
+    assert out[1, 5] == pytest.approx(-0.5 - 0.25)  # the draft token 5 is output for row 1
+    assert out[0, 9] == out[1, 9] == 3.0
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6)])
+def test_temperature_top_k_top_p_equal_transformers_warpers(temperature, top_k, top_p):
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)).double() * 3
+    ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1.0:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ours = log_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)).exp()
+    assert torch.allclose(ours, ref.softmax(-1), atol=1e-12)
+
+
+def test_noise_is_a_function_of_seed_stream_and_position_only():
+    a = uniforms(7, 100, 0, 50)
+    assert torch.equal(a, uniforms(7, 100, 0, 50)) and torch.equal(a[:10], uniforms(7, 100, 0, 10))
+    for other in (uniforms(8, 100, 0, 50), uniforms(7, 101, 0, 50), uniforms(7, 100, 1, 50)):
+        assert not torch.equal(a, other)
+    assert bool(((a > 0) & (a < 1)).all())
+    # Gumbel-max samples p: 20,000 positions of one seed against a 4-token distribution.
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    counts = Counter(sample(p.log(), 3, pos, 0) for pos in range(20_000))
+    assert all(abs(counts[i] / 20_000 - float(p[i])) < 0.015 for i in range(4))
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"temperature": -1.0}, "sampling.temperature"), ({"temperature": math.inf}, "sampling.temperature"),
+    ({"top_p": 0.0}, "sampling.top_p"), ({"top_k": -2}, "sampling.top_k"), ({"rule": "typical"}, "sampling.rule"),
+    ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"), ({"presence_penalty": 3.0}, "sampling.presence_penalty"),
+    ({"no_repeat_ngram_size": -1}, "sampling.no_repeat_ngram_size"), ({"logit_bias": ((500, 1.0),)}, "sampling.logit_bias"),
+    ({"logit_bias": ((5, 1000.0),)}, "sampling.logit_bias"), ({"seed": -1}, "sampling.seed"),
+])
+def test_validation_names_the_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as e:
+        validate(SamplingParams(**kwargs), vocab_size=320)
+    assert str(e.value).startswith(field)
+
+
+def test_validation_resolves_a_seed_when_sampling():
+    assert validate(SamplingParams(temperature=1.0), 10).seed is not None
+    assert validate(SamplingParams(), 10).seed is None
+
+
+def _rule_output_distribution(p: torch.Tensor, q: torch.Tensor, k: int, n: int, rule) -> torch.Tensor:
+    """First committed token over n seeds: drafts sampled from q with the drafter's noise, then `rule`."""
+    counts = torch.zeros(p.shape[-1], dtype=torch.float64)
+    logp = p.log().expand(k + 1, -1)
+    ids = torch.arange(p.shape[-1]).expand(k, -1)
+    for seed in range(n):
+        drafts = [int((q.log() + gumbel(seed, 10 + i, STREAM_DRAFT, q.shape[-1])).argmax()) for i in range(k)]
+        acc = rule(drafts, logp, DraftDist(ids, q.float().expand(k, -1)), seed, 10)
+        counts[acc.token_ids[0]] += 1
+    return counts / n
+
+
+def test_rejection_rule_keeps_p_whatever_q_and_strict_rule_samples_p():
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    n = 20_000
+    bound = 4 * math.sqrt(0.25 / n)  # four standard deviations of a frequency
+    got = _rule_output_distribution(p, q, 2, n, rejection_accept)
+    assert float((got - p).abs().max()) < bound
+    strict = _rule_output_distribution(p, q, 2, n, lambda d, lp, _q, s, pos: strict_accept(d, lp, s, pos))
+    assert float((strict - p).abs().max()) < bound
+    # Accepting whatever was drafted returns q, which the same bound rejects.
+    naive = _rule_output_distribution(p, q, 2, n, lambda d, lp, _q, s, pos: type(strict_accept(d, lp, s, pos))(2, tuple(d) + (0,)))
+    assert float((naive - p).abs().max()) > bound

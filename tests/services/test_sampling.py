@@ -1,0 +1,209 @@
+"""Lossless sampling end to end: the tokens each proposer and rule produce are distributed as the target's
+own samples (exact distribution computed with transformers), strict mode gives the same text with and
+without speculation, and greedy decoding with penalties equals transformers `generate`."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.common.sampling import SamplingParams
+from blockspec.services.engine import Engine
+from blockspec.services.router.step_loop import FinishEvent
+from tests.conftest import hf_greedy
+
+SAMPLES = 20_000
+# A correct sampler fails one check with probability P_FAIL (chi-square p-value below it). The runs are
+# seeded, so the outcome is fixed: a pass is not luck that can change between CI runs.
+P_FAIL = 1e-3
+MIN_EXPECTED = 5  # cells expected less often are merged into one "rest" cell (the chi-square rule of thumb)
+
+
+def hf_probs(model, prefixes: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """p of the next token after each prefix [n, V], from transformers' own logits warpers (not ours)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    ids = torch.tensor(prefixes)
+    with torch.no_grad():
+        logits = model(ids).logits[:, -1].double()
+    return warpers(ids, logits).softmax(-1)
+
+
+def exact_cells(target: Path, prompt: list[int], params: SamplingParams, depth: int, n: int) -> dict[tuple, float]:
+    """P(t1..t_depth) for every sequence expected at least MIN_EXPECTED times in n samples.
+
+    A prefix less likely than that cannot hold such a cell, so only likelier prefixes are expanded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    floor = MIN_EXPECTED / n
+    level = {(): 1.0}
+    for _ in range(depth):
+        prefixes = list(level)
+        probs = torch.cat([hf_probs(model, [prompt + list(p) for p in prefixes[i : i + 256]], params)
+                           for i in range(0, len(prefixes), 256)])
+        nxt = {}
+        for prefix, row in zip(prefixes, probs):
+            mass = level[prefix] * row
+            for t in torch.nonzero(mass >= floor).flatten().tolist():
+                nxt[prefix + (t,)] = float(mass[t])
+        level = nxt
+    return level
+
+
+def chi_square_p(observed: Counter, cells: dict[tuple, float], n: int) -> float:
+    """Pearson's test of the observed sequences against the exact cells (+ one cell for all the rest)."""
+    expected = {c: n * p for c, p in cells.items()}
+    rest_expected = n - sum(expected.values())
+    stat = sum((observed.get(c, 0) - e) ** 2 / e for c, e in expected.items())
+    dof = len(expected) - 1
+    if rest_expected >= MIN_EXPECTED:
+        rest_observed = n - sum(observed.get(c, 0) for c in expected)
+        stat += (rest_observed - rest_expected) ** 2 / rest_expected
+        dof += 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def sample_sequences(engine: Engine, prompt: list[int], params: SamplingParams, depth: int, k: int, n: int,
+                     seed0: int = 0) -> tuple[Counter, float]:
+    """n generations of `depth` tokens (request i seeded seed0 + i) -> counts of the sequences, acceptance."""
+    from dataclasses import replace
+
+    counts, drafted, accepted = Counter(), 0, 0
+    requests = [engine.request(str(i), prompt, depth, k, replace(params, seed=seed0 + i)) for i in range(n)]
+    for event in engine.generate(requests):
+        if isinstance(event, FinishEvent):
+            counts[tuple(event.token_ids)] += 1
+            drafted, accepted = drafted + event.stats.drafted, accepted + event.stats.accepted
+    assert sum(counts.values()) == n and all(len(s) == depth for s in counts)
+    return counts, accepted / max(drafted, 1)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    """The trained tiny pair (peaked distributions: a uniform target would hide a broken rule) + a prompt."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
+    return tiny_pair, prompt
+
+
+def engine_for(pair, method: str) -> Engine:
+    paths, prompt = pair
+    drafter = {"dflash": paths.drafter, "draft_model": paths.target, "ngram": None, "none": None}[method]
+    return Engine(paths.target, drafter, method, max_batch=512, max_len=len(prompt) + 8)
+
+
+CASES = [  # (method, rule, temperature, top_k, top_p, depth)
+    ("dflash", "rejection", 1.0, 0, 1.0, 3),
+    ("draft_model", "rejection", 0.7, 0, 1.0, 3),
+    ("ngram", "rejection", 1.0, 20, 0.9, 4),
+    ("dflash", "strict", 0.7, 0, 0.9, 3),
+]
+SLOW_CASES = [
+    (method, rule, t, top_k, top_p, 3)
+    for method in ("none", "ngram", "draft_model", "dflash") for rule in ("rejection", "strict")
+    for t, top_k, top_p in ((0.7, 0, 1.0), (1.0, 0, 1.0), (1.0, 16, 0.8))
+]
+
+
+def check_distribution(pair, method, rule, temperature, top_k, top_p, depth) -> float:
+    paths, prompt = pair
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, rule=rule)
+    cells = exact_cells(paths.target, prompt, params, depth, SAMPLES)
+    counts, acceptance = sample_sequences(engine_for(pair, method), prompt, params, depth, 2, SAMPLES)
+    return chi_square_p(counts, cells, SAMPLES), acceptance
+
+
+@pytest.mark.parametrize(("method", "rule", "temperature", "top_k", "top_p", "depth"), CASES)
+def test_sampled_sequences_follow_the_target_distribution(pair, method, rule, temperature, top_k, top_p, depth):
+    p_value, acceptance = check_distribution(pair, method, rule, temperature, top_k, top_p, depth)
+    assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
+    if method != "none":
+        assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "rule", "temperature", "top_k", "top_p", "depth"), SLOW_CASES)
+def test_every_proposer_and_rule_follows_the_target_distribution(pair, method, rule, temperature, top_k, top_p, depth):
+    p_value, _ = check_distribution(pair, method, rule, temperature, top_k, top_p, depth)
+    assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}"
+
+
+def test_a_rule_that_skips_the_p_over_q_test_fails_the_same_check(pair, monkeypatch):
+    """Accepting every draft token the target could emit (no p/q test) is lossy; the test must see it."""
+    from blockspec.common.sampling import STREAM_ACCEPT, sample
+    from blockspec.services.verifier import verifier as verifier_module
+    from blockspec.services.verifier.acceptance import Acceptance
+
+    def broken(draft_ids, logp, q, seed, position):
+        n = 0
+        while n < len(draft_ids) and logp[n, draft_ids[n]] > -math.inf:
+            n += 1
+        return Acceptance(n, (*draft_ids[:n], sample(logp[n], seed, position + n, STREAM_ACCEPT, offset=1)))
+
+    monkeypatch.setattr(verifier_module, "rejection_accept", broken)
+    p_value, _ = check_distribution(pair, "dflash", "rejection", 1.0, 0, 1.0, 3)
+    assert p_value < P_FAIL
+
+
+def test_strict_rule_gives_the_same_text_with_and_without_speculation(pair):
+    paths, prompt = pair
+    params = SamplingParams(temperature=0.8, top_p=0.95, rule="strict")
+    texts, accepted = {}, Counter()
+    for method, k in (("none", 0), ("ngram", 4), ("draft_model", 3), ("dflash", 5), ("dflash", 1)):
+        counts_by_seed = {}
+        engine = Engine(paths.target, {"dflash": paths.drafter, "draft_model": paths.target}.get(method), method,
+                        max_batch=50, max_len=len(prompt) + 40)
+        requests = [engine.request(str(seed), prompt, 32, k, SamplingParams(**{**vars(params), "seed": seed}))
+                    for seed in range(50)]
+        for event in engine.generate(requests):
+            if isinstance(event, FinishEvent):
+                counts_by_seed[int(event.request_id)] = event.token_ids
+                accepted[(method, k)] += event.stats.accepted
+        texts[(method, k)] = counts_by_seed
+    plain = texts[("none", 0)]
+    for key, by_seed in texts.items():
+        assert by_seed == plain, f"{key}: strict sampling changed the text"
+    assert len(set(plain.values())) > 40, "different seeds must give different texts"
+    assert all(accepted[key] > 0 for key in texts if key[0] != "none"), accepted
+
+
+@pytest.mark.parametrize("settings", [{"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 4},
+                                      {"repetition_penalty": 1.2, "no_repeat_ngram_size": 3}])
+def test_greedy_with_penalties_equals_transformers_generate(pair, settings):
+    paths, prompt = pair
+    reference = hf_greedy(paths.target, prompt, 48, **settings)
+    for method, k in (("none", 0), ("ngram", 5), ("draft_model", 4), ("dflash", 7), ("dflash", 3)):
+        engine = Engine(paths.target, {"dflash": paths.drafter, "draft_model": paths.target}.get(method), method,
+                        max_batch=2, max_len=len(prompt) + 64)
+        done = [e for e in engine.generate([engine.request("a", prompt, 48, k, SamplingParams(**settings))])
+                if isinstance(e, FinishEvent)]
+        assert list(done[0].token_ids) == reference, f"{method} k={k} with {settings}"
+        assert method == "none" or done[0].stats.accepted > 0
+    assert reference != hf_greedy(paths.target, prompt, 48), "the settings must change the output on this prompt"
+
+
+def test_presence_frequency_and_bias_are_exact_under_speculation(pair):
+    """No transformers reference for these: speculative output must equal plain decoding with the same p."""
+    paths, prompt = pair
+    settings = SamplingParams(presence_penalty=0.8, frequency_penalty=0.5, logit_bias=((13, 2.0), (40, -5.0)))
+    outputs = []
+    for method, k in (("none", 0), ("ngram", 5), ("dflash", 7)):
+        engine = Engine(paths.target, paths.drafter if method == "dflash" else None, method, max_batch=1,
+                        max_len=len(prompt) + 64)
+        done = [e for e in engine.generate([engine.request("a", prompt, 48, k, settings)]) if isinstance(e, FinishEvent)]
+        outputs.append(list(done[0].token_ids))
+    assert outputs[0] == outputs[1] == outputs[2]
+    greedy = Engine(paths.target, None, "none", max_batch=1, max_len=len(prompt) + 64)
+    plain = [e for e in greedy.generate([greedy.request("a", prompt, 48)]) if isinstance(e, FinishEvent)]
+    assert list(plain[0].token_ids) != outputs[0], "the penalties must change something on this prompt"
