@@ -1,11 +1,24 @@
-"""Metric instruments (Prometheus) in one place; names follow vLLM's spec-decode metrics.
+"""Metric instruments (Prometheus) in one place; spec-decode names follow vLLM's.
 
 Acceptance rate = num_accepted_tokens / num_draft_tokens; tau = 1 + num_accepted_tokens / num_drafts.
+Latency: time to first token; inter-token latency is *per token* (a message's gap spread over the
+tokens it carries); the inter-chunk gap is the time between two messages of a stream.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+import psutil
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def process_memory() -> tuple[int, int]:
+    """(resident bytes of this process, CUDA bytes allocated by it; 0 without a GPU)."""
+    gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    return psutil.Process().memory_info().rss, gpu
 
 
 class RouterMetrics:
@@ -13,13 +26,41 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         kw = {"registry": registry} if registry is not None else {}
-        self.num_drafts = Counter("blockspec_spec_decode_num_drafts", "Steps that verified a draft", **kw)
+        per_replica = {"labelnames": ("replica",), **kw}
+        # Speculative decoding.
+        self.num_drafts = Counter("blockspec_spec_decode_num_drafts", "Request-steps that verified a draft", **kw)
         self.num_draft_tokens = Counter("blockspec_spec_decode_num_draft_tokens", "Draft tokens verified", **kw)
         self.num_accepted_tokens = Counter("blockspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", **kw)
+        self.accepted_per_pos = Counter("blockspec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0 = first)",
+                                        labelnames=("position",), **kw)
+        self.acceptance_rate = Gauge("blockspec_spec_decode_acceptance_rate",
+                                     "Accepted / drafted tokens over the last steps", **per_replica)
+        self.tau = Gauge("blockspec_spec_decode_tau", "Tokens committed per request-step over the last steps", **per_replica)
+        self.drafter_fallbacks = Counter("blockspec_drafter_fallbacks",
+                                         "Request-steps run at k=0 because the drafter failed or timed out", **kw)
         self.steps = Counter("blockspec_steps", "Batched propose -> verify rounds", **kw)
-        per_replica = {"labelnames": ("replica",), **kw}
+        # Throughput and load.
+        self.generation_tokens = Counter("blockspec_generation_tokens", "Tokens generated (rate = tokens/s)", **kw)
+        self.prompt_tokens = Counter("blockspec_prompt_tokens", "Prompt tokens admitted", **kw)
+        self.tokens_per_s = Gauge("blockspec_generation_tokens_per_second", "Tokens/s over the last log interval",
+                                  **per_replica)
         self.requests_running = Gauge("blockspec_requests_running", "Requests in the running batch", **per_replica)
         self.requests_waiting = Gauge("blockspec_requests_waiting", "Requests queued for a slot", **per_replica)
         self.kv_slots_used = Gauge("blockspec_kv_slots_used", "Verifier KV cache slots in use", **per_replica)
-        self.drafter_fallbacks = Counter("blockspec_drafter_fallbacks",
-                                         "Request-steps run at k=0 because the drafter failed or timed out", **kw)
+        self.role_memory = Gauge("blockspec_role_memory_bytes", "Memory of each role process (kind: rss or gpu)",
+                                 labelnames=("replica", "role", "kind"), **kw)
+        # Requests and latency as clients see it.
+        self.requests_finished = Counter("blockspec_requests_finished", "Finished streams by finish reason",
+                                         labelnames=("reason",), **kw)
+        self.request_errors = Counter("blockspec_request_errors", "Requests answered with an error, by gRPC status",
+                                      labelnames=("code",), **kw)
+        self.time_to_first_token = Histogram("blockspec_time_to_first_token_seconds",
+                                             "Arrival to the first token's message", buckets=LATENCY_BUCKETS, **kw)
+        self.inter_token_latency = Histogram("blockspec_inter_token_latency_seconds",
+                                             "Per token: a message's gap to the previous one / its tokens",
+                                             buckets=LATENCY_BUCKETS, **kw)
+        self.inter_chunk_gap = Histogram("blockspec_inter_chunk_gap_seconds", "Gap between two messages of a stream",
+                                         buckets=LATENCY_BUCKETS, **kw)
+        self.request_latency = Histogram("blockspec_e2e_request_latency_seconds", "Arrival to the last message",
+                                         buckets=REQUEST_BUCKETS, **kw)

@@ -11,6 +11,7 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 
+from blockspec.common import tracing
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
@@ -96,6 +97,8 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
 
 def run_role_process(kind: str, service, host: str, port: int) -> None:
     """Serve one role until SIGTERM/SIGINT; shared segments are removed on the way out."""
+    tracing.setup_tracing(f"blockspec-{kind}")
+
     async def main() -> None:
         serve = serve_verifier if kind == "verifier" else serve_drafter
         server, _, bound = await serve(service, host, port)
@@ -111,3 +114,4 @@ def run_role_process(kind: str, service, host: str, port: int) -> None:
         asyncio.run(main())
     finally:
         service.close()
+        tracing.shutdown_tracing()

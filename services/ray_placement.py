@@ -22,10 +22,12 @@ class RoleActor:
     """Serves one role (`blockspec role ...` arguments) from inside a Ray actor process."""
 
     def __init__(self, argv: list[str]) -> None:
+        from blockspec.common import tracing
         from blockspec.services import launch
         from blockspec.services.cli import parse_role_args
 
         args = parse_role_args(list(argv))
+        tracing.setup_tracing(f"blockspec-{args.role}")
         self.service = launch.role_service(args)
         serve = launch.serve_verifier if args.role == "verifier" else launch.serve_drafter
         self.loop = asyncio.new_event_loop()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from blockspec.common import tracing
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import read_config
@@ -185,6 +186,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
             return False, f"no step finished in {STALL_S:.0f} s\n"
         return True, "ok\n"
 
+    tracing.setup_tracing("blockspec-router")
     http = start_http(host, port, readiness)
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
@@ -221,4 +223,5 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
             for role in (drafter, verifier):
                 if role is not None:
                     role.stop()
+        tracing.shutdown_tracing()
     return 0

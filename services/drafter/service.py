@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 
+from blockspec.common import tracing
 from blockspec.common.models import load_checkpoint
+from blockspec.common.telemetry import process_memory
 from blockspec.common.sampling import Q_ROWS, from_pb
 from blockspec.common.tensor_share import TensorHandle, open_handle
 from blockspec.protos import roles_grpc, roles_pb2
@@ -52,7 +54,7 @@ class DrafterService(roles_grpc.DrafterServicer):
 
     def _info(self) -> roles_pb2.DrafterInfo:
         max_k = self.dflash_model.cfg.max_k if self.dflash_model is not None else self.proposer.max_k
-        mem = psutil.Process().memory_full_info()
+        mem = psutil.Process().memory_full_info()  # uss: private memory, for the sharing test
         return roles_pb2.DrafterInfo(method=self.method, max_k=max_k, attached=self.proposer is not None,
                                      rss_bytes=mem.rss, uss_bytes=mem.uss)
 
@@ -112,6 +114,13 @@ class DrafterService(roles_grpc.DrafterServicer):
         return roles_pb2.DraftItem(request_id=item.request_id, draft_ids=draft.token_ids[:n], q_width=width)
 
     def _handle(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:
+        with tracing.tracer().start_as_current_span(tracing.SPAN_DRAFTER_OP, context=tracing.remote_parent(req.traceparent),
+                                                    attributes={tracing.ATTR_ROLE: "drafter", tracing.ATTR_ITEMS: len(req.items)}):
+            resp = self._run(req)
+        resp.rss_bytes, resp.gpu_bytes = process_memory()
+        return resp
+
+    def _run(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:
         started = time.perf_counter_ns()
         for rid in req.release:
             self._forget(rid)

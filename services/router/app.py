@@ -45,7 +45,7 @@ async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: 
     schedulers = [Scheduler(loop, metrics, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
-    service = GenerationService(schedulers, facts)
+    service = GenerationService(schedulers, facts, metrics)
     server, health_servicer, bound = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,),
                                                         host, port)
     log.info("router listening on %s:%d", host, bound)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposer import Draft, ProposeInput
@@ -53,6 +54,7 @@ class RemoteVerifier:
         self._pending: dict[str, roles_pb2.PrefillItem] = {}  # added, not yet prefilled
         self._active: dict[str, int] = {}  # request -> tap buffer row
         self._release: list[str] = []
+        self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
 
     @property
     def free_slots(self) -> int:
@@ -72,9 +74,10 @@ class RemoteVerifier:
 
     def _call(self, **ops) -> list[VerifyResult]:
         self._seq += 1
-        req = roles_pb2.VerifierRequest(seq=self._seq, release=self._release, **ops)
+        req = roles_pb2.VerifierRequest(seq=self._seq, release=self._release, traceparent=tracing.traceparent(), **ops)
         self._release = []
         resp = self._stream.call(req, self._timeout_s)
+        self.memory = (resp.rss_bytes, resp.gpu_bytes)
         if resp.error:
             raise RuntimeError(f"verifier: {resp.error}")
         out = []
@@ -106,6 +109,7 @@ class RemoteDrafter:
         self.max_k = 0
         self.fallbacks = 0  # requests that stepped at k=0 because the drafter failed
         self.reconnects = 0
+        self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
         self._sent: dict[str, int] = {}  # committed tokens the drafter has seen, per request
         self._release: list[str] = []
         self._seq = 0
@@ -162,8 +166,9 @@ class RemoteDrafter:
             items.append(item)
         self._seq += 1
         try:
-            resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release),
-                                     self.timeout_s)
+            resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release,
+                                                              traceparent=tracing.traceparent()), self.timeout_s)
+            self.memory = (resp.rss_bytes, resp.gpu_bytes)
         except Exception as e:
             self._down(e)
             self.fallbacks += len(inputs)

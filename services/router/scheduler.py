@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
 
 log = logging.getLogger(__name__)
+
+WINDOW_STEPS = 64  # acceptance rate and tau gauges: over this many recent steps
+LOG_INTERVAL_S = 10.0  # the periodic stats line
 
 
 class Scheduler:
@@ -29,6 +33,9 @@ class Scheduler:
         self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
         self._fallbacks_seen = 0
         self.steps = 0
+        self._window: deque = deque(maxlen=WINDOW_STEPS)  # recent step reports
+        self._interval_tokens = 0
+        self._interval_started = time.monotonic()
 
     @property
     def load(self) -> int:
@@ -89,19 +96,52 @@ class Scheduler:
         m, loop = self.metrics, self.step_loop
         if m is None:
             return
+        replica = self.replica
         m.steps.inc()
-        m.requests_running.labels(replica=self.replica).set(loop.num_running)
-        m.requests_waiting.labels(replica=self.replica).set(loop.num_waiting)
-        m.kv_slots_used.labels(replica=self.replica).set(loop.num_running)
+        m.requests_running.labels(replica=replica).set(loop.num_running)
+        m.requests_waiting.labels(replica=replica).set(loop.num_waiting)
+        m.kv_slots_used.labels(replica=replica).set(loop.num_running)
+        tokens = sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))
+        m.generation_tokens.inc(tokens)
+        self._interval_tokens += tokens
         report = loop.last_report
         if report is not None:
             m.num_drafts.inc(report.drafts)
             m.num_draft_tokens.inc(report.draft_tokens)
             m.num_accepted_tokens.inc(report.accepted_tokens)
+            for pos, n in enumerate(report.accepted_per_pos):
+                m.accepted_per_pos.labels(position=str(pos)).inc(n)
+            self._window.append(report)
+            drafted = sum(r.draft_tokens for r in self._window)
+            accepted = sum(r.accepted_tokens for r in self._window)
+            if drafted:
+                m.acceptance_rate.labels(replica=replica).set(accepted / drafted)
+            m.tau.labels(replica=replica).set(1 + accepted / sum(r.batch_size for r in self._window))
         fallbacks = getattr(loop.drafter, "fallbacks", 0)
         if fallbacks > self._fallbacks_seen:
             m.drafter_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
+        for role_name, role in (("verifier", loop.verifier), ("drafter", loop.drafter)):
+            rss, gpu = getattr(role, "memory", (0, 0))
+            if rss:
+                m.role_memory.labels(replica=replica, role=role_name, kind="rss").set(rss)
+                m.role_memory.labels(replica=replica, role=role_name, kind="gpu").set(gpu)
+        self._log_stats()
+
+    def _log_stats(self) -> None:
+        """Every LOG_INTERVAL_S: one structured (key=value) line an SRE can grep or parse."""
+        now = time.monotonic()
+        if now - self._interval_started < LOG_INTERVAL_S:
+            return
+        drafted = sum(r.draft_tokens for r in self._window)
+        accepted = sum(r.accepted_tokens for r in self._window)
+        rate = self._interval_tokens / (now - self._interval_started)
+        self.metrics.tokens_per_s.labels(replica=self.replica).set(rate)
+        log.info("stats replica=%s acceptance_rate=%s tau=%.3f tokens_per_s=%.1f queue_depth=%d running=%d "
+                 "fallbacks=%d", self.replica, f"{accepted / drafted:.3f}" if drafted else "none",
+                 1 + accepted / max(1, sum(r.batch_size for r in self._window)), rate, self.step_loop.num_waiting,
+                 self.step_loop.num_running, self._fallbacks_seen)
+        self._interval_tokens, self._interval_started = 0, now
 
     def stalled(self, limit_s: float) -> bool:
         """True when a step has been running for longer than limit_s: the engine is not making progress."""

@@ -7,15 +7,19 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from opentelemetry.trace import Status, StatusCode
+
+from blockspec.common import tracing
 from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import from_pb, validate
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import FinishEvent, Request
@@ -83,22 +87,66 @@ def finish_message(event: FinishEvent, prompt_tokens: int, reason: str) -> api_p
     )
 
 
+class _StreamClock:
+    """Latency of one stream as the client sees it: TTFT, then per-message gaps (-> metrics)."""
+
+    def __init__(self, metrics: RouterMetrics | None) -> None:
+        self.metrics, self.started = metrics, time.perf_counter()
+        self.last: float | None = None
+        self.ttft_s: float | None = None
+
+    def sent(self, num_tokens: int) -> None:
+        now, m = time.perf_counter(), self.metrics
+        if num_tokens and self.last is None:
+            self.ttft_s = now - self.started
+            if m is not None:
+                m.time_to_first_token.observe(self.ttft_s)
+        elif num_tokens and m is not None:
+            gap = now - self.last
+            m.inter_chunk_gap.observe(gap)
+            for _ in range(num_tokens):
+                m.inter_token_latency.observe(gap / num_tokens)
+        if num_tokens:
+            self.last = now
+
+
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts) -> None:
+    def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts, metrics: RouterMetrics | None = None) -> None:
         self.schedulers = list(schedulers)
         self.facts = facts
+        self.metrics = metrics
+
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_errors.labels(code=code.name).inc()
+        await context.abort(code, message)
 
     async def Generate(self, msg: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         started = time.perf_counter_ns()
+        clock = _StreamClock(self.metrics)
+        span = tracing.tracer().start_span(tracing.SPAN_REQUEST)
+        try:
+            async for response in self._generate(msg, context, span, clock, started):
+                yield response
+        finally:
+            span.end()
+
+    async def _generate(self, msg, context, span, clock: _StreamClock, started: int):
         try:
             request = to_request(msg, self.facts)
         except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request = replace(request, span_context=span.get_span_context())
+        span.set_attributes({tracing.ATTR_REQUEST_ID: request.request_id, tracing.ATTR_K: request.k,
+                             tracing.ATTR_PROMPT_TOKENS: len(request.prompt_ids)})
         scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
         try:
             queue = await scheduler.submit(request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
+            await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
         rid, finished = request.request_id, False
         try:
@@ -107,11 +155,13 @@ class GenerationService(api_grpc.GenerationServicer):
                 total_ns = time.perf_counter_ns() - started
                 if not isinstance(event, FinishEvent):
                     delta, hit = stops.push(text.push(event.token_ids))
+                    clock.sent(len(event.token_ids))
                     if not hit:
                         yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns)
                         continue
                     finished = True
                     final = await scheduler.cancel(rid)  # stop generating; slots freed
+                    self._finished(span, clock, final, "stop_sequence")
                     yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns,
                                                    finish=finish_message(final, len(request.prompt_ids), "stop_sequence"))
                     return
@@ -119,13 +169,31 @@ class GenerationService(api_grpc.GenerationServicer):
                 delta, _ = stops.push(text.flush())
                 delta += stops.flush()
                 if event.reason == "error":
-                    await context.abort(grpc.StatusCode.INTERNAL, "the request failed inside the engine; see server logs")
+                    span.set_status(Status(StatusCode.ERROR, "failed inside the engine"))
+                    await self._abort(context, grpc.StatusCode.INTERNAL, "the request failed inside the engine; see server logs")
+                self._finished(span, clock, event, event.reason)
                 yield api_pb2.GenerateResponse(request_id=rid, text=delta, total_ns=total_ns,
                                                finish=finish_message(event, len(request.prompt_ids), event.reason))
                 return
         finally:
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
+                span.set_attribute(tracing.ATTR_FINISH_REASON, "cancelled")
+                if self.metrics is not None:
+                    self.metrics.requests_finished.labels(reason="cancelled").inc()
                 await asyncio.shield(scheduler.cancel(rid))
+
+    def _finished(self, span, clock: _StreamClock, event: FinishEvent | None, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_finished.labels(reason=reason).inc()
+            self.metrics.request_latency.observe(time.perf_counter() - clock.started)
+        attrs = {tracing.ATTR_FINISH_REASON: reason}
+        if clock.ttft_s is not None:
+            attrs[tracing.ATTR_TTFT_S] = clock.ttft_s
+        if event is not None:
+            st = event.stats
+            attrs.update({tracing.ATTR_COMPLETION_TOKENS: len(event.token_ids), tracing.ATTR_DRAFTED: st.drafted,
+                          tracing.ATTR_ACCEPTED: st.accepted, tracing.ATTR_TAU: st.tau})
+        span.set_attributes(attrs)
 
     @staticmethod
     async def _check(msg: object, context: grpc.aio.ServicerContext) -> None:

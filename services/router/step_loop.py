@@ -9,6 +9,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from opentelemetry import trace
+
+from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
@@ -39,6 +42,7 @@ class Request:
     max_tokens: int
     k: int  # draft tokens per step; 0 = plain decoding
     sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.validate)
+    span_context: trace.SpanContext | None = None  # the request's span: step spans link to it
 
 
 @dataclass
@@ -78,11 +82,14 @@ class StepReport:
     """What one step did, summed over its requests (for metrics and traces)."""
 
     batch_size: int
+    k: int  # the largest k asked of the drafter
     drafts: int  # requests that had a non-empty draft
     draft_tokens: int
     accepted_tokens: int
     draft_s: float
     verify_s: float
+    fallback: bool  # the drafter failed during this step: its requests ran at k = 0
+    accepted_per_pos: tuple[int, ...]  # [i]: requests whose draft position i was accepted
 
 
 @dataclass(frozen=True)
@@ -187,18 +194,31 @@ class StepLoop:
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
         wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv), lv.request.sampling) for lv in lives]
-        t0 = time.perf_counter()
-        to_draft = [w for w in wants if w.k > 0]
-        drafted = dict(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft))) if to_draft else {}
-        t1 = time.perf_counter()
-        drafts = [drafted[w.request_id].head(w.k) if w.request_id in drafted else Draft(()) for w in wants]
-        inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width) for w, d in zip(wants, drafts)]
-        results = self.verifier.verify(inputs)
-        t2 = time.perf_counter()
-        self.last_report = StepReport(
-            batch_size=len(inputs), drafts=sum(1 for i in inputs if i.draft_ids),
-            draft_tokens=sum(len(i.draft_ids) for i in inputs), accepted_tokens=sum(r.num_accepted for r in results),
-            draft_s=t1 - t0, verify_s=t2 - t1)
+        span = tracing.step_span([lv.request.span_context for lv in lives])
+        with trace.use_span(span, end_on_exit=True):  # the role calls carry this span as their parent
+            fallbacks = getattr(self.drafter, "fallbacks", 0)
+            t0 = time.perf_counter()
+            to_draft = [w for w in wants if w.k > 0]
+            drafted = dict(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft))) if to_draft else {}
+            t1 = time.perf_counter()
+            drafts = [drafted[w.request_id].head(w.k) if w.request_id in drafted else Draft(()) for w in wants]
+            inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width) for w, d in zip(wants, drafts)]
+            results = self.verifier.verify(inputs)
+            t2 = time.perf_counter()
+            per_pos = [0] * max((len(i.draft_ids) for i in inputs), default=0)
+            for r in results:
+                for i in range(r.num_accepted):
+                    per_pos[i] += 1
+            report = self.last_report = StepReport(
+                batch_size=len(inputs), k=max((w.k for w in wants), default=0), drafts=sum(1 for i in inputs if i.draft_ids),
+                draft_tokens=sum(len(i.draft_ids) for i in inputs), accepted_tokens=sum(r.num_accepted for r in results),
+                draft_s=t1 - t0, verify_s=t2 - t1, fallback=getattr(self.drafter, "fallbacks", 0) > fallbacks,
+                accepted_per_pos=tuple(per_pos))
+            span.set_attributes({
+                tracing.ATTR_K: report.k, tracing.ATTR_DRAFTED: report.draft_tokens,
+                tracing.ATTR_ACCEPTED: report.accepted_tokens, tracing.ATTR_BATCH_SIZE: report.batch_size,
+                tracing.ATTR_TAU: 1 + report.accepted_tokens / report.batch_size, tracing.ATTR_DRAFT_S: report.draft_s,
+                tracing.ATTR_VERIFY_S: report.verify_s, tracing.ATTR_FALLBACK: report.fallback})
         for live, inp, result in zip(lives, inputs, results):
             live.stats.record(len(inp.draft_ids), result.num_accepted)
             live.stats.draft_s += t1 - t0

@@ -13,6 +13,8 @@ import grpc
 import torch
 
 from blockspec.common.sampling import Q_ROWS, Q_WIDTH, DraftDist, from_pb
+from blockspec.common import tracing
+from blockspec.common.telemetry import process_memory
 from blockspec.common.tensor_share import SharedTensors, TensorHandle
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.verifier.verifier import Verifier, VerifyInput
@@ -94,6 +96,14 @@ class VerifierService(roles_grpc.VerifierServicer):
         return DraftDist(self.q_ids[slot, :n, : item.q_width], self.q_probs[slot, :n, : item.q_width])
 
     def _handle(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
+        with tracing.tracer().start_as_current_span(tracing.SPAN_VERIFIER_OP, context=tracing.remote_parent(req.traceparent),
+                                                    attributes={tracing.ATTR_ROLE: "verifier",
+                                                                tracing.ATTR_ITEMS: len(req.prefill) + len(req.verify)}):
+            resp = self._run(req)
+        resp.rss_bytes, resp.gpu_bytes = process_memory()
+        return resp
+
+    def _run(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
         started = time.perf_counter_ns()
         v = self.verifier
         try:
