@@ -113,7 +113,8 @@ def build_tiny(paths: PairPaths, seed: int = 0) -> None:
     write_card(paths, prompts, max_tokens=64)
 
 
-BASE_DISTILL = DistillConfig(steps=3000, intermediate_size=192, selector_rank=8, batch_sequences=8, anchors_per_sequence=16)
+BASE_DISTILL = DistillConfig(steps=8000, intermediate_size=512, selector_rank=8, batch_sequences=8, anchors_per_sequence=16)
+BASE_SUPERVISION = 8192  # prompts whose greedy continuations supervise the shipped drafter
 
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
@@ -126,7 +127,7 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
         shutil.rmtree(paths.target)
     shutil.copytree(work / "target", paths.target)
     train_ids = np.load(work / "data" / "train.npy", mmap_mode="r")
-    distill(paths.target, paths.drafter, train_ids, 2048, 64, 128, BASE_DISTILL)
+    distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128, BASE_DISTILL)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
