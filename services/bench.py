@@ -1,0 +1,304 @@
+"""`blockspec bench`: speculative vs plain decoding vs transformers, side by side in one run, with the
+cost model (r(k+1), c_d) and the ceiling tau / r(k+1); markdown, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from blockspec.common.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+ENGINE_METHODS = ("none", "ngram", "draft_model", "dflash")
+HF_MODES = ("hf", "hf-lookup", "hf-assisted", "hf-assisted-default")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One thing to measure: an engine method with k, or a transformers baseline."""
+
+    name: str  # "none", "dflash", "hf-lookup", ...
+    k: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} k={self.k}" if self.k else self.name
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """"none,dflash:3,dflash:5,ngram:5,hf,hf-lookup:5" -> modes."""
+    modes = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, k = item.partition(":")
+        if name not in ENGINE_METHODS + HF_MODES:
+            raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
+        try:
+            modes.append(Mode(name, int(k) if k else 0))
+        except ValueError:
+            raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
+        if name not in ("none", "hf") and not modes[-1].k:
+            raise InvalidArgument("--modes", f"{item!r}: give k, e.g. {name}:5")
+    return modes
+
+
+@dataclass
+class Row:
+    mode: str
+    k: int
+    concurrency: int
+    tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    tau: float | None = None
+    acceptance_rate: float | None = None
+    accepted_per_pos: list[int] = field(default_factory=list)
+    steps: int = 0
+    exact: bool | None = None  # outputs equal plain decoding's, token for token
+    speedup: float | None = None  # tokens/s over plain decoding at the same concurrency
+
+
+def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
+    from blockspec.services.router.step_loop import FinishEvent
+
+    requests = [engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)]
+    started = time.perf_counter()
+    done = [e for e in engine.generate(requests) if isinstance(e, FinishEvent)]
+    return time.perf_counter() - started, sorted(done, key=lambda e: int(e.request_id))
+
+
+def run_engine_mode(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int, concurrency: int) -> tuple[Row, list]:
+    from blockspec.services.engine import Engine
+
+    engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
+                    max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16)
+    _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
+    elapsed, done = _engine_run(engine, prompts, max_tokens, mode.k or None)
+    steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
+    per_pos = np.zeros(mode.k, dtype=int)
+    for e in done:
+        per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
+    tokens = sum(len(e.token_ids) for e in done)
+    row = Row(mode.name, mode.k, concurrency, tokens, elapsed, tokens / elapsed,
+              tau=1 + accepted / steps if steps and mode.k else None,
+              acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps)
+    return row, [list(e.token_ids) for e in done]
+
+
+def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int) -> tuple[Row, list]:
+    """The same workload through a running server's gRPC API, `concurrency` streams at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from blockspec.protos import api_grpc, api_pb2
+
+    channel = grpc.insecure_channel(address)
+    stub = api_grpc.GenerationStub(channel)
+
+    def one(p):
+        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens)
+        if k:
+            req.num_speculative_tokens = k
+        ids, finish = [], None
+        for msg in stub.Generate(req, timeout=600):
+            ids += msg.token_ids
+            finish = msg.finish if msg.HasField("finish") else finish
+        return ids, finish.acceptance
+
+    one(prompts[0])  # warm-up
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, prompts))
+    elapsed = time.perf_counter() - started
+    channel.close()
+    acc = [a for _, a in results]
+    steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
+    per_pos = np.zeros(max((len(a.accepted_per_pos) for a in acc), default=0), dtype=int)
+    for a in acc:
+        per_pos[: len(a.accepted_per_pos)] += list(a.accepted_per_pos)
+    tokens = sum(len(ids) for ids, _ in results)
+    return Row("server", k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
+               acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(),
+               steps=steps), [ids for ids, _ in results]
+
+
+def run_hf_mode(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None) -> tuple[Row, list]:
+    """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    kwargs: dict = {"do_sample": False, "max_new_tokens": max_tokens}
+    if mode.name == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = mode.k
+    elif mode.name.startswith("hf-assisted"):
+        if assistant is None:
+            raise InvalidArgument("--assistant", f"mode {mode.name} needs an assistant (draft) model directory")
+        helper = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
+        kwargs["assistant_model"] = helper
+        helper.generation_config.num_assistant_tokens = mode.k
+        if mode.name == "hf-assisted":  # fixed k, no early stop on low confidence
+            helper.generation_config.num_assistant_tokens_schedule = "constant"
+            helper.generation_config.assistant_confidence_threshold = 0.0
+    outputs, started = [], 0.0
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8})  # warm-up
+        started = time.perf_counter()
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), **kwargs)
+            outputs.append(out[0, len(p):].tolist())
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(o) for o in outputs)
+    return Row(mode.name, mode.k, 1, tokens, elapsed, tokens / elapsed), outputs
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured costs relative to one target decode step at the benchmark's context length."""
+
+    context: int
+    decode_ms: float  # target forward over 1 token
+    r: dict[int, float]  # k -> r(k + 1): target forward over k + 1 tokens / over 1 token
+    c_d: dict[int, float]  # k -> drafter proposal of k tokens / one target decode
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats
+
+
+def measure_costs(target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128, repeats: int = 50) -> CostModel:
+    """r(k+1) and c_d from the engine's own verifier and dflash proposer on one request."""
+    from blockspec.services.drafter.proposer import ProposeInput
+    from blockspec.services.engine import Engine
+    from blockspec.services.verifier.verifier import VerifyInput
+
+    engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32)
+    ids = list(range(16, 16 + context))
+    engine.verifier.add("x", ids)
+    engine.verifier.prefill(["x"])
+    v, slot = engine.verifier, engine.verifier.slot_of("x")
+
+    committed = v.committed("x")  # prompt + the first token (the anchor)
+
+    def forward(n: int):
+        def run():  # roll back to the same state, then verify n - 1 drafts
+            v.runner.cache.set_length(slot, context)
+            del committed[context + 1 :]
+            v.verify([VerifyInput("x", (5,) * (n - 1))])
+        return run
+
+    decode = _time(forward(1), repeats)
+    r = {k: _time(forward(k + 1), repeats) / decode for k in ks}
+    c_d = {}
+    if drafter:
+        del committed[context + 1 :]
+        for k in ks:
+            c_d[k] = _time(lambda: engine.proposer.propose([ProposeInput("x", committed, k)]), repeats) / decode
+    return CostModel(context, decode * 1e3, r, c_d)
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, " \
+           f"{torch.get_num_threads()} threads"
+
+
+def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
+    lines = [header, "", "| mode | concurrency | tokens/s | vs plain | tau | acceptance | accepted per position | exact |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {fmt(r.speedup, '.2f')}x | "
+                     f"{fmt(r.tau, '.2f')} | {fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
+                     f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
+    if costs is not None:
+        lines += ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms.", "",
+                  "| k | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.concurrency != 1 or r.mode != "dflash" or r.tau is None or r.k not in costs.r:
+                continue
+            ceiling = r.tau / costs.r[r.k]
+            with_drafter = r.tau / (costs.r[r.k] + costs.c_d.get(r.k, 0.0))
+            lines.append(f"| {r.k} | {costs.r[r.k]:.2f} | {costs.c_d.get(r.k, 0.0):.2f} | {r.tau:.2f} | {ceiling:.2f} | "
+                         f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[Row], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(Mode(r.mode, r.k).label for r in rows):
+        pts = sorted((r.concurrency, r.tokens_per_s) for r in rows if Mode(r.mode, r.k).label == label)
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set(xscale="log", xlabel="concurrency", ylabel="tokens/s", title="Throughput by mode")
+    ax.set_xticks(sorted({r.concurrency for r in rows}), labels=[str(c) for c in sorted({r.concurrency for r in rows})])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "tokens_per_s.png")
+    fig.savefig(paths[-1], dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r.concurrency == 1 and r.accepted_per_pos and r.steps:
+            ax.plot(range(1, len(r.accepted_per_pos) + 1), np.array(r.accepted_per_pos) / r.steps, marker="o",
+                    label=Mode(r.mode, r.k).label)
+    ax.set(xlabel="draft position", ylabel="accepted / steps", title="Acceptance per position (concurrency 1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "acceptance_per_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+    return paths
+
+
+def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
+              max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True) -> dict:
+    """Run every mode at every concurrency (transformers modes at 1), check exactness against plain
+    decoding, measure the cost model, write bench.md / bench.json / plots into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(m, c) for m in modes for c in (concurrency if m.name in ENGINE_METHODS else [1])]
+    if not any(m.name == "none" for m in modes):
+        plan = [(Mode("none"), c) for c in concurrency] + plan  # the baseline every ratio needs
+    rows, reference = [], {}
+    for mode, c in tqdm(plan, desc="bench", disable=not progress):
+        if mode.name in ENGINE_METHODS:
+            row, outputs = run_engine_mode(target, drafter, mode, prompts, max_tokens, c)
+        else:
+            row, outputs = run_hf_mode(target, mode, prompts, max_tokens, assistant)
+        if mode.name == "none":
+            reference[c] = outputs
+        row.exact = outputs == reference.get(c, reference.get(1))
+        rows.append(row)
+    for row in rows:
+        plain = next(r for r in rows if r.mode == "none" and r.concurrency == row.concurrency)
+        row.speedup = row.tokens_per_s / plain.tokens_per_s
+    ks = sorted({m.k for m in modes if m.name == "dflash"})
+    costs = measure_costs(target, drafter, ks) if drafter and ks else None
+    header = (f"Machine: {machine()}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
+              f"greedy.")
+    report = markdown(rows, costs, header)
+    (out / "bench.md").write_text(report)
+    result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts),
+              "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "costs": asdict(costs) if costs else None}
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    result["plots"] = [str(p) for p in plots(rows, out)]
+    result["markdown"] = report
+    return result

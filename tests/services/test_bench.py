@@ -1,0 +1,45 @@
+"""`blockspec bench`: every mode side by side, exactness against plain decoding, the cost model, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockspec.common.errors import InvalidArgument
+from blockspec.services.bench import Mode, parse_modes
+from blockspec.services.cli import main
+
+
+def test_modes_parse_and_bad_ones_name_the_flag():
+    assert parse_modes("none, dflash:5,hf-lookup:3") == [Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3)]
+    for bad in ("magic:3", "dflash", "ngram:x"):
+        with pytest.raises(InvalidArgument) as e:
+            parse_modes(bad)
+        assert e.value.field == "--modes"
+
+
+def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
+                 str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,hf,hf-lookup:3", "--concurrency", "1,2",
+                 "--out", str(out), "--threads", "1"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    rows = {(r["mode"], r["k"], r["concurrency"]) for r in result["rows"]}
+    assert {("none", 0, 1), ("none", 0, 2), ("dflash", 3, 2), ("hf", 0, 1), ("hf-lookup", 3, 1)} <= rows
+    assert all(r["exact"] for r in result["rows"]), "every mode must reproduce plain decoding token for token"
+    dflash = next(r for r in result["rows"] if r["mode"] == "dflash" and r["concurrency"] == 1)
+    assert dflash["tau"] > 1 and sum(dflash["accepted_per_pos"]) > 0
+    assert result["costs"]["r"]["3"] > 0 and result["costs"]["c_d"]["3"] > 0
+    report = (out / "bench.md").read_text()
+    assert "ceiling tau / r(k+1)" in report and "| dflash k=3 | 2 |" in report
+    for png in ("tokens_per_s.png", "acceptance_per_position.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bench_flags_are_checked(capsys):
+    assert main(["bench", "--concurrency", "0,2"]) == 2
+    assert "--concurrency" in capsys.readouterr().err
