@@ -36,6 +36,8 @@ class RouterMetrics:
                                         labelnames=("position",), **kw)
         self.acceptance_rate = Gauge("blockspec_spec_decode_acceptance_rate",
                                      "Accepted / drafted tokens over the last steps", **per_replica)
+        self.mean_k = Gauge("blockspec_spec_decode_k", "Draft tokens asked per request in the last step (adaptive k)",
+                            **per_replica)
         self.tau = Gauge("blockspec_spec_decode_tau", "Tokens committed per request-step over the last steps", **per_replica)
         self.drafter_fallbacks = Counter("blockspec_drafter_fallbacks",
                                          "Request-steps run at k=0 because the drafter failed or timed out", **kw)

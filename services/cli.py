@@ -181,7 +181,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method = args.method or default_method(args.drafter)
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
                     max_len=args.max_model_len, invariant=args.invariant,
-                    use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector)
+                    use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
+                    adaptive_k=args.adaptive_k)
     # Validate every prompt before anything is generated or written.
     sampling = _sampling(args)
     requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
@@ -414,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
     gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
+    gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.set_defaults(func=cmd_generate)
     bd = sub.add_parser("build-default", help="build (or find) the default target/drafter pair")
     bd.add_argument("--profile", choices=("tiny", "base"), default="base", help="tiny: <1 min, tests; base: hours")

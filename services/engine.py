@@ -32,6 +32,7 @@ class Engine:
         invariant: bool = False,
         use_dynamic_conv: bool = True,
         use_path_selector: bool = True,
+        adaptive_k: bool = False,
     ) -> None:
         check_method(method, drafter)
         checkpoint = load_checkpoint(target)
@@ -52,7 +53,7 @@ class Engine:
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.target_path, self.drafter_path = Path(target), drafter
-        self.loop = StepLoop(self.verifier, self.proposer, max_batch)
+        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k)
 
     @property
     def context_len(self) -> int:

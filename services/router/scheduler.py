@@ -112,6 +112,7 @@ class Scheduler:
             for pos, n in enumerate(report.accepted_per_pos):
                 m.accepted_per_pos.labels(position=str(pos)).inc(n)
             self._window.append(report)
+            m.mean_k.labels(replica=replica).set(report.mean_k)
             drafted = sum(r.draft_tokens for r in self._window)
             accepted = sum(r.accepted_tokens for r in self._window)
             if drafted:

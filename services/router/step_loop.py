@@ -14,6 +14,7 @@ from opentelemetry import trace
 from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
 from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class StepReport:
 
     batch_size: int
     k: int  # the largest k asked of the drafter
+    mean_k: float  # k per request, averaged over the batch (adaptive k lowers it)
     drafts: int  # requests that had a non-empty draft
     draft_tokens: int
     accepted_tokens: int
@@ -111,6 +113,7 @@ class _Live:
     request: Request
     token_ids: list[int]  # prompt + generated
     stats: RequestStats
+    trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # adaptive k: acceptance per position
 
     @property
     def generated(self) -> int:
@@ -123,10 +126,11 @@ class StepLoop:
     Not thread-safe: call submit / cancel / step from one thread (the server runs them on one executor).
     """
 
-    def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int) -> None:
+    def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int, adaptive_k: bool = False) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self.max_batch = max_batch
+        self.adaptive = AdaptiveK() if adaptive_k else None
         self._waiting: deque[_Live] = deque()
         self._running: dict[str, _Live] = {}
         self.last_report: StepReport | None = None
@@ -189,7 +193,8 @@ class StepLoop:
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
         remaining = live.request.max_tokens - live.generated
-        return max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
+        k = max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
+        return self.adaptive.choose(live.trace, k, len(self._running)) if self.adaptive else k
 
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
@@ -210,7 +215,8 @@ class StepLoop:
                 for i in range(r.num_accepted):
                     per_pos[i] += 1
             report = self.last_report = StepReport(
-                batch_size=len(inputs), k=max((w.k for w in wants), default=0), drafts=sum(1 for i in inputs if i.draft_ids),
+                batch_size=len(inputs), k=max((w.k for w in wants), default=0), mean_k=sum(w.k for w in wants) / len(wants),
+                drafts=sum(1 for i in inputs if i.draft_ids),
                 draft_tokens=sum(len(i.draft_ids) for i in inputs), accepted_tokens=sum(r.num_accepted for r in results),
                 draft_s=t1 - t0, verify_s=t2 - t1, fallback=getattr(self.drafter, "fallbacks", 0) > fallbacks,
                 accepted_per_pos=tuple(per_pos))
@@ -219,7 +225,10 @@ class StepLoop:
                 tracing.ATTR_ACCEPTED: report.accepted_tokens, tracing.ATTR_BATCH_SIZE: report.batch_size,
                 tracing.ATTR_TAU: 1 + report.accepted_tokens / report.batch_size, tracing.ATTR_DRAFT_S: report.draft_s,
                 tracing.ATTR_VERIFY_S: report.verify_s, tracing.ATTR_FALLBACK: report.fallback})
+        if self.adaptive:
+            self.adaptive.observe_step(sum(len(i.draft_ids) + 1 for i in inputs), t2 - t1, t1 - t0, bool(to_draft))
         for live, inp, result in zip(lives, inputs, results):
+            live.trace.observe(len(inp.draft_ids), result.num_accepted)
             live.stats.record(len(inp.draft_ids), result.num_accepted)
             live.stats.draft_s += t1 - t0
             live.stats.verify_s += t2 - t1

@@ -72,3 +72,15 @@ def test_invariant_mode_keeps_output_identical(tiny_models, prompts, references)
     done = run(engine, prompts, k=5)
     assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == references["qwen2"]
     assert sum(e.stats.drafted for e in done.values()) > 0
+
+
+@pytest.mark.parametrize(("method", "drafter_key"), [("dflash", "trained"), ("ngram", None), ("draft_model", "other")])
+def test_adaptive_k_keeps_output_identical(method, drafter_key, tiny_models, dflash_drafters, prompts, references):
+    """Adaptive k changes how much is drafted per step, never what is committed; batched and one by one."""
+    dirs = tiny_models["qwen3"]
+    drafter = dflash_drafters["qwen3-trained"] if method == "dflash" else dirs.get(drafter_key)
+    engine = Engine(dirs["target"], drafter, method, max_batch=len(prompts), adaptive_k=True)
+    for batch in ([0], [5], list(range(len(prompts)))):
+        done = run(engine, [prompts[i] for i in batch], 7)
+        assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]
+    assert engine.loop.adaptive.fit.n > 0
