@@ -23,6 +23,7 @@ class ServerConfig(_Section):
     workers: int = Field(1, ge=1)  # router processes; one per server (scale out with replicas / more servers)
     max_batch: int = Field(16, ge=1, le=1024)  # requests stepped together per replica
     replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
+    prefill_chunk_tokens: int = Field(512, ge=1)  # prompt tokens prefilled per step: long prompts never stall streams
 
 
     @field_validator("workers")

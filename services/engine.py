@@ -9,7 +9,7 @@ from pathlib import Path
 from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.services.drafter.proposers import MAX_K, TargetView, build_proposer, check_method
-from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, TokenEvent
+from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
 from blockspec.services.router.validation import validate_request
 from blockspec.services.verifier.verifier import Verifier
 
@@ -33,6 +33,7 @@ class Engine:
         use_dynamic_conv: bool = True,
         use_path_selector: bool = True,
         adaptive_k: bool = False,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         check_method(method, drafter)
         checkpoint = load_checkpoint(target)
@@ -53,7 +54,7 @@ class Engine:
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.target_path, self.drafter_path = Path(target), drafter
-        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k)
+        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k, prefill_chunk)
 
     @property
     def context_len(self) -> int:

@@ -22,7 +22,7 @@ from blockspec.services.engine import DEFAULT_K, DEFAULT_MAX_LEN
 from blockspec.services.router.app import RouterServer, start_router
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.server import ModelFacts
-from blockspec.services.router.step_loop import StepLoop
+from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, StepLoop
 from blockspec.services.verifier.service import VerifierService
 from blockspec.services.verifier.verifier import Verifier
 
@@ -78,7 +78,8 @@ def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | No
 
 async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], str] | None]], method: str,
                              max_batch: int, host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
-                             metrics: RouterMetrics | None = None, adaptive_k: bool = False) -> RouterServer:
+                             metrics: RouterMetrics | None = None, adaptive_k: bool = False,
+                             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
@@ -91,7 +92,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
     facts = ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
-    loops = [StepLoop(v, d, max_batch, adaptive_k) for v, d in roles]
+    loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk) for v, d in roles]
     return await start_router(loops, facts, host, port, metrics)
 
 

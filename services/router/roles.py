@@ -51,14 +51,15 @@ class RemoteVerifier:
         self._stream = StreamCall(stub.Steps)
         self._timeout_s = timeout_s
         self._seq = 0
-        self._pending: dict[str, roles_pb2.PrefillItem] = {}  # added, not yet prefilled
+        self._pending: dict[str, roles_pb2.PrefillItem] = {}  # added, not yet sent
+        self._prefilling: set[str] = set()  # sent, prompt not complete yet (chunked prefill)
         self._active: dict[str, int] = {}  # request -> tap buffer row
         self._release: list[str] = []
         self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
 
     @property
     def free_slots(self) -> int:
-        return self.info.num_slots - len(self._active) - len(self._pending)
+        return self.info.num_slots - len(self._active) - len(self._pending) - len(self._prefilling)
 
     def slot_of(self, request_id: str) -> int:
         return self._active[request_id]
@@ -69,7 +70,10 @@ class RemoteVerifier:
         self._pending[request_id] = item
 
     def release(self, request_id: str) -> None:
-        if self._pending.pop(request_id, None) is None and self._active.pop(request_id, None) is not None:
+        if self._pending.pop(request_id, None) is not None:
+            return  # the verifier never heard of it
+        if self._active.pop(request_id, None) is not None or request_id in self._prefilling:
+            self._prefilling.discard(request_id)
             self._release.append(request_id)
 
     def _call(self, **ops) -> list[VerifyResult]:
@@ -86,8 +90,13 @@ class RemoteVerifier:
             out.append(VerifyResult(r.request_id, r.num_accepted, tuple(r.token_ids), r.eos, r.committed_len))
         return out
 
-    def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]:
-        return self._call(prefill=[self._pending.pop(rid) for rid in request_ids])
+    def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]:
+        new = [self._pending.pop(rid) for rid in request_ids if rid in self._pending]
+        more = [rid for rid in request_ids if rid in self._prefilling]
+        self._prefilling.update(item.request_id for item in new)
+        results = self._call(prefill=new, prefill_continue=more, prefill_budget=budget or 0)
+        self._prefilling.difference_update(r.request_id for r in results)
+        return results
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
         return self._call(verify=[roles_pb2.VerifyItem(request_id=i.request_id, draft_ids=i.draft_ids, q_width=i.q_width)

@@ -19,12 +19,14 @@ from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step
+
 
 class VerifierRole(Protocol):
     free_slots: int
 
     def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
-    def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]: ...
+    def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]: ...
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]: ...
     def release(self, request_id: str) -> None: ...
 
@@ -126,18 +128,21 @@ class StepLoop:
     Not thread-safe: call submit / cancel / step from one thread (the server runs them on one executor).
     """
 
-    def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int, adaptive_k: bool = False) -> None:
+    def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int, adaptive_k: bool = False,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self.max_batch = max_batch
         self.adaptive = AdaptiveK() if adaptive_k else None
+        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled per step (None: whole prompts at once)
         self._waiting: deque[_Live] = deque()
+        self._prefilling: dict[str, _Live] = {}  # holding a slot, prompt partly in the cache
         self._running: dict[str, _Live] = {}
         self.last_report: StepReport | None = None
 
     @property
     def idle(self) -> bool:
-        return not self._waiting and not self._running
+        return not self._waiting and not self._prefilling and not self._running
 
     @property
     def num_running(self) -> int:
@@ -145,7 +150,8 @@ class StepLoop:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued for a slot or still being prefilled."""
+        return len(self._waiting) + len(self._prefilling)
 
     def submit(self, request: Request) -> None:
         """Queue a request; it is prefilled at the next step with a free slot."""
@@ -153,7 +159,7 @@ class StepLoop:
 
     def cancel(self, request_id: str) -> FinishEvent | None:
         """Drop a request wherever it is and free its slots in both roles."""
-        live = self._running.pop(request_id, None)
+        live = self._running.pop(request_id, None) or self._prefilling.pop(request_id, None)
         if live is None:
             live = next((lv for lv in self._waiting if lv.request.request_id == request_id), None)
             if live is None:
@@ -168,15 +174,14 @@ class StepLoop:
         """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests."""
         events: list[TokenEvent | FinishEvent] = []
         self.last_report = None
-        admitted = []
-        while self._waiting and len(self._running) + len(admitted) < self.max_batch and self.verifier.free_slots:
+        while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch
+               and self.verifier.free_slots):
             live = self._waiting.popleft()
             self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
-            admitted.append(live)
-        if admitted:
-            results = self.verifier.prefill([live.request.request_id for live in admitted])
-            for live, result in zip(admitted, results):
-                self._running[live.request.request_id] = live
+            self._prefilling[live.request.request_id] = live
+        if self._prefilling:  # chunked: at most prefill_chunk prompt tokens per step, so running streams keep going
+            for result in self.verifier.prefill(list(self._prefilling), self.prefill_chunk):
+                live = self._running[result.request_id] = self._prefilling.pop(result.request_id)
                 live.stats.first_token_s = time.perf_counter() - live.stats.started
                 events.extend(self._commit(live, result))
         if self._running:

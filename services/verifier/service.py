@@ -98,7 +98,8 @@ class VerifierService(roles_grpc.VerifierServicer):
     def _handle(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
         with tracing.tracer().start_as_current_span(tracing.SPAN_VERIFIER_OP, context=tracing.remote_parent(req.traceparent),
                                                     attributes={tracing.ATTR_ROLE: "verifier",
-                                                                tracing.ATTR_ITEMS: len(req.prefill) + len(req.verify)}):
+                                                                tracing.ATTR_ITEMS: len(req.prefill) + len(req.prefill_continue)
+                                                                + len(req.verify)}):
             resp = self._run(req)
         resp.rss_bytes, resp.gpu_bytes = process_memory()
         return resp
@@ -110,10 +111,11 @@ class VerifierService(roles_grpc.VerifierServicer):
             for rid in req.release:
                 v.release(rid)
             results = []
-            if req.prefill:
+            if req.prefill or req.prefill_continue:
                 for item in req.prefill:
                     v.add(item.request_id, list(item.prompt_ids), from_pb(item.sampling))
-                results += v.prefill([item.request_id for item in req.prefill])
+                ids = [item.request_id for item in req.prefill] + list(req.prefill_continue)
+                results += v.prefill(ids, req.prefill_budget or None)
             if req.verify:
                 results += v.verify([VerifyInput(i.request_id, tuple(i.draft_ids), self._draft_q(i)) for i in req.verify])
             pb = [result_to_pb(v, r) for r in results]

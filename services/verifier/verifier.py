@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,28 +103,31 @@ class Verifier:
         if state is not None:
             self.runner.cache.release(state.slot)
 
-    def prefill(self, request_ids: Sequence[str]) -> list[VerifyResult]:
-        """Run the prompts through the target in chunks; commit the first generated token of each."""
-        pending = {rid: 0 for rid in request_ids}  # prompt tokens already in the cache
-        results: dict[str, VerifyResult] = {}
-        while pending:
-            budget, segments, chunk_of = self.max_prefill_tokens, [], {}
-            for rid, done in pending.items():
-                if budget <= 0:
+    def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]:
+        """Run prompts through the target, at most max_prefill_tokens per forward. With a budget, stop
+        after that many prompt tokens (chunked prefill: a later call continues where this one stopped).
+        Returns the first generated token of every request whose prompt is now complete."""
+        remaining = math.inf if budget is None else budget
+        pending, results = list(request_ids), []
+        while pending and remaining > 0:
+            room, segments, ends = min(self.max_prefill_tokens, remaining), [], []
+            for rid in pending:
+                if room <= 0:
                     break
                 state = self._requests[rid]
-                n = min(len(state.token_ids) - done, budget)
+                done = self.runner.cache.lengths[state.slot]  # prompt tokens already in the cache
+                n = min(len(state.token_ids) - done, room)
                 segments.append(Segment(state.slot, state.token_ids[done : done + n], last_only=True))
-                chunk_of[rid] = done + n
-                budget -= n
+                ends.append((rid, done + n))
+                room -= n
+                remaining -= n
             out = self._forward(segments)
-            for (rid, end), logits in zip(chunk_of.items(), out.logits):
+            for (rid, end), logits in zip(ends, out.logits):
                 state = self._requests[rid]
-                pending[rid] = end
                 if end == len(state.token_ids):
-                    del pending[rid]
-                    results[rid] = self._commit(rid, self._decide(state, logits[-1:], (), None))
-        return [results[rid] for rid in request_ids]
+                    pending.remove(rid)
+                    results.append(self._commit(rid, self._decide(state, logits[-1:], (), None)))
+        return results
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
         """Target forward over [anchor, d1..dk] of every request at once, then the acceptance rule."""

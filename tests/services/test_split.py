@@ -40,7 +40,9 @@ def split(request, tiny_models, dflash_drafters):
     dsvc = DrafterService(method, drafter, target, num_slots=4, max_len=512)
     vserver, _, vport = loop.run(serve_verifier(vsvc))
     dserver, _, dport = loop.run(serve_drafter(dsvc))
-    router = loop.run(start_split_router([(f"127.0.0.1:{vport}", f"127.0.0.1:{dport}")], method, max_batch=4))
+    # A small prefill chunk: the 100- and 150-token prompts continue their prefill over several ops.
+    router = loop.run(start_split_router([(f"127.0.0.1:{vport}", f"127.0.0.1:{dport}")], method, max_batch=4,
+                                         prefill_chunk=32))
     channel = grpc.insecure_channel(f"127.0.0.1:{router.port}")
     yield {"stub": api_grpc.GenerationStub(channel), "router": router, "verifier": vsvc, "drafter": dsvc,
            "dserver": dserver, "loop": loop, "method": method}

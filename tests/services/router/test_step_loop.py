@@ -39,3 +39,29 @@ def test_cancel_frees_slots_in_both_roles(tiny_models, prompts):
     assert loop.idle and loop.cancel("r0") is None
     assert engine.verifier.free_slots == free_verifier
     assert engine.proposer.runner.cache.free_slots == free_drafter
+
+
+def test_chunked_prefill_keeps_running_streams_going(tiny_models, prompts, references):
+    """A 150-token prompt arriving mid-stream is prefilled 32 tokens per step; the running request gets
+    tokens at every one of those steps, and both outputs equal the target alone."""
+    from blockspec.services.engine import Engine
+    from blockspec.services.router.step_loop import FinishEvent, TokenEvent
+
+    engine = Engine(tiny_models["qwen3"]["target"], None, "ngram", max_batch=2, prefill_chunk=32)
+    loop = engine.loop
+    loop.submit(engine.request("short", prompts[2], 128, 3))
+    events = loop.step() + loop.step()
+    loop.submit(engine.request("long", prompts[7], 40, 3))  # 150 tokens: 5 steps of prefill at 32 per step
+    steps_while_prefilling = 0
+    while loop.num_waiting:
+        step_events = loop.step()
+        events += step_events
+        steps_while_prefilling += 1
+        if loop.num_waiting:
+            assert any(isinstance(e, TokenEvent) and e.request_id == "short" for e in step_events), "stalled"
+    assert steps_while_prefilling == 5
+    while not loop.idle:
+        events += loop.step()
+    done = {e.request_id: list(e.token_ids) for e in events if isinstance(e, FinishEvent)}
+    assert done["short"] == references["qwen3"][2]
+    assert done["long"] == references["qwen3"][7][:40]
