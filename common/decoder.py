@@ -131,7 +131,7 @@ class AttentionBatch:
         self.cache, self.slots, self.positions, self.real, self.key_len = cache, slots, positions, real, key_len
         self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
         self.sin = cos_sin[1][positions].unsqueeze(1)
-        keys = torch.arange(key_len)
+        keys = torch.arange(key_len, device=positions.device)
         self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, key_len]
 
 

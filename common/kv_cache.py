@@ -21,10 +21,11 @@ class SlotKVCache:
         max_len: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)  # [layers, slots, kv_heads, max_len, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, max_len, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))

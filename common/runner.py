@@ -34,8 +34,10 @@ class ForwardResult:
 
 
 def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
-    """A Decoder holding the checkpoint's weights (HF names, `model.` prefix stripped)."""
-    model = Decoder(checkpoint.config)
+    """A Decoder holding the checkpoint's weights (HF names, `model.` prefix stripped). Built on the meta
+    device and handed the checkpoint's tensors: no second copy (a 27B target would not fit twice)."""
+    with torch.device("meta"):
+        model = Decoder(checkpoint.config)
     weights = {k.removeprefix("model."): v for k, v in checkpoint.weights.items()}
     if checkpoint.config.tie_word_embeddings:
         weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight"))
@@ -53,8 +55,11 @@ def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) ->
                 str(checkpoint.path),
                 f"tensor {name} has shape {tuple(weights[name].shape)}, config implies {tuple(param.shape)}",
             )
-    model.load_state_dict({k: weights[k] for k in expected}, strict=True)
-    return model.to(dtype).eval().requires_grad_(False)
+    model.load_state_dict({k: weights[k] for k in expected}, strict=True, assign=True)
+    model = model.to(dtype)
+    if checkpoint.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # one tensor, as the checkpoint has it
+    return model.eval().requires_grad_(False)
 
 
 class Runner:
@@ -74,8 +79,10 @@ class Runner:
         query_width: int | None = None,
         tap_layers: Sequence[int] = (),
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         cfg = checkpoint.config
+        self.device = torch.device(device)
         self.config = cfg
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # CPU GEMM computes a row identically wherever it sits once the row count is a multiple of
@@ -85,9 +92,9 @@ class Runner:
         bad = [layer for layer in self.tap_layers if not 0 <= layer < cfg.num_layers]
         if bad:
             raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
-        self.model = build_decoder(checkpoint, dtype)
-        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype)
-        self._cos_sin = rope_table(cfg, self.max_len)
+        self.model = build_decoder(checkpoint, dtype).to(self.device)
+        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype, self.device)
+        self._cos_sin = tuple(t.to(self.device, dtype) for t in rope_table(cfg, self.max_len))
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -121,6 +128,8 @@ class Runner:
         invariant = width == self.query_width
         key_len = self.max_len if invariant else max(s + n for s, n in zip(starts, lengths))
         slots = torch.tensor([s.slot for s in segments], dtype=torch.long)
+        if self.device.type != "cpu":  # index tensors are built on the host, then moved once
+            tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
         batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin)
         hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
         all_logits = self.model.logits(hidden) if invariant else None  # [B, T, vocab]: same row count every call

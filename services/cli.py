@@ -340,6 +340,21 @@ def _bench_prompts(args: argparse.Namespace) -> list[str]:
     return prompts[: args.num_prompts] if args.num_prompts else prompts
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from blockspec.services import gpu_check
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in gpu_check.SIZES]
+    if not sizes or unknown:
+        raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidArgument("--device", "CUDA is not available on this machine (use --device cpu --sizes tiny)")
+    return gpu_check.main(sizes, args.device, Path(args.out) if args.out else None)
+
+
 def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
     from blockspec.services import launch
@@ -469,6 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
     bn.set_defaults(func=cmd_bench)
+    gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
+    gc.add_argument("--sizes", default="1b,8b,27b", help="comma list of tiny, 1b, 8b, 27b (the reference shape)")
+    gc.add_argument("--device", default="cuda")
+    gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
+    gc.set_defaults(func=cmd_gpu_check)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
     role.add_argument("role", choices=("verifier", "drafter"))
     role.add_argument("--target", required=True)

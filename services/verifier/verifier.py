@@ -53,11 +53,13 @@ class Verifier:
         query_width: int | None = None,
         max_prefill_tokens: int = 512,
         tap_layers: Sequence[int] = (),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.runner = Runner(checkpoint, num_slots, max_len, query_width, tap_layers)
+        self.runner = Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device)
         width = len(self.runner.tap_layers) * checkpoint.config.hidden_size
         # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden].
-        self.tap_buffer = torch.zeros(num_slots, self.runner.max_len, width) if width else None
+        self.tap_buffer = torch.zeros(num_slots, self.runner.max_len, width, dtype=dtype, device=device) if width else None
         self.tokenizer = checkpoint.tokenizer
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens

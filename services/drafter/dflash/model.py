@@ -114,7 +114,7 @@ class DrafterContext:
         self.block_cos, self.block_sin = block_cos_sin
         R, B = ctx_visible.shape[0], self.block_cos.shape[2]
         # Every block slot sees the visible context and the whole block (bidirectional).
-        self.mask = torch.cat([ctx_visible, torch.ones(R, B, dtype=torch.bool)], dim=1)[:, None, None, :]
+        self.mask = torch.cat([ctx_visible, torch.ones(R, B, dtype=torch.bool, device=ctx_visible.device)], dim=1)[:, None, None, :]
         self.layer = 0
 
 

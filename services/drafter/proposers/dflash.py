@@ -41,8 +41,10 @@ class DFlashProposer:
         self.use_dynamic_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
         self.use_path_selector = use_path_selector and cfg.selector_rank is not None
         # Context K/V of each request: one entry per committed position with known tap features.
-        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, embedding.dtype)
-        self._cos, self._sin = rope_table(cfg, max_len + cfg.block_size)
+        self.device = embedding.device
+        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, embedding.dtype,
+                                 self.device)
+        self._cos, self._sin = (t.to(self.device, embedding.dtype) for t in rope_table(cfg, max_len + cfg.block_size))
         self._slots: dict[str, int] = {}
 
     def release(self, request_id: str) -> None:
@@ -61,7 +63,7 @@ class DFlashProposer:
         start = self.cache.lengths[slot]
         if ctx_len > start:
             taps = self.features(request_id)[start:ctx_len]  # [n, n_taps * H]
-            pos = torch.arange(start, ctx_len)
+            pos = torch.arange(start, ctx_len, device=self.device)
             cos, sin = self._cos[pos][None, None], self._sin[pos][None, None]
             for layer, (k, v) in enumerate(self.model.context_kv(self.model.context(taps)[None], cos, sin)):
                 self.cache.write(layer, slot, start, k[0], v[0])
@@ -74,15 +76,17 @@ class DFlashProposer:
         if not live:
             return [Draft(()) for _ in inputs]
         B = self.cfg.block_size
-        anchors = torch.tensor([i.token_ids[-1] for i in live])  # [R]
+        dev = self.device
+        anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
-        slots = torch.tensor([self._extend_context(i.request_id, n) for i, n in zip(live, ctx_lens)])
-        block_ids = torch.full((len(live), B), self.cfg.mask_token_id)
+        slots = torch.tensor([self._extend_context(i.request_id, n) for i, n in zip(live, ctx_lens)], device=dev)
+        block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
         block_ids[:, 0] = anchors
-        positions = torch.tensor(ctx_lens)[:, None] + torch.arange(B)  # [R, B]
+        lens = torch.tensor(ctx_lens, device=dev)
+        positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
         key_len = max(ctx_lens)
         layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
-        visible = torch.arange(key_len)[None, :] < torch.tensor(ctx_lens)[:, None]  # [R, key_len]
+        visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
         ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
         hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)[:, 1:]  # [R, B - 1, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, B - 1, V]

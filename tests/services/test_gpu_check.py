@@ -1,0 +1,33 @@
+"""`blockspec gpu-check`: the same code path on the CPU with a tiny shape (the GPU run needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockspec.services.cli import main
+
+
+def test_gpu_check_runs_on_cpu_with_the_tiny_shape(tmp_path, capsys):
+    assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny |" in out and "shm: child read sum" in out and "-> ok" in out
+    report = json.loads((tmp_path / "gpu_check.json").read_text())[0]
+    assert set(report["r"]) == {"1", "3", "5", "7", "15"} and all(v > 0 for v in report["c_d"].values())
+    assert report["exact_invariant"] == 0  # fp32 CPU, invariant width: bitwise equal logits
+
+
+def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
+    assert main(["gpu-check", "--sizes", "huge"]) == 2
+    assert "--sizes" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["gpu-check", "--device", "cuda", "--sizes", "tiny"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run deploy/gpu_check.sh there)")
+def test_gpu_check_on_cuda_small(capsys):
+    assert main(["gpu-check", "--device", "cuda", "--sizes", "tiny,1b"]) == 0
+    assert "cuda_ipc: child read sum" in capsys.readouterr().out
