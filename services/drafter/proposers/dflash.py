@@ -88,16 +88,19 @@ class DFlashProposer:
         layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
         visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
         ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
-        hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)[:, 1:]  # [R, B - 1, H]
-        logits = self.model.draft_logits(hidden, self.lm_head)  # [R, B - 1, V]
+        # The block always runs whole (the drafter was trained on it); only the slots some request asks for
+        # go through the LM head and the selector walk, the two costs that grow with the slot count.
+        slots_used = max(i.k for i in live)
+        hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)[:, 1 : 1 + slots_used]  # [R, k, H]
+        logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
         q_rows: list[list] = [[] for _ in live]
         pick = None if all(i.sampling.greedy for i in live) else self._sampler(live, q_rows)
         if self.use_path_selector:
-            tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick)  # [R, B - 1]
+            tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick)  # [R, k]
         else:  # per-slot choice among the slot's own top tokens
-            unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, B - 1, m]
+            unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, k, m]
             tokens = torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
-                                  pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(B - 1)], 1)
+                                  pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(slots_used)], 1)
         drafts = {}
         for r, i in enumerate(live):
             q = q_rows[r][: i.k]
