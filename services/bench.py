@@ -30,21 +30,25 @@ class Mode:
 
     name: str  # "none", "dflash", "hf-lookup", ...
     k: int = 0
+    adaptive: bool = False  # engine methods: adaptive k (k is the maximum)
 
     @property
     def label(self) -> str:
-        return f"{self.name} k={self.k}" if self.k else self.name
+        return (f"{self.name} k={self.k}" if self.k else self.name) + (" adaptive" if self.adaptive else "")
 
 
 def parse_modes(text: str) -> list[Mode]:
-    """"none,dflash:3,dflash:5,ngram:5,hf,hf-lookup:5" -> modes."""
+    """"none,dflash:3,dflash:7:adaptive,ngram:5,hf,hf-lookup:5" -> modes."""
     modes = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        name, _, k = item.partition(":")
+        name, _, rest = item.partition(":")
+        k, _, flag = rest.partition(":")
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
+        if flag not in ("", "adaptive") or (flag and name not in ENGINE_METHODS):
+            raise InvalidArgument("--modes", f"{item!r}: only engine methods take ':adaptive'")
         try:
-            modes.append(Mode(name, int(k) if k else 0))
+            modes.append(Mode(name, int(k) if k else 0, flag == "adaptive"))
         except ValueError:
             raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
         if name not in ("none", "hf") and not modes[-1].k:
@@ -81,7 +85,7 @@ def run_engine_mode(target: Path, drafter: Path | None, mode: Mode, prompts, max
     from blockspec.services.engine import Engine
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
-                    max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16)
+                    max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive)
     _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
     elapsed, done = _engine_run(engine, prompts, max_tokens, mode.k or None)
     steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
@@ -89,7 +93,8 @@ def run_engine_mode(target: Path, drafter: Path | None, mode: Mode, prompts, max
     for e in done:
         per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
     tokens = sum(len(e.token_ids) for e in done)
-    row = Row(mode.name, mode.k, concurrency, tokens, elapsed, tokens / elapsed,
+    row = Row(f"{mode.name} adaptive" if mode.adaptive else mode.name, mode.k, concurrency, tokens, elapsed,
+              tokens / elapsed,
               tau=1 + accepted / steps if steps and mode.k else None,
               acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps)
     return row, [list(e.token_ids) for e in done]

@@ -474,9 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--prompts-file", default=str(home / "heldout_prompts.jsonl"), help="default: held-out prompts")
     bn.add_argument("--num-prompts", type=int, help="use the first N prompts")
     bn.add_argument("--max-tokens", type=int, default=128)
-    bn.add_argument("--modes", default="none,ngram:5,dflash:3,dflash:5,dflash:7,hf,hf-lookup:3,hf-lookup:5",
-                    help="comma list: none, ngram:K, draft_model:K, dflash:K, hf, hf-lookup:K, hf-assisted:K (fixed k, "
-                         "threshold 0), hf-assisted-default:K (transformers' default schedule; needs --assistant)")
+    bn.add_argument("--modes", default="none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,hf,hf-lookup:3,hf-lookup:5",
+                    help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive k up to K), "
+                         "hf, hf-lookup:K, hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' "
+                         "default schedule; both need --assistant)")
     bn.add_argument("--concurrency", default="1,2,4,8,16", help="comma list (transformers modes run at 1)")
     bn.add_argument("--assistant", help="draft model directory for the hf-assisted modes")
     bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")

@@ -12,8 +12,9 @@ from blockspec.services.cli import main
 
 
 def test_modes_parse_and_bad_ones_name_the_flag():
-    assert parse_modes("none, dflash:5,hf-lookup:3") == [Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3)]
-    for bad in ("magic:3", "dflash", "ngram:x"):
+    assert parse_modes("none, dflash:5,hf-lookup:3,ngram:4:adaptive") == [Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3),
+                                                                        Mode("ngram", 4, adaptive=True)]
+    for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast"):
         with pytest.raises(InvalidArgument) as e:
             parse_modes(bad)
         assert e.value.field == "--modes"
@@ -24,7 +25,7 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
-                 str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,hf,hf-lookup:3", "--concurrency", "1,2",
+                 str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,dflash:3:adaptive,hf,hf-lookup:3", "--concurrency", "1,2",
                  "--out", str(out), "--threads", "1"]) == 0
     result = json.loads((out / "bench.json").read_text())
     rows = {(r["mode"], r["k"], r["concurrency"]) for r in result["rows"]}
