@@ -42,7 +42,9 @@ class _Fit:
 
     def costs(self) -> tuple[float, float]:
         """(t0, t_row): intercept and per-row slope, the slope kept non-negative."""
-        slope = max(self.cov / self.var, 0.0) if self.var > 1e-12 else self.mean_t / max(self.mean_rows, 1.0)
+        # Until the rows vary (every request at the same k, a steady batch) the slope is unknown: count it
+        # as fixed cost, which is what a step costs on memory-bound hardware; it is learnt once rows vary.
+        slope = max(self.cov / self.var, 0.0) if self.var > 0.25 else 0.0
         return max(self.mean_t - slope * self.mean_rows, 0.0), slope
 
 
