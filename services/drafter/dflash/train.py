@@ -45,6 +45,8 @@ class DistillConfig:
     decay_gamma: float = 4.0  # slot weight exp(-(k - 1) / gamma): later slots matter less
     selector_loss_weight: float = 0.5
     seed: int = 0
+    init_from: str | None = None  # warm start from this drafter checkpoint (same shapes): a refinement stage
+    feature_dtype: str = "float32"  # tap features kept in memory as this ("float16" halves a large run's RAM)
 
 
 def default_taps(num_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -85,7 +87,8 @@ def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]
 
 
 @torch.inference_mode()
-def tap_features(runner: Runner, sequences: Sequence[Sequence[int]], batch: int = 8) -> list[torch.Tensor]:
+def tap_features(runner: Runner, sequences: Sequence[Sequence[int]], batch: int = 8,
+                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Target tap features [len, n_taps * H] of every position of every sequence."""
     out = []
     for i in range(0, len(sequences), batch):
@@ -94,7 +97,7 @@ def tap_features(runner: Runner, sequences: Sequence[Sequence[int]], batch: int 
         out.extend(runner.forward([Segment(s, list(seq)) for s, seq in zip(slots, chunk)]).taps)
         for s in slots:
             runner.cache.release(s)
-    return [t.clone() for t in out]
+    return [t.to(dtype, copy=True) for t in out]
 
 
 class _Batcher:
@@ -163,9 +166,13 @@ def train_drafter(
     dcfg = drafter_config(target_dir, cfg)
     runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
                     tap_layers=dcfg.target_layer_ids)
-    features = tap_features(runner, sequences)
+    features = tap_features(runner, sequences, dtype=getattr(torch, cfg.feature_dtype))
     embedding, lm_head = runner.embedding.detach(), runner.lm_head.detach()
     model = DFlashDrafter(dcfg).train()
+    if cfg.init_from:
+        from blockspec.services.drafter.dflash.checkpoint import load_drafter
+
+        model.load_state_dict(load_drafter(cfg.init_from).state_dict())
     cos, sin = rope_table(dcfg, runner.max_len + dcfg.block_size)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
