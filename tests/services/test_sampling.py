@@ -73,7 +73,7 @@ def chi_square_p(observed: Counter, cells: dict[tuple, float], n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def sample_sequences(engine: Engine, prompt: list[int], params: SamplingParams, depth: int, k: int, n: int,
+def sample_sequences(engine: Engine, prompt: list[int], params: SamplingParams, depth: int, k: int | None, n: int,
                      seed0: int = 0) -> tuple[Counter, float]:
     """n generations of `depth` tokens (request i seeded seed0 + i) -> counts of the sequences, acceptance."""
     from dataclasses import replace
@@ -120,7 +120,8 @@ def check_distribution(pair, method, rule, temperature, top_k, top_p, depth) -> 
     paths, prompt = pair
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, rule=rule)
     cells = exact_cells(paths.target, prompt, params, depth, SAMPLES)
-    counts, acceptance = sample_sequences(engine_for(pair, method), prompt, params, depth, 2, SAMPLES)
+    k = None if method == "none" else 2  # plain decoding takes no k
+    counts, acceptance = sample_sequences(engine_for(pair, method), prompt, params, depth, k, SAMPLES)
     return chi_square_p(counts, cells, SAMPLES), acceptance
 
 
