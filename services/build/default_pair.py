@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,13 +79,16 @@ def _tiny_target(out: Path, seed: int) -> list[int]:
 
 
 def distill(target: Path, out: Path, token_ids, n_prompts: int, prompt_len: int, new_tokens: int,
-            cfg: DistillConfig, progress: bool = True) -> None:
-    """Prompts = random windows of `token_ids`; supervision = the target's greedy continuations."""
-    rng = np.random.default_rng(cfg.seed)
-    starts = rng.integers(0, len(token_ids) - prompt_len, size=n_prompts)
-    prompts = [[int(t) for t in token_ids[s : s + prompt_len]] for s in starts]
-    sequences = cached_continuations(target, prompts, new_tokens, progress)
-    train_drafter(target, out, sequences, [prompt_len] * n_prompts, cfg, progress)
+            cfg: DistillConfig, progress: bool = True, prompt_seeds: tuple[int, ...] | None = None) -> None:
+    """Prompts = random windows of `token_ids` (n_prompts per seed in `prompt_seeds`, default the config's
+    seed); supervision = the target's greedy continuations."""
+    sequences = []
+    for seed in prompt_seeds or (cfg.seed,):
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(token_ids) - prompt_len, size=n_prompts)
+        prompts = [[int(t) for t in token_ids[s : s + prompt_len]] for s in starts]
+        sequences += cached_continuations(target, prompts, new_tokens, progress)
+    train_drafter(target, out, sequences, [prompt_len] * len(sequences), cfg, progress)
 
 
 def cached_continuations(target: Path, prompts: list[list[int]], new_tokens: int, progress: bool = True) -> list[list[int]]:
@@ -114,7 +117,9 @@ def build_tiny(paths: PairPaths, seed: int = 0) -> None:
 
 
 BASE_DISTILL = DistillConfig(steps=8000, intermediate_size=512, selector_rank=8, batch_sequences=8, anchors_per_sequence=16)
-BASE_SUPERVISION = 8192  # prompts whose greedy continuations supervise the shipped drafter
+BASE_SUPERVISION = 8192  # prompts whose greedy continuations supervise the shipped drafter (per prompt seed)
+# Stage 2: warm start from stage 1, twice the supervision (prompt seeds 0 and 1), a lower learning rate.
+BASE_REFINE = replace(BASE_DISTILL, lr=1e-3, warmup_steps=50, seed=1, feature_dtype="float16")
 
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
@@ -128,6 +133,8 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     shutil.copytree(work / "target", paths.target)
     train_ids = np.load(work / "data" / "train.npy", mmap_mode="r")
     distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128, BASE_DISTILL)
+    distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128,
+            replace(BASE_REFINE, init_from=str(paths.drafter)), prompt_seeds=(0, 1))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
