@@ -177,42 +177,52 @@ class CostModel:
     c_d: dict[int, float]  # k -> drafter proposal of k tokens / one target decode
 
 
-def _time(fn, repeats: int) -> float:
+def timed(fn, repeats: int, device: str = "cpu") -> float:
+    """Seconds per call of fn (one warm-up call; CUDA work is waited for)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     fn()
+    sync()
     started = time.perf_counter()
     for _ in range(repeats):
         fn()
+    sync()
     return (time.perf_counter() - started) / repeats
+
+
+def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats: int, device: str = "cpu"):
+    """(decode seconds, {k: r(k+1)}, {k: c_d}) for a prefilled request: every verify is rolled back to the
+    same committed state first. proposer=None: no c_d."""
+    from blockspec.services.drafter.proposer import ProposeInput
+    from blockspec.services.verifier.verifier import VerifyInput
+
+    slot, committed = verifier.slot_of(request_id), verifier.committed(request_id)
+    context = len(committed) - 1  # prompt tokens in the cache; the last committed token is the anchor
+
+    def verify(n: int):
+        def run():
+            verifier.runner.cache.set_length(slot, context)
+            del committed[context + 1 :]
+            verifier.verify([VerifyInput(request_id, (5,) * (n - 1))])
+        return run
+
+    decode = timed(verify(1), repeats, device)
+    r = {k: timed(verify(k + 1), repeats, device) / decode for k in ks}
+    del committed[context + 1 :]
+    verifier.runner.cache.set_length(slot, context)
+    c_d = {} if proposer is None else {
+        k: timed(lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)]), repeats, device) / decode
+        for k in ks if k <= proposer.max_k}
+    return decode, r, c_d
 
 
 def measure_costs(target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128, repeats: int = 50) -> CostModel:
     """r(k+1) and c_d from the engine's own verifier and dflash proposer on one request."""
-    from blockspec.services.drafter.proposer import ProposeInput
     from blockspec.services.engine import Engine
-    from blockspec.services.verifier.verifier import VerifyInput
 
     engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32)
-    ids = list(range(16, 16 + context))
-    engine.verifier.add("x", ids)
+    engine.verifier.add("x", list(range(16, 16 + context)))
     engine.verifier.prefill(["x"])
-    v, slot = engine.verifier, engine.verifier.slot_of("x")
-
-    committed = v.committed("x")  # prompt + the first token (the anchor)
-
-    def forward(n: int):
-        def run():  # roll back to the same state, then verify n - 1 drafts
-            v.runner.cache.set_length(slot, context)
-            del committed[context + 1 :]
-            v.verify([VerifyInput("x", (5,) * (n - 1))])
-        return run
-
-    decode = _time(forward(1), repeats)
-    r = {k: _time(forward(k + 1), repeats) / decode for k in ks}
-    c_d = {}
-    if drafter:
-        del committed[context + 1 :]
-        for k in ks:
-            c_d[k] = _time(lambda: engine.proposer.propose([ProposeInput("x", committed, k)]), repeats) / decode
+    decode, r, c_d = cost_ratios(engine.verifier, engine.proposer if drafter else None, "x", ks, repeats)
     return CostModel(context, decode * 1e3, r, c_d)
 
 

@@ -45,21 +45,6 @@ def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(path=Path(f"<random {size}>"), config=cfg, weights=weights, tokenizer=None)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device: str, repeats: int) -> float:
-    fn()
-    _sync(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - started) / repeats
-
-
 @dataclass
 class SizeReport:
     size: str
@@ -77,11 +62,11 @@ class SizeReport:
 def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20) -> SizeReport:
     from blockspec.services.drafter.dflash.config import DFlashConfig
     from blockspec.services.drafter.dflash.model import DFlashDrafter
-    from blockspec.services.drafter.proposer import ProposeInput
+    from blockspec.services.bench import cost_ratios
     from blockspec.services.drafter.proposers.dflash import DFlashProposer
     from blockspec.services.router.step_loop import Request, StepLoop
     from blockspec.services.verifier.invariance import verify_vs_decode
-    from blockspec.services.verifier.verifier import Verifier, VerifyInput
+    from blockspec.services.verifier.verifier import Verifier
 
     target = random_target(size, device, dtype)
     cfg = target.config
@@ -93,17 +78,6 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     prompt = torch.randint(0, cfg.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     verifier.add("x", prompt)
     verifier.prefill(["x"])
-    slot, committed = verifier.slot_of("x"), verifier.committed("x")
-
-    def verify(n: int):
-        def run():
-            verifier.runner.cache.set_length(slot, context)
-            del committed[context + 1 :]
-            verifier.verify([VerifyInput("x", (7,) * (n - 1))])
-        return run
-
-    decode = _timed(verify(1), device, repeats)
-    r = {k: _timed(verify(k + 1), device, repeats) / decode for k in KS}
     dcfg = DFlashConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=DRAFTER_LAYERS[size],
                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
                         num_target_layers=cfg.num_layers, target_layer_ids=verifier.runner.tap_layers, block_size=16,
@@ -112,10 +86,7 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     drafter = DFlashDrafter(dcfg).to(device, dtype).eval().requires_grad_(False)
     proposer = DFlashProposer(drafter, verifier.runner.embedding, verifier.runner.lm_head, verifier.features, 2,
                               verifier.max_len)
-    del committed[context + 1 :]
-    verifier.runner.cache.set_length(slot, context)
-    c_d = {k: _timed(lambda k=k: proposer.propose([ProposeInput("x", committed, k)]), device, repeats) / decode
-           for k in KS if k < dcfg.block_size}
+    decode, r, c_d = cost_ratios(verifier, proposer, "x", KS, repeats, device)
     # Orchestration: a whole step loop step vs the drafter and verifier calls it makes.
     loop = StepLoop(verifier, proposer, max_batch=2)
     verifier.release("x")
@@ -126,7 +97,8 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     inner = 0.0
     while not loop.idle and steps < repeats:
         loop.step()
-        _sync(device)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         inner += loop.last_report.draft_s + loop.last_report.verify_s if loop.last_report else 0.0
         steps += 1
     overhead = ((time.perf_counter() - started) - inner) / max(steps, 1) * 1e3
