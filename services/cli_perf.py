@@ -1,0 +1,114 @@
+"""`blockspec bench` and `blockspec gpu-check`: the performance commands of the CLI."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from blockspec.common.errors import InvalidArgument
+
+
+def add_perf_commands(sub) -> None:
+    """Register `bench` and `gpu-check` on the CLI's subparsers."""
+    from blockspec.services.build.default_pair import default_home
+
+    home = default_home() / "base"
+    bn = sub.add_parser("bench", help="speculative vs plain decoding vs transformers, side by side (BENCHMARKS.md)")
+    bn.add_argument("--target", default=str(home / "target"), help="default: the shipped pair's target")
+    bn.add_argument("--drafter", default=str(home / "drafter"), help="default: the shipped pair's drafter")
+    bn.add_argument("--prompts-file", default=str(home / "heldout_prompts.jsonl"), help="default: held-out prompts")
+    bn.add_argument("--num-prompts", type=int, help="use the first N prompts")
+    bn.add_argument("--max-tokens", type=int, default=128)
+    bn.add_argument("--modes", default="none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,hf,hf-lookup:3,hf-lookup:5",
+                    help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive k up to K), "
+                         "hf, hf-lookup:K, hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' "
+                         "default schedule; both need --assistant)")
+    bn.add_argument("--concurrency", default="1,2,4,8,16", help="comma list (transformers modes run at 1)")
+    bn.add_argument("--assistant", help="draft model directory for the hf-assisted modes")
+    bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
+    bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides")
+    bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
+    bn.add_argument("--threads", type=int, help="torch CPU threads")
+    bn.set_defaults(func=cmd_bench)
+    gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
+    gc.add_argument("--sizes", default="1b,8b,27b", help="comma list of tiny, 1b, 8b, 27b (the reference shape)")
+    gc.add_argument("--device", default="cuda")
+    gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
+    gc.set_defaults(func=cmd_gpu_check)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Side-by-side measurement of the modes at each concurrency; writes bench.md/json and plots to --out."""
+    from blockspec.services import bench
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    concurrency = _int_list("--concurrency", args.concurrency)
+    out = Path(args.out)
+    if args.server:
+        import grpc
+
+        from blockspec.protos import api_grpc, api_pb2
+
+        texts = _bench_prompts(args)
+        with grpc.insecure_channel(args.server) as channel:
+            stub = api_grpc.GenerationStub(channel)
+            prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
+        ks = _int_list("--server-k", args.server_k)
+        rows, outputs = [], None
+        for k in ks:
+            for c in concurrency:
+                row, out_ids = bench.run_server_mode(args.server, k, prompts, args.max_tokens, c)
+                outputs = outputs or out_ids
+                row.exact = out_ids == outputs
+                rows.append(row)
+        report = bench.markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.md").write_text(report)
+        print(report)
+        return 0
+    from blockspec.common.models import load_checkpoint
+
+    target = Path(args.target)
+    tokenizer = load_checkpoint(target, with_weights=False).tokenizer
+    prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
+    result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(args.modes),
+                             concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None)
+    print(result["markdown"])
+    print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
+    return 0
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(flag, f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise InvalidArgument(flag, f"expected positive integers, got {text!r}")
+    return values
+
+
+def _bench_prompts(args: argparse.Namespace) -> list[str]:
+    from blockspec.services.cli import _prompts as cli_prompts
+
+    args.prompt = None
+    prompts = cli_prompts(args)
+    return prompts[: args.num_prompts] if args.num_prompts else prompts
+
+
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from blockspec.services import gpu_check
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in gpu_check.SIZES]
+    if not sizes or unknown:
+        raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidArgument("--device", "CUDA is not available on this machine (use --device cpu --sizes tiny)")
+    return gpu_check.main(sizes, args.device, Path(args.out) if args.out else None)
