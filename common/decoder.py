@@ -8,12 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.common.cpu_kernels import Linear, fused_linear
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same arithmetic as transformers: normalise in fp32, scale in the model dtype.
+    # Same arithmetic as transformers: normalise in fp32, scale in the model dtype. In fp32, torch's fused
+    # kernel computes the same bits (checked in tests/common/test_cpu_kernels.py) with one op instead of six.
+    if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -67,10 +71,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -78,29 +82,28 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, batch: "AttentionBatch") -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), batch.cos, batch.sin)  # [B, heads, T, hd]
-        k = apply_rope(k.transpose(1, 2), batch.cos, batch.sin)  # [B, kv_heads, T, hd]
-        keys, values = batch.cache.write_and_read(
-            layer, batch.slots, batch.positions, batch.real, k, v.transpose(1, 2), batch.key_len
-        )
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        H, KV = cfg.num_heads, cfg.num_kv_heads
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(B, T, H + 2 * KV, cfg.head_dim)
+        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
+        if cfg.qk_norm:  # q and k heads normed in one op: row-wise, each head with its own weight
+            qk = rms_norm(qk, torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(KV, -1)]),
+                          cfg.rms_norm_eps)
+        qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)  # [B, heads + kv_heads, T, hd]
+        keys, values = batch.write_and_read(layer, qk[:, H:], v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -127,12 +130,33 @@ class AttentionBatch:
         real: torch.Tensor,  # [B, T] bool: False for padding rows (computed, never stored or returned)
         key_len: int,  # keys read per slot: positions [0, key_len)
         cos_sin: tuple[torch.Tensor, torch.Tensor],
+        host_slots: list[int],  # slots as ints, and whether every row is real: known on the host,
+        all_real: bool,  # so no device value is read back
     ) -> None:
-        self.cache, self.slots, self.positions, self.real, self.key_len = cache, slots, positions, real, key_len
+        self.cache, self.slots, self.key_len = cache, slots, key_len
+        self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
         self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
         self.sin = cos_sin[1][positions].unsqueeze(1)
         keys = torch.arange(key_len, device=positions.device)
         self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, key_len]
+        # Where the real tokens' K/V go, worked out once for every layer.
+        self.all_real = all_real
+        self.rows = None if self.all_real else real.nonzero(as_tuple=True)  # (b, t) of each real token
+        store_slots = slots[:, None].expand_as(positions)
+        self.store_slots = store_slots.reshape(-1) if self.all_real else store_slots[self.rows]  # [N]
+        self.store_pos = positions.reshape(-1) if self.all_real else positions[self.rows]  # [N]
+
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache; return the keys and values
+        [B, kv_heads, key_len, hd] of each row's slot."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        for cache, new in ((kc, k), (vc, v)):
+            rows = new.transpose(1, 2)  # [B, T, kv_heads, hd]
+            cache[self.store_slots, :, self.store_pos] = rows.reshape(-1, *rows.shape[2:]) if self.all_real else rows[self.rows]
+        if self.slots.numel() == 1:
+            s = self.slot0
+            return kc[s : s + 1, :, : self.key_len], vc[s : s + 1, :, : self.key_len]
+        return kc[self.slots, :, : self.key_len], vc[self.slots, :, : self.key_len]
 
 
 class Decoder(nn.Module):
@@ -144,7 +168,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

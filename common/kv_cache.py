@@ -56,27 +56,6 @@ class SlotKVCache:
             raise ValueError(f"slot length {length} outside [0, {self.max_len}]")
         self.lengths[slot] = length
 
-    def write_and_read(
-        self,
-        layer: int,
-        slots: torch.Tensor,  # [B]
-        positions: torch.Tensor,  # [B, T]
-        real: torch.Tensor,  # [B, T] bool: which rows are tokens (the rest is padding, never stored)
-        k: torch.Tensor,  # [B, kv_heads, T, hd]
-        v: torch.Tensor,
-        key_len: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new K/V at their positions, return keys/values [B, kv_heads, key_len, hd] of each slot."""
-        kc, vc = self.k[layer], self.v[layer]
-        row_slots = slots[:, None].expand_as(positions)[real]  # [N]
-        row_pos = positions[real]  # [N]
-        kc[row_slots, :, row_pos] = k.transpose(1, 2)[real]  # [N, kv_heads, hd]
-        vc[row_slots, :, row_pos] = v.transpose(1, 2)[real]
-        if slots.numel() == 1:
-            s = int(slots[0])
-            return kc[s : s + 1, :, :key_len], vc[s : s + 1, :, :key_len]
-        return kc[slots, :, :key_len], vc[slots, :, :key_len]
-
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [kv_heads, n, hd] of one slot at positions [start, start + n)."""
         self.k[layer, slot, :, start : start + k.shape[1]] = k

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.common import cpu_kernels
 from blockspec.common.decoder import AttentionBatch, Decoder, rope_table
 from blockspec.common.errors import ModelLoadError
 from blockspec.common.kv_cache import SlotKVCache
@@ -93,6 +94,8 @@ class Runner:
         if bad:
             raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
         self.model = build_decoder(checkpoint, dtype).to(self.device)
+        if self.device.type == "cpu":
+            cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
         self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype, self.device)
         self._cos_sin = tuple(t.to(self.device, dtype) for t in rope_table(cfg, self.max_len))
 
@@ -127,10 +130,11 @@ class Runner:
         positions = (torch.tensor(starts)[:, None] + offsets[None, :]).clamp(max=self.max_len - 1)  # [B, T]
         invariant = width == self.query_width
         key_len = self.max_len if invariant else max(s + n for s, n in zip(starts, lengths))
-        slots = torch.tensor([s.slot for s in segments], dtype=torch.long)
+        host_slots = [s.slot for s in segments]
+        slots = torch.tensor(host_slots, dtype=torch.long)
         if self.device.type != "cpu":  # index tensors are built on the host, then moved once
             tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
-        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin)
+        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, min(lengths) == width)
         hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
         all_logits = self.model.logits(hidden) if invariant else None  # [B, T, vocab]: same row count every call
         logits, tap_rows = [], []

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 
-from blockspec.common import tracing
+from blockspec.common import cpu_kernels, tracing
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import process_memory
 from blockspec.common.sampling import Q_ROWS, from_pb
@@ -41,6 +41,7 @@ class DrafterService(roles_grpc.DrafterServicer):
 
             self.dflash_model = load_drafter(drafter_path)
             check_fits_target(self.dflash_model.cfg, self.target.config, str(drafter_path))
+            cpu_kernels.enabled()  # load the CPU kernel now (used when the target's tensors are on the CPU)
         else:
             self.proposer = build_proposer(method, self.target, drafter_path, num_slots, max_len)
         self._tokens: dict[str, list[int]] = {}  # committed tokens seen per request

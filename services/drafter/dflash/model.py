@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.common.cpu_kernels import Linear, fused_linear, linear
 from blockspec.common.decoder import MLP, RMSNorm, apply_rope
 from blockspec.services.drafter.dflash.config import DFlashConfig
 
@@ -30,7 +31,7 @@ class DynamicConv(nn.Module):
         base = torch.zeros(2, kernel_size, hidden)
         base[:, 0] = 1.0  # identity at initialisation
         self.base_kernel = nn.Parameter(base)  # [2, K, H]
-        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * hidden // group_size, bias=False)
+        self.kernel_projection = Linear(hidden, 2 * kernel_size * hidden // group_size, bias=False)
         nn.init.zeros_(self.kernel_projection.weight)
 
     def coefficients(self, u: torch.Tensor) -> torch.Tensor:
@@ -52,25 +53,29 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R, T, H] -> keys, values [R, kv_heads, T, hd] (keys normed and rotated)."""
         R, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(R, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        kv = fused_linear(x, (self.k_proj, self.v_proj)).view(R, T, 2 * self.cfg.num_kv_heads, self.cfg.head_dim)
+        return self._keys(kv[:, :, : self.cfg.num_kv_heads], cos, sin), kv[:, :, self.cfg.num_kv_heads :].transpose(1, 2)
+
+    def _keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
 
     def forward(self, x: torch.Tensor, ctx: "DrafterContext") -> torch.Tensor:
         R, B, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(R, B, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
-        q = apply_rope(q, ctx.block_cos, ctx.block_sin)  # [R, heads, B, hd]
-        k_blk, v_blk = self.kv(x, ctx.block_cos, ctx.block_sin)
+        H, KV, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(R, B, H + 2 * KV, hd)
+        q = apply_rope(self.q_norm(qkv[:, :, :H]).transpose(1, 2), ctx.block_cos, ctx.block_sin)  # [R, heads, B, hd]
+        k_blk = self._keys(qkv[:, :, H : H + KV], ctx.block_cos, ctx.block_sin)
+        v_blk = qkv[:, :, H + KV :].transpose(1, 2)
         k_ctx, v_ctx = ctx.layer_kv[ctx.layer]  # [R, kv_heads, C, hd]
         keys, values = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
@@ -125,7 +130,7 @@ class CandidateSelector(nn.Module):
         super().__init__()
         r = cfg.selector_rank
         self.top_k = cfg.selector_top_k
-        self.hidden_projection = nn.Linear(cfg.hidden_size, r, bias=False)
+        self.hidden_projection = Linear(cfg.hidden_size, r, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # A: [V, r]
         self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # B: [V, r]
 
@@ -159,7 +164,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -184,7 +189,7 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """Draft-slot hidden [..., H] -> logits [..., V] through the target's LM head weight [V, H]."""
-        logits = F.linear(hidden, lm_head).float()
+        logits = linear(hidden, lm_head).float()
         if self.cfg.output_multiplier is not None:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from blockspec.common import cpu_kernels
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
@@ -42,6 +43,8 @@ class DFlashProposer:
         self.use_path_selector = use_path_selector and cfg.selector_rank is not None
         # Context K/V of each request: one entry per committed position with known tap features.
         self.device = embedding.device
+        if self.device.type == "cpu":
+            cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
         self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, embedding.dtype,
                                  self.device)
         self._cos, self._sin = (t.to(self.device, embedding.dtype) for t in rope_table(cfg, max_len + cfg.block_size))

@@ -1,0 +1,101 @@
+"""The small-batch CPU linear kernel: same results as torch's linear, one row independent of the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockspec.common import cpu_kernels
+from blockspec.common.cpu_kernels import Linear, fused_linear, linear
+from blockspec.common.decoder import rms_norm
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the kernel could not be built here")
+
+
+def param(*shape: int, generator: torch.Generator | None = None) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(*shape, generator=generator), requires_grad=False)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 16])
+@pytest.mark.parametrize("shape", [(64, 32), (256, 256), (768, 256), (256, 768), (4096, 256)])
+def test_matches_torch_linear(rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    w = param(*shape, generator=g)
+    x = torch.randn(rows, shape[1], generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    w = param(512, 256)
+    x = torch.randn(16, 256)
+    with torch.inference_mode():
+        full = linear(x, w)
+        for n in (1, 4, 6, 7, 13):
+            assert torch.equal(linear(x[:n], w), full[:n])
+        assert torch.equal(linear(x[5:6], w), full[5:6])
+
+
+def test_fused_projections_equal_each_projection_alone():
+    layers = [Linear(256, n, bias=bias) for n, bias in ((256, True), (128, False), (128, True))]
+    x = torch.randn(1, 6, 256)
+    with torch.inference_mode():
+        fused = fused_linear(x, layers)
+        alone = torch.cat([layer(x) for layer in layers], dim=-1)
+    assert torch.equal(fused, alone)
+
+
+def test_falls_back_to_torch_where_it_does_not_apply():
+    w = param(256, 256)
+    with torch.inference_mode():
+        many = torch.randn(cpu_kernels.MAX_ROWS + 1, 256)
+        assert torch.equal(linear(many, w), F.linear(many, w))  # GEMM blocking wins: torch's linear
+        odd = param(40, 256)  # 40 output features: not whole panels of 64
+        x = torch.randn(2, 256)
+        assert torch.equal(linear(x, odd), F.linear(x, odd))
+        cpu_kernels.set_enabled(False)
+        try:
+            assert torch.equal(linear(x, w), F.linear(x, w))
+        finally:
+            cpu_kernels.set_enabled(True)
+
+
+def test_a_tensor_that_is_not_a_parameter_is_never_copied(monkeypatch):
+    shared = torch.randn(128, 64)  # e.g. the target's LM head mapped from another process
+    monkeypatch.setattr(cpu_kernels, "_pack", lambda w: pytest.fail("packed a shared tensor"))
+    with torch.inference_mode():
+        x = torch.randn(2, 64)
+        assert torch.equal(linear(x, shared), F.linear(x, shared))
+
+
+def test_past_the_budget_torch_linear_is_used(monkeypatch):
+    monkeypatch.setitem(cpu_kernels._budget, "left", 1000)
+    w, x = param(256, 256), torch.randn(1, 256)
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    assert cpu_kernels._budget["left"] == 1000
+
+
+def test_training_keeps_autograd():
+    layer = Linear(256, 64)
+    x = torch.randn(3, 256, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+
+
+def test_an_in_place_weight_update_is_seen():
+    w = param(64, 64)
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        before = linear(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), 2 * before)
+
+
+def test_fp32_rms_norm_is_bitwise_the_transformers_arithmetic():
+    x, weight = torch.randn(3, 5, 256), torch.randn(256)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(rms_norm(x, weight, 1e-6), weight * h)
