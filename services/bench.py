@@ -177,38 +177,18 @@ class CostModel:
     c_d: dict[int, float]  # k -> drafter proposal of k tokens / one target decode
 
 
-def timed(fn, repeats: int, device: str = "cpu") -> float:
-    """Seconds per call of fn (one warm-up call; CUDA work is waited for)."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    fn()
-    sync()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync()
-    return (time.perf_counter() - started) / repeats
-
-
 def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats: int, device: str = "cpu"):
     """(decode seconds, {k: r(k+1)}, {k: c_d}) for a prefilled request: every verify is rolled back to the
     same committed state first. proposer=None: no c_d."""
     from blockspec.services.drafter.proposer import ProposeInput
-    from blockspec.services.verifier.verifier import VerifyInput
+    from blockspec.services.verifier.verifier import rolled_back_verify, timed
 
-    slot, committed = verifier.slot_of(request_id), verifier.committed(request_id)
-    context = len(committed) - 1  # prompt tokens in the cache; the last committed token is the anchor
-
-    def verify(n: int):
-        def run():
-            verifier.runner.cache.set_length(slot, context)
-            del committed[context + 1 :]
-            verifier.verify([VerifyInput(request_id, (5,) * (n - 1))])
-        return run
-
-    decode = timed(verify(1), repeats, device)
-    r = {k: timed(verify(k + 1), repeats, device) / decode for k in ks}
+    decode = timed(rolled_back_verify(verifier, [request_id], 1), repeats, device)
+    r = {k: timed(rolled_back_verify(verifier, [request_id], k + 1), repeats, device) / decode for k in ks}
+    committed = verifier.committed(request_id)
+    context = len(committed) - 1
     del committed[context + 1 :]
-    verifier.runner.cache.set_length(slot, context)
+    verifier.runner.cache.set_length(verifier.slot_of(request_id), context)
     c_d = {} if proposer is None else {
         k: timed(lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)]), repeats, device) / decode
         for k in ks if k <= proposer.max_k}

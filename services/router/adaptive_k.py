@@ -1,97 +1,139 @@
-"""Adaptive k: each step, each request drafts the k that maximises its expected committed tokens per
-unit of step time, from its recent acceptance per position and the step costs measured online.
+"""Adaptive k: each step, the batch drafts the k that maximises its expected committed tokens per second.
 
-Expected tokens for k drafts: E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i, with a_i the conditional
-acceptance at position i (EWMA). Step time is fitted online as t = t0 + t_row * rows (+ t_d when the
-drafter runs), rows = sum of (k + 1) over the batch; a request's share at batch size B is
-t0 / B + t_row * (k + 1) + t_d / B * [k > 0]. k = 0 (plain decoding, no drafter call) wins when
-drafting does not pay.
+Expected tokens of one request for k drafts: E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i, with a_i its
+conditional acceptance at draft position i (EWMA of what the verifier judged). Positions a request
+has not been judged at take the rates of all requests together (a slow EWMA), and its rates relax
+towards those while it is not drafting.
+
+Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1] + overhead(B).
+* verify comes from a table the verifier measured before serving (`Verifier.measure_step_costs`), scaled
+  by an EWMA of observed / table time (how fast the machine runs now against calibration);
+* draft is an EWMA of the drafter's observed time per (batch size, width);
+* overhead is an EWMA of the rest of a step (the loop, the commit, the caller).
+
+The verify forward pads every request to the widest one, so a step has one width: the chooser tries
+W = 1 .. max + 1 and gives each request min(W - 1, its own k). W = 1 is plain decoding: no drafter
+call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALPHA = 0.2  # EWMA weight of the newest observation
-WARMUP_STEPS = 8  # steps timed before the cost fit is trusted (the requested k is used until then)
+from blockspec.services.verifier.verifier import StepCosts
+
+ALPHA = 0.2  # EWMA weight of the newest observation (a request's acceptance, the costs)
+PRIOR_ALPHA = 0.02  # the same for the acceptance of all requests together
+RELAX = 0.2  # per step, how far a request's unjudged positions move towards all requests' rates
+WARMUP_STEPS = 8  # steps at the requested k before choosing (acceptance and drafter time are observed)
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed for a position never drafted
-PROBE_EVERY = 16  # a request held at k = 0 drafts one token every this many steps, to notice a change
+PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior)
 
 
-@dataclass
-class _Fit:
-    """EWMA of step time against rows, split by whether the drafter ran."""
-
-    n: int = 0
-    mean_rows: float = 0.0
-    mean_t: float = 0.0
-    cov: float = 0.0
-    var: float = 0.0
-    draft_s: float = 0.0  # EWMA drafter time per step
-
-    def observe(self, rows: int, verify_s: float, draft_s: float, drafted: bool) -> None:
-        a = ALPHA if self.n else 1.0
-        self.n += 1
-        d_rows, d_t = rows - self.mean_rows, verify_s - self.mean_t
-        self.mean_rows += a * d_rows
-        self.mean_t += a * d_t
-        self.cov = (1 - a) * (self.cov + a * d_rows * d_t)
-        self.var = (1 - a) * (self.var + a * d_rows * d_rows)
-        if drafted:
-            self.draft_s = draft_s if not self.draft_s else (1 - ALPHA) * self.draft_s + ALPHA * draft_s
-
-    def costs(self) -> tuple[float, float]:
-        """(t0, t_row): intercept and per-row slope, the slope kept non-negative."""
-        # Until the rows vary (every request at the same k, a steady batch) the slope is unknown: count it
-        # as fixed cost, which is what a step costs on memory-bound hardware; it is learnt once rows vary.
-        slope = max(self.cov / self.var, 0.0) if self.var > 0.25 else 0.0
-        return max(self.mean_t - slope * self.mean_rows, 0.0), slope
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
 
 
 @dataclass
 class AcceptanceTrace:
-    """One request's conditional acceptance per draft position (EWMA)."""
+    """Conditional acceptance per draft position (EWMA): one request's (fast), or all requests' (slow)."""
 
     rates: list[float] = field(default_factory=list)
-    steps_at_zero: int = 0
+    alpha: float = ALPHA
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):  # positions the verifier actually judged
+    def observe(self, drafted: int, accepted: int, prior: "AcceptanceTrace | None" = None) -> None:
+        """One verify of `drafted` drafts, `accepted` of them accepted. Positions the verifier did not judge
+        this step move towards the prior by RELAX: a request held at k = 0 drifts back to what drafting
+        gives on average, so it tries again, soon if drafting usually pays."""
+        judged = min(drafted, accepted + 1)
+        for i in range(judged):
             hit = 1.0 if i < accepted else 0.0
-            if i < len(self.rates):
-                self.rates[i] = (1 - ALPHA) * self.rates[i] + ALPHA * hit
-            else:
-                self.rates.append(hit if not self.rates else (1 - ALPHA) * self.rates[-1] + ALPHA * hit)
+            if i == len(self.rates):
+                self.rates.append(self.rate(i, prior))
+            self.rates[i] += self.alpha * (hit - self.rates[i])
+        if prior is not None:
+            for i in range(judged, len(self.rates)):
+                self.rates[i] += RELAX * (prior.rate(i) - self.rates[i])
 
-    def expected_tokens(self, k: int) -> float:
-        total, p = 1.0, 1.0
+    def rate(self, i: int, prior: "AcceptanceTrace | None" = None) -> float:
+        """Conditional acceptance at position i: this trace's, else the prior's, else the last one known."""
+        if i < len(self.rates):
+            return self.rates[i]
+        if prior is not None and i < len(prior.rates):
+            return prior.rates[i]
+        known = self.rates or (prior.rates if prior is not None else [])
+        return known[-1] if known else PRIOR_ACCEPTANCE
+
+    def expected_tokens(self, k: int, prior: "AcceptanceTrace | None" = None) -> float:
+        return self.expected_tokens_upto(k, prior)[k]
+
+    def expected_tokens_upto(self, k: int, prior: "AcceptanceTrace | None" = None) -> list[float]:
+        """[E(0), E(1), ..., E(k)] in one pass."""
+        totals, p = [1.0], 1.0
         for i in range(k):
-            p *= self.rates[i] if i < len(self.rates) else (self.rates[-1] if self.rates else PRIOR_ACCEPTANCE)
-            total += p
-        return total
+            p *= self.rate(i, prior)
+            totals.append(totals[-1] + p)
+        return totals
 
 
 class AdaptiveK:
-    """Chooses k per request per step; fed with every step's timings."""
+    """Chooses the k of every request of a step; fed with every step's timings."""
 
-    def __init__(self) -> None:
-        self.fit = _Fit()
-        self.last_choices: list[int] = []
+    def __init__(self, costs: StepCosts) -> None:
+        self.costs = costs
+        self.steps = 0
+        self.speed: float | None = None  # observed verify time / table time (EWMA)
+        self.draft_s: dict[tuple[int, int], float] = {}  # (batch, width) -> drafter seconds (EWMA)
+        self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
+        self.steps_at_one = 0  # consecutive steps at width 1
+        self.last_width = 0
+        self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA)  # every request's observations, slowly
 
-    def observe_step(self, rows: int, verify_s: float, draft_s: float, drafted: bool) -> None:
-        self.fit.observe(rows, verify_s, draft_s, drafted)
+    def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
+        """Every request of every step, k = 0 included."""
+        self.prior.observe(drafted, accepted)
+        trace.observe(drafted, accepted, self.prior)
 
-    def choose(self, trace: AcceptanceTrace, k_max: int, batch_size: int) -> int:
-        if k_max <= 0 or self.fit.n < WARMUP_STEPS:
-            return k_max
-        if trace.steps_at_zero >= PROBE_EVERY:
-            trace.steps_at_zero = 0
-            return 1
-        t0, t_row = self.fit.costs()
-        best_k, best = 0, 1.0 / (t0 / batch_size + t_row)
-        for k in range(1, k_max + 1):
-            rate = trace.expected_tokens(k) / (t0 / batch_size + t_row * (k + 1) + self.fit.draft_s / batch_size)
-            if rate > best:
-                best_k, best = k, rate
-        trace.steps_at_zero = trace.steps_at_zero + 1 if best_k == 0 else 0
-        return best_k
+    def observe_step(self, batch: int, width: int, verify_s: float, draft_s: float, overhead_s: float | None) -> None:
+        """One finished step: `width` is the widest row verified; overhead None when unknown (first step)."""
+        self.steps += 1
+        self.speed = _ewma(self.speed, verify_s / max(self.costs.verify_s(batch, width), 1e-9))
+        if width > 1:
+            self.draft_s[batch, width] = _ewma(self.draft_s.get((batch, width)), draft_s)
+        if overhead_s is not None:
+            self.overhead_s[batch] = _ewma(self.overhead_s.get(batch), max(overhead_s, 0.0))
+
+    def _draft_estimate(self, batch: int, width: int) -> float:
+        if (batch, width) in self.draft_s:
+            return self.draft_s[batch, width]
+        if not self.draft_s:
+            return self.costs.verify_s(batch, 1)  # never drafted: guess one target decode
+        # Nearest batch size observed, then nearest width: the drafter runs its whole block at any k.
+        b, w = min(self.draft_s, key=lambda bw: (abs(bw[0] - batch), abs(bw[1] - width)))
+        return self.draft_s[b, w] * batch / b
+
+    def step_seconds(self, batch: int, width: int) -> float:
+        verify = self.costs.verify_s(batch, width) * (self.speed or 1.0)
+        draft = self._draft_estimate(batch, width) if width > 1 else 0.0
+        overhead = self.overhead_s.get(batch, min(self.overhead_s.values(), default=0.0))
+        return verify + draft + overhead
+
+    def choose(self, requests: list[tuple[AcceptanceTrace, int]]) -> list[int]:
+        """k for each (trace, largest k allowed) of the step's batch."""
+        k_max = max((k for _, k in requests), default=0)
+        if k_max <= 0 or self.steps < WARMUP_STEPS:
+            return [k for _, k in requests]
+        batch = len(requests)
+        if self.steps_at_one >= PROBE_EVERY:
+            best = 2
+        else:
+            best, best_rate = 1, batch / self.step_seconds(batch, 1)
+            expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
+            for width in range(2, k_max + 2):
+                tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)
+                rate = tokens / self.step_seconds(batch, width)
+                if rate > best_rate:
+                    best, best_rate = width, rate
+        self.steps_at_one = self.steps_at_one + 1 if best == 1 else 0
+        self.last_width = best
+        return [min(best - 1, k) for _, k in requests]

@@ -16,7 +16,7 @@ from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposer import Draft, ProposeInput
-from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
+from blockspec.services.verifier.verifier import StepCosts, VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class RemoteVerifier:
 
     def __init__(self, address: str, timeout_s: float = 60.0) -> None:
         self.channel = grpc.insecure_channel(address)
-        stub = roles_grpc.VerifierStub(self.channel)
+        stub = self._stub = roles_grpc.VerifierStub(self.channel)
         self.info = stub.Info(roles_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
         self._stream = StreamCall(stub.Steps)
         self._timeout_s = timeout_s
@@ -60,6 +60,12 @@ class RemoteVerifier:
     @property
     def free_slots(self) -> int:
         return self.info.num_slots - len(self._active) - len(self._pending) - len(self._prefilling)
+
+    def measure_step_costs(self, max_width: int) -> StepCosts:
+        pb = self._stub.Info(roles_pb2.InfoRequest(step_costs_max_width=max_width), timeout=self._timeout_s).step_costs
+        widths = tuple(pb.widths)
+        rows = [tuple(pb.seconds[i * len(widths) : (i + 1) * len(widths)]) for i in range(len(pb.batch_sizes))]
+        return StepCosts(tuple(pb.batch_sizes), widths, tuple(rows))
 
     def slot_of(self, request_id: str) -> int:
         return self._active[request_id]

@@ -15,7 +15,7 @@ from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
-from blockspec.services.verifier.verifier import VerifyInput, VerifyResult
+from blockspec.services.verifier.verifier import StepCosts, VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class VerifierRole(Protocol):
     def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]: ...
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]: ...
     def release(self, request_id: str) -> None: ...
+    def measure_step_costs(self, max_width: int) -> StepCosts: ...
 
 
 class DrafterRole(Protocol):
@@ -133,7 +134,10 @@ class StepLoop:
         self.verifier = verifier
         self.drafter = drafter
         self.max_batch = max_batch
-        self.adaptive = AdaptiveK() if adaptive_k else None
+        # Adaptive k starts from the verifier's own step costs, measured now (before any request).
+        self.adaptive = AdaptiveK(verifier.measure_step_costs(drafter.max_k + 1)) if adaptive_k and drafter.max_k else None
+        self._last_verified: float | None = None  # end of the last verify; the time to the next step is overhead
+        self._prefilled = False  # this step prefilled: its extra time is not step overhead
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled per step (None: whole prompts at once)
         self._waiting: deque[_Live] = deque()
         self._prefilling: dict[str, _Live] = {}  # holding a slot, prompt partly in the cache
@@ -179,6 +183,7 @@ class StepLoop:
             live = self._waiting.popleft()
             self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
             self._prefilling[live.request.request_id] = live
+        self._prefilled = bool(self._prefilling)
         if self._prefilling:  # chunked: at most prefill_chunk prompt tokens per step, so running streams keep going
             for result in self.verifier.prefill(list(self._prefilling), self.prefill_chunk):
                 live = self._running[result.request_id] = self._prefilling.pop(result.request_id)
@@ -198,12 +203,14 @@ class StepLoop:
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
         remaining = live.request.max_tokens - live.generated
-        k = max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
-        return self.adaptive.choose(live.trace, k, len(self._running)) if self.adaptive else k
+        return max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
 
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
-        wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv), lv.request.sampling) for lv in lives]
+        ks = [self._k(lv) for lv in lives]
+        if self.adaptive:
+            ks = self.adaptive.choose([(lv.trace, k) for lv, k in zip(lives, ks)])
+        wants = [ProposeInput(lv.request.request_id, lv.token_ids, k, lv.request.sampling) for lv, k in zip(lives, ks)]
         span = tracing.step_span([lv.request.span_context for lv in lives])
         with trace.use_span(span, end_on_exit=True):  # the role calls carry this span as their parent
             fallbacks = getattr(self.drafter, "fallbacks", 0)
@@ -231,9 +238,13 @@ class StepLoop:
                 tracing.ATTR_TAU: 1 + report.accepted_tokens / report.batch_size, tracing.ATTR_DRAFT_S: report.draft_s,
                 tracing.ATTR_VERIFY_S: report.verify_s, tracing.ATTR_FALLBACK: report.fallback})
         if self.adaptive:
-            self.adaptive.observe_step(sum(len(i.draft_ids) + 1 for i in inputs), t2 - t1, t1 - t0, bool(to_draft))
+            overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified
+            width = max(len(i.draft_ids) + 1 for i in inputs)
+            self.adaptive.observe_step(len(inputs), width, t2 - t1, t1 - t0, overhead)
+        self._last_verified = t2
         for live, inp, result in zip(lives, inputs, results):
-            live.trace.observe(len(inp.draft_ids), result.num_accepted)
+            if self.adaptive:
+                self.adaptive.observe_request(live.trace, len(inp.draft_ids), result.num_accepted)
             live.stats.record(len(inp.draft_ids), result.num_accepted)
             live.stats.draft_s += t1 - t0
             live.stats.verify_s += t2 - t1

@@ -78,6 +78,13 @@ class VerifierService(roles_grpc.VerifierServicer):
         self.shares.close()
 
     async def Info(self, request: roles_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> roles_pb2.VerifierInfo:
+        width = request.step_costs_max_width
+        if width and tuple(self.info.step_costs.widths)[-1:] != (width,):
+            # Measured on the step executor, so it never runs alongside a step; only the first ask pays.
+            costs = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.verifier.measure_step_costs, width)
+            self.info.step_costs.CopyFrom(roles_pb2.StepCosts(
+                batch_sizes=costs.batch_sizes, widths=costs.widths, seconds=[t for row in costs.seconds for t in row]))
         return self.info
 
     async def Steps(self, requests, context: grpc.aio.ServicerContext):

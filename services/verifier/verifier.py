@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,58 @@ class VerifyResult:
     token_ids: tuple[int, ...]  # tokens committed by this step (prefill: the first token)
     eos: bool  # the last committed token ends the sequence
     committed_len: int  # prompt + generated tokens after this step
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one verify step by batch size and query width (k + 1), measured by `measure_step_costs`."""
+
+    batch_sizes: tuple[int, ...]  # increasing
+    widths: tuple[int, ...]  # 1, 2, ..., max width
+    seconds: tuple[tuple[float, ...], ...]  # [batch size][width]
+
+    def verify_s(self, batch: int, width: int) -> float:
+        """Seconds for `batch` requests at `width`: linear in the batch size between the measured ones (and
+        past the largest, along its last segment)."""
+        col = min(max(width, 1), self.widths[-1]) - 1
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return self.seconds[0][col] * batch / sizes[0]
+        hi = next((i for i, b in enumerate(sizes) if b >= batch), len(sizes) - 1)
+        hi = max(hi, 1)
+        lo = hi - 1
+        frac = (batch - sizes[lo]) / (sizes[hi] - sizes[lo])
+        return max(self.seconds[lo][col] + frac * (self.seconds[hi][col] - self.seconds[lo][col]), 0.0)
+
+
+def timed(fn: Callable[[], object], repeats: int, device: str = "cpu", warm_up: bool = True) -> float:
+    """Median seconds per call of fn over `repeats` calls, after one warm-up call (CUDA work waited for)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    if warm_up:
+        fn()
+        sync()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def rolled_back_verify(verifier: "Verifier", request_ids: Sequence[str], width: int) -> Callable[[], None]:
+    """A verify of `width - 1` drafts for each prefilled request, undone first: every call starts from the
+    same committed state (the prompt, its first token as the anchor)."""
+    states = [(verifier.slot_of(r), verifier.committed(r)) for r in request_ids]
+    contexts = [len(committed) - 1 for _, committed in states]
+
+    def run() -> None:
+        for (slot, committed), context in zip(states, contexts):
+            verifier.runner.cache.set_length(slot, context)
+            del committed[context + 1 :]
+        verifier.verify([VerifyInput(r, (5,) * (width - 1)) for r in request_ids])
+
+    return run
 
 
 @dataclass
@@ -78,6 +132,40 @@ class Verifier:
 
     def committed(self, request_id: str) -> list[int]:
         return self._requests[request_id].token_ids
+
+    def measure_step_costs(self, max_width: int, context: int = 64, repeats: int = 15) -> StepCosts:
+        """Time verify steps of batch sizes 1, 2, 4, ... (up to the free slots) at widths 1..max_width, on
+        scratch requests of `context` prompt tokens, added and released here. Run it before serving.
+
+        One untimed pass first (first touches of the caches, packed weights); then `repeats` rounds,
+        each timing every cell once, so a machine that speeds up or slows down meanwhile shifts all
+        cells alike; the median per cell. A wider or larger step never costs less: each row of the
+        table is made non-decreasing in width, each column in batch size.
+        """
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= self.free_slots] or [1]
+        widths = range(1, max_width + 1)
+        context = max(1, min(context, self.max_len - max_width - 2))
+        vocab, device = self.runner.config.vocab_size, self.runner.device.type
+        ids = [f"__step_costs_{i}" for i in range(sizes[-1])]
+        try:
+            for i, rid in enumerate(ids):
+                self.add(rid, [(16 + 7 * i + j) % vocab for j in range(context)])
+            self.prefill(ids)
+            steps = {(b, w): rolled_back_verify(self, ids[:b], w) for b in sizes for w in widths}
+            samples: dict[tuple[int, int], list[float]] = {cell: [] for cell in steps}
+            for round_ in range(repeats + 1):
+                for cell, step in steps.items():
+                    seconds = timed(step, 1, device, warm_up=False)
+                    if round_:
+                        samples[cell].append(seconds)
+        finally:
+            for rid in ids:
+                self.release(rid)
+        table = [[statistics.median(samples[b, w]) for w in widths] for b in sizes]
+        for i, row in enumerate(table):
+            for j in range(len(row)):
+                row[j] = max(row[j], row[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
+        return StepCosts(tuple(sizes), tuple(widths), tuple(tuple(row) for row in table))
 
     def features(self, request_id: str) -> torch.Tensor:
         """Tap features of the committed tokens before the anchor: a view [committed_len - 1, n_taps * hidden]."""

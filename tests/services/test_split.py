@@ -45,7 +45,7 @@ def split(request, tiny_models, dflash_drafters):
                                          prefill_chunk=32))
     channel = grpc.insecure_channel(f"127.0.0.1:{router.port}")
     yield {"stub": api_grpc.GenerationStub(channel), "router": router, "verifier": vsvc, "drafter": dsvc,
-           "dserver": dserver, "loop": loop, "method": method}
+           "dserver": dserver, "loop": loop, "method": method, "verifier_address": f"127.0.0.1:{vport}"}
     channel.close()
     loop.run(router.stop(0))
     loop.run(vserver.stop(0))
@@ -79,6 +79,22 @@ def test_dflash_maps_the_verifiers_tensors(split):
     emb.data[3, 0] = 123.0
     assert float(proposer.embedding[3, 0]) == 123.0
     emb.data[3, 0] = old
+
+
+def test_the_verifier_measures_its_step_costs_for_adaptive_k(split):
+    """What a router with adaptive k asks the remote verifier for before serving (InfoRequest)."""
+    if split["method"] != "dflash":
+        pytest.skip("one method is enough")
+    from blockspec.services.router.roles import RemoteVerifier
+
+    remote = RemoteVerifier(split["verifier_address"])
+    try:
+        costs = remote.measure_step_costs(3)
+    finally:
+        remote.close()
+    assert costs.widths == (1, 2, 3) and costs.batch_sizes == (1, 2, 4)
+    assert all(row[0] > 0 and list(row) == sorted(row) for row in costs.seconds)  # wider never cheaper
+    assert split["verifier"].verifier.free_slots == 4  # its scratch requests are gone
 
 
 @pytest.mark.parametrize("rule", ["rejection", "strict"])

@@ -1,21 +1,29 @@
-"""Adaptive k: the expected-tokens model and the choice against measured step costs."""
+"""Adaptive k: the expected-tokens model, the step-cost table and the choice of width per step."""
 
 from __future__ import annotations
 
 import pytest
 
-from blockspec.services.router.adaptive_k import WARMUP_STEPS, AcceptanceTrace, AdaptiveK
+from blockspec.services.router.adaptive_k import (
+    ALPHA, PRIOR_ACCEPTANCE, PROBE_EVERY, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
+from blockspec.services.verifier.verifier import StepCosts
 
 
 def trace_with(rates: list[float]) -> AcceptanceTrace:
     return AcceptanceTrace(rates=list(rates))
 
 
-def fitted(t0: float, t_row: float, draft_s: float) -> AdaptiveK:
-    ak = AdaptiveK()
-    for i in range(WARMUP_STEPS * 4):
-        rows = 1 + i % 9
-        ak.observe_step(rows, t0 + t_row * rows, draft_s, drafted=True)
+def table(fixed: float, per_row: float, sizes=(1, 2, 4, 8, 16), max_width: int = 8) -> StepCosts:
+    """A verify cost table: fixed + per_row * batch * width seconds."""
+    return StepCosts(tuple(sizes), tuple(range(1, max_width + 1)),
+                     tuple(tuple(fixed + per_row * b * w for w in range(1, max_width + 1)) for b in sizes))
+
+
+def warmed(costs: StepCosts, draft_s: float, overhead_s: float = 0.0, batch: int = 1) -> AdaptiveK:
+    """After the warm-up steps, each run at the table's own speed with the drafter at `draft_s`."""
+    ak = AdaptiveK(costs)
+    for _ in range(WARMUP_STEPS):
+        ak.observe_step(batch, 8, costs.verify_s(batch, 8), draft_s, overhead_s)
     return ak
 
 
@@ -27,33 +35,68 @@ def test_expected_tokens_multiplies_conditional_acceptance():
 
 
 def test_observation_updates_only_judged_positions():
-    t = AcceptanceTrace()
+    t = trace_with([0.5, 0.5, 0.5, 0.5])
     t.observe(drafted=5, accepted=2)  # positions 0, 1 accepted, 2 rejected, 3-4 never judged
-    # A position seen for the first time starts from the previous position's rate, then moves by ALPHA.
-    assert t.rates == pytest.approx([1.0, 1.0, 0.8])
-    t.observe(drafted=1, accepted=0)
-    assert t.rates == pytest.approx([0.8, 1.0, 0.8])
+    assert t.rates == pytest.approx([0.6, 0.6, 0.4, 0.5])
+    fresh = AcceptanceTrace()
+    fresh.observe(drafted=1, accepted=1)  # a new position starts from the prior guess
+    assert fresh.rates == pytest.approx([PRIOR_ACCEPTANCE + ALPHA * (1 - PRIOR_ACCEPTANCE)])
 
 
-def test_fit_recovers_the_linear_step_cost():
-    ak = fitted(0.004, 0.0005, 0.002)
-    t0, t_row = ak.fit.costs()
-    assert t0 == pytest.approx(0.004, rel=0.05) and t_row == pytest.approx(0.0005, rel=0.05)
+def test_a_request_not_drafting_relaxes_towards_all_requests():
+    prior = trace_with([0.8, 0.8])
+    t = trace_with([0.0, 0.0])
+    for _ in range(20):
+        t.observe(drafted=0, accepted=0, prior=prior)
+    assert t.rates == pytest.approx([0.8, 0.8], abs=0.01)
+    assert trace_with([0.5]).expected_tokens(2, prior) == pytest.approx(1 + 0.5 + 0.5 * 0.8)  # unseen: the prior's
+
+
+def test_step_costs_interpolate_between_measured_batch_sizes():
+    costs = table(0.004, 0.0005)
+    assert costs.verify_s(4, 3) == pytest.approx(0.004 + 0.0005 * 12)
+    assert costs.verify_s(3, 2) == pytest.approx(0.004 + 0.0005 * 6)  # between 2 and 4
+    assert costs.verify_s(32, 1) == pytest.approx(0.004 + 0.0005 * 32)  # past 16, along the last segment
+    assert costs.verify_s(1, 12) == costs.verify_s(1, 8)  # wider than measured: the widest
 
 
 def test_choice_drafts_when_it_pays_and_not_when_it_does_not():
-    ak = fitted(0.004, 0.0002, 0.001)  # a step costs mostly its fixed part: drafting is cheap
-    assert ak.choose(trace_with([0.9] * 7), 7, batch_size=1) == 7
-    assert ak.choose(trace_with([0.0] * 7), 7, batch_size=1) == 0
-    # At a large batch the fixed part is shared: every extra row costs more relative to what it buys.
-    heavy = fitted(0.004, 0.002, 0.001)
-    assert heavy.choose(trace_with([0.6] * 7), 7, batch_size=16) < heavy.choose(trace_with([0.6] * 7), 7, batch_size=1)
+    ak = warmed(table(0.004, 0.0001), draft_s=0.001)  # a step costs mostly its fixed part: drafting is cheap
+    assert ak.choose([(trace_with([0.9] * 7), 7)]) == [7]
+    assert ak.choose([(trace_with([0.0] * 7), 7)]) == [0]
+
+
+def test_a_large_batch_drafts_less_when_rows_cost():
+    costs = table(0.004, 0.001)
+    one = warmed(costs, 0.001).choose([(trace_with([0.6] * 7), 7)])
+    many = warmed(costs, 0.001, batch=16).choose([(trace_with([0.6] * 7), 7)] * 16)
+    assert many[0] < one[0]
+
+
+def test_one_width_per_step_capped_by_each_request():
+    ak = warmed(table(0.004, 0.0001), draft_s=0.001, batch=2)
+    assert ak.choose([(trace_with([0.9] * 7), 7), (trace_with([0.9] * 7), 2)]) == [7, 2]
+
+
+def test_a_slower_machine_is_seen_through_the_verify_times():
+    costs = table(0.004, 0.0001)
+    ak = warmed(costs, draft_s=0.001)
+    for _ in range(30):
+        ak.observe_step(1, 4, 3 * costs.verify_s(1, 4), 0.001, 0.0)
+    assert ak.step_seconds(1, 1) == pytest.approx(3 * costs.verify_s(1, 1), rel=0.01)
+
+
+def test_overhead_makes_speculation_pay_more():
+    costs = table(0.004, 0.0015)
+    trace = [(trace_with([0.5] * 7), 7)]
+    assert warmed(costs, 0.003, overhead_s=0.0).choose(trace) == [0]
+    assert warmed(costs, 0.003, overhead_s=0.02).choose(trace)[0] > 0
 
 
 def test_requested_k_until_warm_and_a_probe_after_many_zero_steps():
-    ak = AdaptiveK()
-    assert ak.choose(trace_with([0.0]), 5, 1) == 5  # no cost fit yet
-    ak = fitted(0.004, 0.0002, 0.001)
+    ak = AdaptiveK(table(0.004, 0.0001))
+    assert ak.choose([(trace_with([0.0]), 5)]) == [5]  # warming up: the requested k
+    ak = warmed(table(0.004, 0.0001), draft_s=0.001)
     t = trace_with([0.0] * 5)
-    picks = [ak.choose(t, 5, 1) for _ in range(40)]
-    assert picks.count(0) > 30 and 1 in picks
+    picks = [ak.choose([(t, 5)])[0] for _ in range(3 * PROBE_EVERY)]
+    assert picks.count(0) > 2 * PROBE_EVERY and 1 in picks
