@@ -32,6 +32,7 @@ class Segment:
 class ForwardResult:
     logits: list[torch.Tensor]  # per segment: [n, vocab] fp32, or [1, vocab] when last_only
     taps: list[torch.Tensor]  # per segment: [n, n_taps * hidden], outputs of the tap layers; [] if none
+    tap_block: torch.Tensor | None = None  # the same for the whole batch, padded: [B, T, n_taps * hidden]
 
 
 def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
@@ -137,12 +138,13 @@ class Runner:
         batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, min(lengths) == width)
         hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
         all_logits = self.model.logits(hidden) if invariant else None  # [B, T, vocab]: same row count every call
+        tap_block = torch.cat(taps, dim=-1) if taps else None  # [B, T, n_taps * H]
         logits, tap_rows = [], []
         for b, seg in enumerate(segments):
             n = lengths[b]
             first = n - 1 if seg.last_only else 0
             logits.append(all_logits[b, first:n] if invariant else self.model.logits(hidden[b, first:n]))
             if taps:
-                tap_rows.append(torch.cat([t[b, :n] for t in taps], dim=-1))
+                tap_rows.append(tap_block[b, :n])
             self.cache.set_length(seg.slot, starts[b] + n)
-        return ForwardResult(logits=logits, taps=tap_rows)
+        return ForwardResult(logits=logits, taps=tap_rows, tap_block=tap_block)

@@ -8,7 +8,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,6 +70,7 @@ class Row:
     steps: int = 0
     exact: bool | None = None  # outputs equal plain decoding's, token for token
     speedup: float | None = None  # tokens/s over plain decoding at the same concurrency
+    rounds: list[float] = field(default_factory=list)  # tokens/s of every pass (the row is the median pass)
 
 
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
@@ -81,23 +82,29 @@ def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: in
     return time.perf_counter() - started, sorted(done, key=lambda e: int(e.request_id))
 
 
-def run_engine_mode(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int, concurrency: int) -> tuple[Row, list]:
+def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int,
+                  concurrency: int) -> Callable[[], tuple[Row, list]]:
+    """A warmed-up engine for `mode`; each call of the result is one timed pass over the prompts."""
     from blockspec.services.engine import Engine
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
                     max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive)
     _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
-    elapsed, done = _engine_run(engine, prompts, max_tokens, mode.k or None)
-    steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
-    per_pos = np.zeros(mode.k, dtype=int)
-    for e in done:
-        per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
-    tokens = sum(len(e.token_ids) for e in done)
-    row = Row(f"{mode.name} adaptive" if mode.adaptive else mode.name, mode.k, concurrency, tokens, elapsed,
-              tokens / elapsed,
-              tau=1 + accepted / steps if steps and mode.k else None,
-              acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps)
-    return row, [list(e.token_ids) for e in done]
+
+    def run() -> tuple[Row, list]:
+        elapsed, done = _engine_run(engine, prompts, max_tokens, mode.k or None)
+        steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
+        per_pos = np.zeros(mode.k, dtype=int)
+        for e in done:
+            per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
+        tokens = sum(len(e.token_ids) for e in done)
+        row = Row(f"{mode.name} adaptive" if mode.adaptive else mode.name, mode.k, concurrency, tokens, elapsed,
+                  tokens / elapsed,
+                  tau=1 + accepted / steps if steps and mode.k else None,
+                  acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps)
+        return row, [list(e.token_ids) for e in done]
+
+    return run
 
 
 def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int) -> tuple[Row, list]:
@@ -138,8 +145,9 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
                steps=steps), [ids for ids, _ in results]
 
 
-def run_hf_mode(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None) -> tuple[Row, list]:
-    """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted."""
+def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None) -> Callable[[], tuple[Row, list]]:
+    """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted. The
+    models load and warm up here; each call of the result is one timed pass over the prompts."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -155,16 +163,21 @@ def run_hf_mode(target: Path, mode: Mode, prompts, max_tokens: int, assistant: P
         if mode.name == "hf-assisted":  # fixed k, no early stop on low confidence
             helper.generation_config.num_assistant_tokens_schedule = "constant"
             helper.generation_config.assistant_confidence_threshold = 0.0
-    outputs, started = [], 0.0
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8})  # warm-up
-        started = time.perf_counter()
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), **kwargs)
-            outputs.append(out[0, len(p):].tolist())
-    elapsed = time.perf_counter() - started
-    tokens = sum(len(o) for o in outputs)
-    return Row(mode.name, mode.k, 1, tokens, elapsed, tokens / elapsed), outputs
+
+    def run() -> tuple[Row, list]:
+        outputs = []
+        with torch.inference_mode():
+            started = time.perf_counter()
+            for p in prompts:
+                out = model.generate(torch.tensor([p]), **kwargs)
+                outputs.append(out[0, len(p):].tolist())
+            elapsed = time.perf_counter() - started
+        tokens = sum(len(o) for o in outputs)
+        return Row(mode.name, mode.k, 1, tokens, elapsed, tokens / elapsed), outputs
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -265,30 +278,40 @@ def plots(rows: list[Row], out: Path) -> list[Path]:
 
 
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
-              max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True) -> dict:
-    """Run every mode at every concurrency (transformers modes at 1), check exactness against plain
-    decoding, measure the cost model, write bench.md / bench.json / plots into `out`."""
+              max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3) -> dict:
+    """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each,
+    interleaved; report the median pass; check exactness against plain decoding; measure the cost model;
+    write bench.md / bench.json / plots into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    plan = [(m, c) for m in modes for c in (concurrency if m.name in ENGINE_METHODS else [1])]
     if not any(m.name == "none" for m in modes):
-        plan = [(Mode("none"), c) for c in concurrency] + plan  # the baseline every ratio needs
-    rows, reference = [], {}
-    for mode, c in tqdm(plan, desc="bench", disable=not progress):
-        if mode.name in ENGINE_METHODS:
-            row, outputs = run_engine_mode(target, drafter, mode, prompts, max_tokens, c)
-        else:
-            row, outputs = run_hf_mode(target, mode, prompts, max_tokens, assistant)
-        if mode.name == "none":
-            reference[c] = outputs
-        row.exact = outputs == reference.get(c, reference.get(1))
-        rows.append(row)
+        modes = [Mode("none"), *modes]  # the baseline every ratio needs
+    plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
+    rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
+    with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
+        for c, ms in plan:
+            runners = {m: engine_runner(target, drafter, m, prompts, max_tokens, c) if m.name in ENGINE_METHODS
+                       else hf_runner(target, m, prompts, max_tokens, assistant) for m in ms}
+            samples: dict[Mode, list[Row]] = {m: [] for m in ms}
+            for r in range(rounds):  # interleaved, each round in another order: drift hits every mode alike
+                for m in ms[r % len(ms):] + ms[: r % len(ms)]:
+                    row, outputs = runners[m]()
+                    first.setdefault((m, c), outputs)
+                    samples[m].append(row)
+                    bar.update()
+            del runners
+            for m in ms:
+                passes = sorted(samples[m], key=lambda row: row.tokens_per_s)
+                row = passes[len(passes) // 2]  # the median pass
+                row.rounds = [p.tokens_per_s for p in samples[m]]
+                row.exact = first[m, c] == first[Mode("none"), c]
+                rows.append(row)
     for row in rows:
         plain = next(r for r in rows if r.mode == "none" and r.concurrency == row.concurrency)
         row.speedup = row.tokens_per_s / plain.tokens_per_s
     ks = sorted({m.k for m in modes if m.name == "dflash"})
     costs = measure_costs(target, drafter, ks) if drafter and ks else None
     header = (f"Machine: {machine()}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
-              f"greedy.")
+              f"greedy. Each figure is the median of {rounds} interleaved passes.")
     report = markdown(rows, costs, header)
     (out / "bench.md").write_text(report)
     result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts),

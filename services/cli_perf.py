@@ -29,6 +29,7 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
+    bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
     bn.set_defaults(func=cmd_bench)
     gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
     gc.add_argument("--sizes", default="1b,8b,27b", help="comma list of tiny, 1b, 8b, 27b (the reference shape)")
@@ -46,6 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     concurrency = _int_list("--concurrency", args.concurrency)
+    rounds = _int_list("--rounds", str(args.rounds))[0]
     out = Path(args.out)
     if args.server:
         import grpc
@@ -75,7 +77,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
     result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(args.modes),
-                             concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None)
+                             concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
+                             rounds=rounds)
     print(result["markdown"])
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
     return 0

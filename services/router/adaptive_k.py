@@ -13,7 +13,8 @@ Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1
 
 The verify forward pads every request to the widest one, so a step has one width: the chooser tries
 W = 1 .. max + 1 and gives each request min(W - 1, its own k). W = 1 is plain decoding: no drafter
-call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh.
+call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh,
+unless drafting is estimated far from paying (a probe step costs a drafter call and its catch-up).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ PRIOR_ALPHA = 0.02  # the same for the acceptance of all requests together
 RELAX = 0.2  # per step, how far a request's unjudged positions move towards all requests' rates
 WARMUP_STEPS = 8  # steps at the requested k before choosing (acceptance and drafter time are observed)
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed for a position never drafted
-PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior)
+PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior) ...
+PROBE_MARGIN = 0.8  # ... when drafting is estimated to give at least this share of plain decoding's rate
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -124,16 +126,18 @@ class AdaptiveK:
         if k_max <= 0 or self.steps < WARMUP_STEPS:
             return [k for _, k in requests]
         batch = len(requests)
-        if self.steps_at_one >= PROBE_EVERY:
-            best = 2
-        else:
-            best, best_rate = 1, batch / self.step_seconds(batch, 1)
-            expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
-            for width in range(2, k_max + 2):
-                tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)
-                rate = tokens / self.step_seconds(batch, width)
-                if rate > best_rate:
-                    best, best_rate = width, rate
+        plain_rate = batch / self.step_seconds(batch, 1)
+        best, best_rate, drafting_rate = 1, plain_rate, 0.0
+        expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
+        for width in range(2, k_max + 2):
+            tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)
+            rate = tokens / self.step_seconds(batch, width)
+            drafting_rate = max(drafting_rate, rate)
+            if rate > best_rate:
+                best, best_rate = width, rate
         self.steps_at_one = self.steps_at_one + 1 if best == 1 else 0
+        # Held at plain decoding, probe now and then, only where drafting is estimated close to paying.
+        if self.steps_at_one > PROBE_EVERY and drafting_rate >= PROBE_MARGIN * plain_rate:
+            best, self.steps_at_one = 2, 0
         self.last_width = best
         return [min(best - 1, k) for _, k in requests]

@@ -172,15 +172,28 @@ class Verifier:
         state = self._requests[request_id]
         return self.tap_buffer[state.slot, : len(state.token_ids) - 1]
 
-    def _store_taps(self, segments: Sequence[Segment], starts: Sequence[int], taps: Sequence[torch.Tensor]) -> None:
-        for seg, start, rows in zip(segments, starts, taps):
-            self.tap_buffer[seg.slot, start : start + rows.shape[0]] = rows
+    def _store_taps(self, segments: Sequence[Segment], starts: Sequence[int], out) -> None:
+        if len(segments) == 1:
+            n = len(segments[0].token_ids)
+            self.tap_buffer[segments[0].slot, starts[0] : starts[0] + n] = out.taps[0]
+            return
+        # One gather and one scatter for the whole batch, whatever its size.
+        rows, cols, slots, positions = [], [], [], []
+        for b, (seg, start) in enumerate(zip(segments, starts)):
+            n = len(seg.token_ids)
+            rows += [b] * n
+            cols += range(n)
+            slots += [seg.slot] * n
+            positions += range(start, start + n)
+        dev = self.tap_buffer.device
+        as_index = lambda xs: torch.tensor(xs, device=dev)  # noqa: E731
+        self.tap_buffer[as_index(slots), as_index(positions)] = out.tap_block[as_index(rows), as_index(cols)]
 
     def _forward(self, segments: list[Segment]):
         starts = [self.runner.cache.lengths[s.slot] for s in segments]
         out = self.runner.forward(segments)
         if self.tap_buffer is not None:
-            self._store_taps(segments, starts, out.taps)
+            self._store_taps(segments, starts, out)
         return out
 
     def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:

@@ -26,11 +26,12 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
                  str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,dflash:3:adaptive,hf,hf-lookup:3", "--concurrency", "1,2",
-                 "--out", str(out), "--threads", "1"]) == 0
+                 "--out", str(out), "--threads", "1", "--rounds", "2"]) == 0
     result = json.loads((out / "bench.json").read_text())
     rows = {(r["mode"], r["k"], r["concurrency"]) for r in result["rows"]}
     assert {("none", 0, 1), ("none", 0, 2), ("dflash", 3, 2), ("hf", 0, 1), ("hf-lookup", 3, 1)} <= rows
     assert all(r["exact"] for r in result["rows"]), "every mode must reproduce plain decoding token for token"
+    assert all(len(r["rounds"]) == 2 and r["tokens_per_s"] in r["rounds"] for r in result["rows"])
     dflash = next(r for r in result["rows"] if r["mode"] == "dflash" and r["concurrency"] == 1)
     assert dflash["tau"] > 1 and sum(dflash["accepted_per_pos"]) > 0
     assert result["costs"]["r"]["3"] > 0 and result["costs"]["c_d"]["3"] > 0
@@ -44,3 +45,5 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
 def test_bench_flags_are_checked(capsys):
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "--concurrency" in capsys.readouterr().err
+    assert main(["bench", "--rounds", "0"]) == 2
+    assert "--rounds" in capsys.readouterr().err

@@ -87,14 +87,16 @@ def test_the_verifier_measures_its_step_costs_for_adaptive_k(split):
         pytest.skip("one method is enough")
     from blockspec.services.router.roles import RemoteVerifier
 
+    free = split["verifier"].verifier.free_slots  # the router hands finished requests back with its next op
     remote = RemoteVerifier(split["verifier_address"])
     try:
         costs = remote.measure_step_costs(3)
     finally:
         remote.close()
-    assert costs.widths == (1, 2, 3) and costs.batch_sizes == (1, 2, 4)
+    assert costs.widths == (1, 2, 3) and costs.batch_sizes == (1, 2, 4)[: len(costs.batch_sizes)]
+    assert max(costs.batch_sizes) <= free
     assert all(row[0] > 0 and list(row) == sorted(row) for row in costs.seconds)  # wider never cheaper
-    assert split["verifier"].verifier.free_slots == 4  # its scratch requests are gone
+    assert split["verifier"].verifier.free_slots == free  # its scratch requests are gone
 
 
 @pytest.mark.parametrize("rule", ["rejection", "strict"])

@@ -96,7 +96,13 @@ def test_overhead_makes_speculation_pay_more():
 def test_requested_k_until_warm_and_a_probe_after_many_zero_steps():
     ak = AdaptiveK(table(0.004, 0.0001))
     assert ak.choose([(trace_with([0.0]), 5)]) == [5]  # warming up: the requested k
-    ak = warmed(table(0.004, 0.0001), draft_s=0.001)
-    t = trace_with([0.0] * 5)
+    ak = warmed(table(0.004, 0.0001), draft_s=0.0005)
+    t = trace_with([0.1] * 5)  # drafting nearly pays: worth a probe now and then
     picks = [ak.choose([(t, 5)])[0] for _ in range(3 * PROBE_EVERY)]
     assert picks.count(0) > 2 * PROBE_EVERY and 1 in picks
+
+
+def test_no_probe_where_drafting_is_far_from_paying():
+    ak = warmed(table(0.004, 0.0001), draft_s=0.02)  # the drafter costs five plain steps
+    t = trace_with([0.5] * 5)
+    assert [ak.choose([(t, 5)])[0] for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)
