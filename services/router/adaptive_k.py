@@ -42,6 +42,8 @@ class AcceptanceTrace:
 
     rates: list[float] = field(default_factory=list)
     alpha: float = ALPHA
+    mean_first: bool = False  # a plain mean (the starting guess one term) up to 1 / alpha observations
+    counts: list[int] = field(default_factory=list)  # observations per position
 
     def observe(self, drafted: int, accepted: int, prior: "AcceptanceTrace | None" = None) -> None:
         """One verify of `drafted` drafts, `accepted` of them accepted. Positions the verifier did not judge
@@ -52,7 +54,12 @@ class AcceptanceTrace:
             hit = 1.0 if i < accepted else 0.0
             if i == len(self.rates):
                 self.rates.append(self.rate(i, prior))
-            self.rates[i] += self.alpha * (hit - self.rates[i])
+            weight = self.alpha
+            if self.mean_first:
+                self.counts += [0] * (len(self.rates) - len(self.counts))
+                self.counts[i] += 1
+                weight = max(weight, 1.0 / (self.counts[i] + 1))  # the starting guess counts as one
+            self.rates[i] += weight * (hit - self.rates[i])
         if prior is not None:
             for i in range(judged, len(self.rates)):
                 self.rates[i] += RELAX * (prior.rate(i) - self.rates[i])
@@ -89,7 +96,7 @@ class AdaptiveK:
         self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
         self.steps_at_one = 0  # consecutive steps at width 1
         self.last_width = 0
-        self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA)  # every request's observations, slowly
+        self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # every request's observations, slowly
 
     def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
         """Every request of every step, k = 0 included."""

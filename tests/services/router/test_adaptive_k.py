@@ -43,6 +43,13 @@ def test_observation_updates_only_judged_positions():
     assert fresh.rates == pytest.approx([PRIOR_ACCEPTANCE + ALPHA * (1 - PRIOR_ACCEPTANCE)])
 
 
+def test_the_shared_rates_start_as_a_plain_mean():
+    prior = AcceptanceTrace(alpha=0.02, mean_first=True)
+    for accepted in (3, 3, 3, 0):  # position 0: accepted 3 times of 4
+        prior.observe(drafted=3, accepted=accepted)
+    assert prior.rates[0] == pytest.approx((PRIOR_ACCEPTANCE + 3) / 5)  # the mean, the guess as one term; not 2% steps
+
+
 def test_a_request_not_drafting_relaxes_towards_all_requests():
     prior = trace_with([0.8, 0.8])
     t = trace_with([0.0, 0.0])
