@@ -26,7 +26,8 @@ from blockspec.services.verifier.verifier import StepCosts
 ALPHA = 0.2  # EWMA weight of the newest observation (a request's acceptance, the costs)
 PRIOR_ALPHA = 0.02  # the same for the acceptance of all requests together
 RELAX = 0.2  # per step, how far a request's unjudged positions move towards all requests' rates
-WARMUP_STEPS = 8  # steps at the requested k before choosing (acceptance and drafter time are observed)
+WARMUP_STEPS = 32  # steps at the requested k before choosing: acceptance and drafter time are observed, and
+# the first drafter calls (a whole prompt of context to catch up) are forgotten by the EWMA
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed for a position never drafted
 PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior) ...
 PROBE_MARGIN = 0.8  # ... when drafting is estimated to give at least this share of plain decoding's rate
