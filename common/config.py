@@ -41,7 +41,7 @@ class SpecDecodeConfig(_Section):
     draft_model_dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"  # fp32 on CPU, with a warning
     use_dynamic_conv: bool = True
     use_path_selector: bool = True
-    adaptive_k: bool = False  # choose k per request per step (<= num_speculative_tokens; 0 when drafting does not pay)
+    adaptive_k: bool = False  # choose k each step (<= num_speculative_tokens; 0 when drafting does not pay)
 
 
 class ModelSection(_Section):

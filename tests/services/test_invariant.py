@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from blockspec.services.engine import Engine
+from blockspec.services.router.adaptive_k import WARMUP_STEPS
 from blockspec.services.router.step_loop import FinishEvent
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -83,4 +84,5 @@ def test_adaptive_k_keeps_output_identical(method, drafter_key, tiny_models, dfl
     for batch in ([0], [5], list(range(len(prompts)))):
         done = run(engine, [prompts[i] for i in batch], 7)
         assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]
-    assert engine.loop.adaptive.steps > 0 and engine.loop.adaptive.costs.batch_sizes[0] == 1
+    # Past the warm-up: the widths were chosen, not the requested k.
+    assert engine.loop.adaptive.steps > WARMUP_STEPS and engine.loop.adaptive.costs.batch_sizes[0] == 1
