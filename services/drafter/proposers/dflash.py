@@ -55,23 +55,34 @@ class DFlashProposer:
         if slot is not None:
             self.cache.release(slot)
 
-    def _extend_context(self, request_id: str, ctx_len: int) -> int:
-        """Bring the request's context K/V to `ctx_len` positions; returns its slot.
+    def _extend_contexts(self, request_ids: Sequence[str], ctx_lens: Sequence[int]) -> list[int]:
+        """Bring each request's context K/V to its `ctx_len` positions, all requests in one pass (the
+        rows are independent: projection, norm and RoPE per position); returns their slots.
 
         Committed tokens never change, so cached positions stay valid: a retry adds nothing.
         """
-        if request_id not in self._slots:
-            self._slots[request_id] = self.cache.allocate()
-        slot = self._slots[request_id]
-        start = self.cache.lengths[slot]
-        if ctx_len > start:
-            taps = self.features(request_id)[start:ctx_len]  # [n, n_taps * H]
-            pos = torch.arange(start, ctx_len, device=self.device)
+        slots, pieces, positions, spans = [], [], [], []
+        for request_id, ctx_len in zip(request_ids, ctx_lens):
+            if request_id not in self._slots:
+                self._slots[request_id] = self.cache.allocate()
+            slot = self._slots[request_id]
+            slots.append(slot)
+            start = self.cache.lengths[slot]
+            if ctx_len > start:
+                pieces.append(self.features(request_id)[start:ctx_len])  # [n, n_taps * H]
+                positions.append(torch.arange(start, ctx_len, device=self.device))
+                spans.append((slot, start, ctx_len))
+        if pieces:
+            pos = torch.cat(positions)
             cos, sin = self._cos[pos][None, None], self._sin[pos][None, None]
-            for layer, (k, v) in enumerate(self.model.context_kv(self.model.context(taps)[None], cos, sin)):
-                self.cache.write(layer, slot, start, k[0], v[0])
-            self.cache.set_length(slot, ctx_len)
-        return slot
+            layer_kv = self.model.context_kv(self.model.context(torch.cat(pieces))[None], cos, sin)
+            offset = 0
+            for slot, start, end in spans:
+                for layer, (k, v) in enumerate(layer_kv):  # k, v [1, kv_heads, total rows, hd]
+                    self.cache.write(layer, slot, start, k[0, :, offset : offset + end - start], v[0, :, offset : offset + end - start])
+                self.cache.set_length(slot, end)
+                offset += end - start
+        return slots
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
@@ -82,7 +93,7 @@ class DFlashProposer:
         dev = self.device
         anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
-        slots = torch.tensor([self._extend_context(i.request_id, n) for i, n in zip(live, ctx_lens)], device=dev)
+        slots = torch.tensor(self._extend_contexts([i.request_id for i in live], ctx_lens), device=dev)
         block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
         block_ids[:, 0] = anchors
         lens = torch.tensor(ctx_lens, device=dev)
