@@ -12,7 +12,8 @@ Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1
 * overhead is an EWMA of the rest of a step (the loop, the commit, the caller).
 
 The verify forward pads every request to the widest one, so a step has one width: the chooser tries
-W = 1 .. max + 1 and gives each request min(W - 1, its own k). W = 1 is plain decoding: no drafter
+W = 1 .. max + 1 and gives each request min(W - 1, its own k). A width above 1 must beat plain
+decoding's estimated rate by DRAFT_MARGIN, a hedge against the estimates' error. W = 1 is plain decoding: no drafter
 call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh,
 unless drafting is estimated far from paying (a probe step costs a drafter call and its catch-up).
 """
@@ -31,6 +32,7 @@ WARMUP_STEPS = 32  # steps at the requested k before choosing: acceptance and dr
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed for a position never drafted
 PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior) ...
 PROBE_MARGIN = 0.8  # ... when drafting is estimated to give at least this share of plain decoding's rate
+DRAFT_MARGIN = 1.15  # a step drafts only when that is estimated this much faster than plain decoding
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -135,7 +137,8 @@ class AdaptiveK:
             return [k for _, k in requests]
         batch = len(requests)
         plain_rate = batch / self.step_seconds(batch, 1)
-        best, best_rate, drafting_rate = 1, plain_rate, 0.0
+        # Drafting must beat plain decoding by a margin: the estimates are off by 10-20% on a noisy machine.
+        best, best_rate, drafting_rate = 1, plain_rate * DRAFT_MARGIN, 0.0
         expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
         for width in range(2, k_max + 2):
             tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)
