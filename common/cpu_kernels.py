@@ -186,29 +186,30 @@ def _applies(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:
     return rows
 
 
+def _kernel_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                   biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """x @ cat(weights).T (+ the biases) through the kernel; None where it does not apply."""
+    packed = _packed(weights) if (rows := _applies(x, weights)) else None
+    if packed is None:
+        return None
+    y = _module.small_linear(x.reshape(rows, x.shape[-1]).contiguous(), packed)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    if all(b is None for b in biases):
+        return y
+    return y + torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the small-batch kernel where it applies (CPU, fp32, inference, <= MAX_ROWS rows)."""
-    packed = _packed((weight,)) if (rows := _applies(x, (weight,))) else None
-    if packed is None:
-        return F.linear(x, weight, bias)
-    y = _module.small_linear(x.reshape(rows, x.shape[-1]).contiguous(), packed)
-    y = y.view(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    y = _kernel_linear(x, (weight,), (bias,))
+    return F.linear(x, weight, bias) if y is None else y
 
 
 def fused_linear(x: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:
     """cat([layer(x) for layer in layers], -1) in one pass over their weights where the kernel applies.
     Every output element is computed exactly as the layer alone would compute it."""
-    weights = tuple(layer.weight for layer in layers)
-    packed = _packed(weights) if (rows := _applies(x, weights)) else None
-    if packed is None:
-        return torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
-    y = _module.small_linear(x.reshape(rows, x.shape[-1]).contiguous(), packed)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    if all(layer.bias is None for layer in layers):
-        return y
-    return y + torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
-                          for layer in layers])
+    y = _kernel_linear(x, tuple(layer.weight for layer in layers), [layer.bias for layer in layers])
+    return torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1) if y is None else y
 
 
 class Linear(nn.Linear):

@@ -146,14 +146,17 @@ class AttentionBatch:
         self.store_slots = store_slots.reshape(-1) if self.all_real else store_slots[self.rows]  # [N]
         self.store_pos = positions.reshape(-1) if self.all_real else positions[self.rows]  # [N]
 
+    def real_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] -> the real tokens' rows [N, ...], in the order of store_slots / store_pos."""
+        return x.reshape(-1, *x.shape[2:]) if self.all_real else x[self.rows]
+
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache; return the keys and values
         [B, kv_heads, key_len, hd] of each row's slot."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         for cache, new in ((kc, k), (vc, v)):
-            rows = new.transpose(1, 2)  # [B, T, kv_heads, hd]
-            cache[self.store_slots, :, self.store_pos] = rows.reshape(-1, *rows.shape[2:]) if self.all_real else rows[self.rows]
-        if self.slots.numel() == 1:
+            cache[self.store_slots, :, self.store_pos] = self.real_rows(new.transpose(1, 2))  # [N, kv_heads, hd]
+        if self.slot0 is not None:
             s = self.slot0
             return kc[s : s + 1, :, : self.key_len], vc[s : s + 1, :, : self.key_len]
         return kc[self.slots, :, : self.key_len], vc[self.slots, :, : self.key_len]

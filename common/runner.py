@@ -32,7 +32,11 @@ class Segment:
 class ForwardResult:
     logits: list[torch.Tensor]  # per segment: [n, vocab] fp32, or [1, vocab] when last_only
     taps: list[torch.Tensor]  # per segment: [n, n_taps * hidden], outputs of the tap layers; [] if none
-    tap_block: torch.Tensor | None = None  # the same for the whole batch, padded: [B, T, n_taps * hidden]
+    # The same rows as one tensor [N, n_taps * hidden] (segments in order, padding left out) and the
+    # (slot, position) [N] of each: where the forward stored their K/V.
+    tap_rows: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
+    row_positions: torch.Tensor | None = None
 
 
 def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
@@ -138,13 +142,12 @@ class Runner:
         batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, min(lengths) == width)
         hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
         all_logits = self.model.logits(hidden) if invariant else None  # [B, T, vocab]: same row count every call
-        tap_block = torch.cat(taps, dim=-1) if taps else None  # [B, T, n_taps * H]
-        logits, tap_rows = [], []
+        tap_rows = batch.real_rows(torch.cat(taps, dim=-1)) if taps else None  # [N, n_taps * H]
+        logits = []
         for b, seg in enumerate(segments):
             n = lengths[b]
             first = n - 1 if seg.last_only else 0
             logits.append(all_logits[b, first:n] if invariant else self.model.logits(hidden[b, first:n]))
-            if taps:
-                tap_rows.append(tap_block[b, :n])
             self.cache.set_length(seg.slot, starts[b] + n)
-        return ForwardResult(logits=logits, taps=tap_rows, tap_block=tap_block)
+        per_segment = list(tap_rows.split(lengths)) if taps else []
+        return ForwardResult(logits, per_segment, tap_rows, batch.store_slots, batch.store_pos)

@@ -198,10 +198,8 @@ def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats:
 
     decode = timed(rolled_back_verify(verifier, [request_id], 1), repeats, device)
     r = {k: timed(rolled_back_verify(verifier, [request_id], k + 1), repeats, device) / decode for k in ks}
+    verifier.roll_back([request_id])
     committed = verifier.committed(request_id)
-    context = len(committed) - 1
-    del committed[context + 1 :]
-    verifier.runner.cache.set_length(verifier.slot_of(request_id), context)
     c_d = {} if proposer is None else {
         k: timed(lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)]), repeats, device) / decode
         for k in ks if k <= proposer.max_k}

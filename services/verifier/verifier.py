@@ -74,15 +74,11 @@ def timed(fn: Callable[[], object], repeats: int, device: str = "cpu", warm_up: 
 
 
 def rolled_back_verify(verifier: "Verifier", request_ids: Sequence[str], width: int) -> Callable[[], None]:
-    """A verify of `width - 1` drafts for each prefilled request, undone first: every call starts from the
-    same committed state (the prompt, its first token as the anchor)."""
-    states = [(verifier.slot_of(r), verifier.committed(r)) for r in request_ids]
-    contexts = [len(committed) - 1 for _, committed in states]
+    """A verify of `width - 1` drafts for each prefilled request, rolled back first: every call starts
+    from the same committed state."""
 
     def run() -> None:
-        for (slot, committed), context in zip(states, contexts):
-            verifier.runner.cache.set_length(slot, context)
-            del committed[context + 1 :]
+        verifier.roll_back(request_ids)
         verifier.verify([VerifyInput(r, (5,) * (width - 1)) for r in request_ids])
 
     return run
@@ -133,6 +129,14 @@ class Verifier:
     def committed(self, request_id: str) -> list[int]:
         return self._requests[request_id].token_ids
 
+    def roll_back(self, request_ids: Sequence[str]) -> None:
+        """Undo every step after the prefill: each request back to its prompt, its first token the anchor
+        (for timing the same step again)."""
+        for r in request_ids:
+            state = self._requests[r]
+            del state.token_ids[state.prompt_len + 1 :]
+            self.runner.cache.set_length(state.slot, state.prompt_len)
+
     def measure_step_costs(self, max_width: int, context: int = 64, repeats: int = 15) -> StepCosts:
         """Time verify steps of batch sizes 1, 2, 4, ... (up to the free slots) at widths 1..max_width, on
         scratch requests of `context` prompt tokens, added and released here. Run it before serving.
@@ -172,28 +176,10 @@ class Verifier:
         state = self._requests[request_id]
         return self.tap_buffer[state.slot, : len(state.token_ids) - 1]
 
-    def _store_taps(self, segments: Sequence[Segment], starts: Sequence[int], out) -> None:
-        if len(segments) == 1:
-            n = len(segments[0].token_ids)
-            self.tap_buffer[segments[0].slot, starts[0] : starts[0] + n] = out.taps[0]
-            return
-        # One gather and one scatter for the whole batch, whatever its size.
-        rows, cols, slots, positions = [], [], [], []
-        for b, (seg, start) in enumerate(zip(segments, starts)):
-            n = len(seg.token_ids)
-            rows += [b] * n
-            cols += range(n)
-            slots += [seg.slot] * n
-            positions += range(start, start + n)
-        dev = self.tap_buffer.device
-        as_index = lambda xs: torch.tensor(xs, device=dev)  # noqa: E731
-        self.tap_buffer[as_index(slots), as_index(positions)] = out.tap_block[as_index(rows), as_index(cols)]
-
     def _forward(self, segments: list[Segment]):
-        starts = [self.runner.cache.lengths[s.slot] for s in segments]
         out = self.runner.forward(segments)
-        if self.tap_buffer is not None:
-            self._store_taps(segments, starts, out)
+        if self.tap_buffer is not None:  # one scatter, where the forward stored the K/V of the same tokens
+            self.tap_buffer[out.row_slots, out.row_positions] = out.tap_rows
         return out
 
     def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
