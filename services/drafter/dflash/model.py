@@ -146,13 +146,19 @@ class CandidateSelector(nn.Module):
         (default: the best score, the greedy walk); the chosen token is the next slot's predecessor.
         """
         unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [R, S, top_k]
-        prev, tokens = anchor, []
-        for t in range(logits.shape[1]):
-            s = self.scores(hidden[:, t], unary[:, t], candidates[:, t], prev)  # [R, top_k]
+        R, S, K = unary.shape
+        # Every slot's scores for every predecessor it can have, in a few batched ops: slot 0 follows the
+        # anchor (K copies of it), slot t one of slot t - 1's candidates. table[r, t, a, b] = S_t(a, b).
+        prev = torch.cat([anchor[:, None, None].expand(R, 1, K), candidates[:, :-1]], dim=1)  # [R, S, K]
+        query = self.predecessor_codebook[prev] * self.hidden_projection(hidden)[:, :, None]  # [R, S, K, r]
+        table = unary[:, :, None] + query @ self.successor_codebook[candidates].transpose(-1, -2)  # [R, S, K, K]
+        rows, index = torch.arange(R, device=unary.device), torch.zeros(R, dtype=torch.long, device=unary.device)
+        chosen = []
+        for t in range(S):
+            s = table[rows, t, index]  # [R, top_k]: the scores after the predecessor chosen at t - 1
             index = s.argmax(-1) if pick is None else pick(t, s, candidates[:, t])
-            prev = candidates[:, t].gather(1, index[:, None]).squeeze(1)
-            tokens.append(prev)
-        return torch.stack(tokens, 1)
+            chosen.append(index)
+        return candidates.gather(2, torch.stack(chosen, 1)[..., None]).squeeze(2)
 
 
 Pick = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]

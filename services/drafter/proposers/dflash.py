@@ -12,6 +12,7 @@ from blockspec.common import cpu_kernels
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
+from blockspec.services.drafter.dflash.cpu_block import CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 
@@ -49,6 +50,8 @@ class DFlashProposer:
                                  self.device)
         self._cos, self._sin = (t.to(self.device, embedding.dtype) for t in rope_table(cfg, max_len + cfg.block_size))
         self._slots: dict[str, int] = {}
+        fast = CpuDrafter(drafter, self.use_dynamic_conv) if self.device.type == "cpu" else None
+        self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
 
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
@@ -72,7 +75,12 @@ class DFlashProposer:
                 pieces.append(self.features(request_id)[start:ctx_len])  # [n, n_taps * H]
                 positions.append(torch.arange(start, ctx_len, device=self.device))
                 spans.append((slot, start, ctx_len))
-        if pieces:
+        if pieces and self._cpu is not None:
+            rows = torch.cat([torch.full((end - start,), slot) for slot, start, end in spans])
+            self._cpu.context(torch.cat(pieces), self.cache, rows, torch.cat(positions), self._cos, self._sin)
+            for slot, _, end in spans:
+                self.cache.set_length(slot, end)
+        elif pieces:
             pos = torch.cat(positions)
             cos, sin = self._cos[pos][None, None], self._sin[pos][None, None]
             layer_kv = self.model.context_kv(self.model.context(torch.cat(pieces))[None], cos, sin)
@@ -98,18 +106,24 @@ class DFlashProposer:
         block_ids[:, 0] = anchors
         lens = torch.tensor(ctx_lens, device=dev)
         positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
-        key_len = max(ctx_lens)
-        layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
-        visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
-        ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
         # The block always runs whole (the drafter was trained on it); only the slots some request asks for
         # go through the LM head and the selector walk, the two costs that grow with the slot count.
         slots_used = max(i.k for i in live)
-        hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)[:, 1 : 1 + slots_used]  # [R, k, H]
+        if self._cpu is not None:
+            hidden = self._cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
+        else:
+            key_len = max(ctx_lens)
+            layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
+            visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
+            ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
+            hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)
+        hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
         q_rows: list[list] = [[] for _ in live]
         pick = None if all(i.sampling.greedy for i in live) else self._sampler(live, q_rows)
-        if self.use_path_selector:
+        if self.use_path_selector and pick is None and self._cpu is not None:
+            tokens = self._cpu.walk(hidden, logits, anchors)  # [R, k]
+        elif self.use_path_selector:
             tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick)  # [R, k]
         else:  # per-slot choice among the slot's own top tokens
             unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, k, m]

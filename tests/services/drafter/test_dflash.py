@@ -12,6 +12,7 @@ from blockspec.common.errors import ModelLoadError
 from blockspec.common.models import load_checkpoint, load_weights
 from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_drafter
 from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
+from blockspec.services.drafter.dflash.cpu_block import CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DynamicConv
 from blockspec.services.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
@@ -85,6 +86,8 @@ def test_one_forward_per_step_shared_tensors_and_cache_equals_recompute(drafter_
     forwards, proposes = [], []
     forward, propose = DFlashDrafter.forward, type(proposer).propose
     monkeypatch.setattr(DFlashDrafter, "forward", lambda self, *a, **kw: forwards.append(1) or forward(self, *a, **kw))
+    block = CpuDrafter.block  # the same forward in one C++ call, where it applies
+    monkeypatch.setattr(CpuDrafter, "block", lambda self, *a, **kw: forwards.append(1) or block(self, *a, **kw))
     monkeypatch.setattr(type(proposer), "propose", lambda self, inputs: proposes.append(len(inputs)) or propose(self, inputs))
     events = list(engine.generate([engine.request("a", prompts[3], 20, 5), engine.request("b", prompts[4], 20, 5)]))
     finish = [e for e in events if isinstance(e, FinishEvent)]

@@ -1,0 +1,347 @@
+"""The drafter's inference forward on the CPU in one C++ call per proposal.
+
+The drafter runs once per speculative step, over a block of 8 slots, against a target that on the CPU
+costs a millisecond or two per step. In torch it is about 150 small operations (norms, RoPE, the
+dynamic convolutions, attention over the cached context, the MLP), and their dispatch cost, not their
+arithmetic, made a proposal cost most of a target decode. Here the same computation is one call:
+
+* `block`: the block [anchor, MASK...] of every request through all layers and the final norm,
+  attending to the request's cached context K/V (read in place, no gathered copy) and to the whole
+  block (bidirectional);
+* `context`: the context K/V of newly committed positions (fc, norm, K/V projections, K norm, RoPE),
+  written into the cache;
+* `walk`: the path selector's greedy walk (top-k candidates per slot, pairwise scores, argmax).
+
+Linear layers use the packed small-batch kernel of `common.cpu_kernels`; everything else is plain
+loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
+order. A proposal only decides what the target verifies, so this changes speed, never the output.
+
+Scope: fp32, CPU, inference, head_dim, hidden and intermediate sizes multiples of 16. Projections
+whose output count is not whole panels of 64 run as plain dot products. Elsewhere (training, GPU, bf16, a kernel that cannot be built) the proposer
+runs the torch module; `tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.common import cpu_kernels
+
+_SOURCE = cpu_kernels.PANEL_SOURCE + r"""
+#include <cmath>
+#include <vector>
+#include <immintrin.h>
+
+static inline float hsum(v16 v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s;
+#endif
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {  // n % 16 == 0
+  v16 acc = v16{};
+  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
+  return hsum(acc);
+}
+
+// A projection: packed [O / 64, I, 64] through the kernel, or (an output count that is not whole panels)
+// the plain weight [O, I] row by row. I % 16 == 0.
+static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w, float* y) {
+  if (w.dim() == 3) { linear_into(x, N, I, w, y); return; }
+  const int64_t O = w.size(0);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o) y[n * O + o] = dot(x + n * I, wp + o * I, I);
+}
+
+// y = w * x / sqrt(mean(x^2) + eps), row by row (D % 16 == 0); y may be x.
+static void rms_rows(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * D;
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, D) / D + eps);
+    float* yr = y + n * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = w[d] * (xr[d] * inv);
+  }
+}
+
+// In place: head vector h [hd] normed by w, then rotated (rotate-half layout) at the table row.
+static void norm_rope(float* h, const float* w, const float* cos, const float* sin, int64_t hd, float eps) {
+  rms_rows(h, w, h, 1, hd, eps);
+  const int64_t half = hd / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < hd; ++i) tmp[i] = h[i];
+  for (int64_t i = 0; i < hd; ++i) h[i] = tmp[i] * cos[i] + (i < half ? -tmp[i + half] : tmp[i - half]) * sin[i];
+}
+
+struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sublayer input
+  const float* base; const float* dyn; int64_t K, G, group;
+  // y[r, t] = sum_{j < K, j <= t} c[r, t, s, j] * x[r, t - j], c = base + dyn repeated over each group.
+  void apply(const float* x, float* y, int64_t R, int64_t B, int64_t H, int s) const {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < B; ++t) {
+        const int64_t n = r * B + t;
+        const float* d = dyn + n * 2 * K * G + s * K * G;
+        for (int64_t h = 0; h < H; ++h) {
+          float acc = (base[(s * K) * H + h] + d[h / group]) * x[n * H + h];
+          for (int64_t j = 1; j < K && j <= t; ++j)
+            acc += (base[(s * K + j) * H + h] + d[j * G + h / group]) * x[(n - j) * H + h];
+          y[n * H + h] = acc;
+        }
+      }
+  }
+};
+
+// Per layer, 12 tensors: input norm, qkv packed, q norm, k norm, o packed, post norm, gate/up packed,
+// down packed, attention conv base, its projection packed, MLP conv base, its projection packed (the
+// conv ones undefined without convs). Then the final norm.
+torch::Tensor block(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots_t,
+                    torch::Tensor lens_t, torch::Tensor cos_t, torch::Tensor sin_t, std::vector<torch::Tensor> w,
+                    int64_t heads, int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps_d) {
+  const int64_t R = x_in.size(0), B = x_in.size(1), H = x_in.size(2), N = R * B;
+  const int64_t L = (int64_t(w.size()) - 1) / 12, S = kc.size(1), M = kc.size(3);
+  const int64_t QKV = (heads + 2 * kv_heads) * hd, I = (w[6].dim() == 3 ? w[6].size(0) * 64 : w[6].size(0)) / 2;
+  const float eps = float(eps_d);
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  const float* cos = cos_t.data_ptr<float>();
+  const float* sin = sin_t.data_ptr<float>();
+  auto out = x_in.clone();
+  float* x = out.data_ptr<float>();
+  std::vector<float> u(N * H), u0(N * H), a(N * H), qkv(N * QKV), att(N * heads * hd), gu(N * 2 * I), hmid(N * I);
+  const int64_t G = conv_taps ? H / group : 0;
+  std::vector<float> dyn(conv_taps ? N * 2 * conv_taps * G : 0);
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* lw = &w[12 * l];
+    Conv conv{nullptr, dyn.data(), conv_taps, G, group};
+    // Attention sublayer.
+    rms_rows(x, lw[0].data_ptr<float>(), u.data(), N, H, eps);
+    const float* sub_in = u.data();
+    if (conv_taps) {
+      project(u.data(), N, H, lw[9], dyn.data());
+      conv.base = lw[8].data_ptr<float>();
+      conv.apply(u.data(), u0.data(), R, B, H, 0);
+      sub_in = u0.data();
+    }
+    project(sub_in, N, H, lw[1], qkv.data());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < B; ++t) {
+        float* row = qkv.data() + (r * B + t) * QKV;
+        const int64_t pos = lens[r] + t;
+        for (int64_t h = 0; h < heads; ++h)
+          norm_rope(row + h * hd, lw[2].data_ptr<float>(), cos + pos * hd, sin + pos * hd, hd, eps);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          norm_rope(row + (heads + h) * hd, lw[3].data_ptr<float>(), cos + pos * hd, sin + pos * hd, hd, eps);
+      }
+    const int64_t per_kv = heads / kv_heads;
+    at::parallel_for(0, R * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p;
+      for (int64_t rh = begin; rh < end; ++rh) {
+        const int64_t r = rh / heads, h = rh % heads, g = h / per_kv, C = lens[r];
+        const int64_t base = (((l * S + slots[r]) * kv_heads + g) * M) * hd;
+        const float* kctx = kc.data_ptr<float>() + base;
+        const float* vctx = vc.data_ptr<float>() + base;
+        p.resize(C + B);
+        for (int64_t t = 0; t < B; ++t) {
+          const float* q = qkv.data() + (r * B + t) * QKV + h * hd;
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < C + B; ++j) {
+            const float* k = j < C ? kctx + j * hd : qkv.data() + (r * B + j - C) * QKV + (heads + g) * hd;
+            p[j] = dot(q, k, hd) * scale;
+            mx = p[j] > mx ? p[j] : mx;
+          }
+          float total = 0.f;
+          for (int64_t j = 0; j < C + B; ++j) total += (p[j] = std::exp(p[j] - mx));
+          v16 acc[64];
+          const int64_t nv = hd / 16;
+          for (int64_t c = 0; c < nv; ++c) acc[c] = v16{};
+          for (int64_t j = 0; j < C + B; ++j) {
+            const float* v = j < C ? vctx + j * hd : qkv.data() + (r * B + j - C) * QKV + (heads + kv_heads + g) * hd;
+            for (int64_t c = 0; c < nv; ++c) acc[c] += load16(v + 16 * c) * p[j];
+          }
+          float* o = att.data() + (r * B + t) * heads * hd + h * hd;
+          for (int64_t c = 0; c < nv; ++c) { v16 y = acc[c] / total; __builtin_memcpy(o + 16 * c, &y, sizeof y); }
+        }
+      }
+    });
+    project(att.data(), N, heads * hd, lw[4], a.data());
+    if (conv_taps) { conv.apply(a.data(), u0.data(), R, B, H, 1); }
+    const float* delta = conv_taps ? u0.data() : a.data();
+    for (int64_t i = 0; i < N * H; ++i) x[i] += delta[i];
+    // MLP sublayer.
+    rms_rows(x, lw[5].data_ptr<float>(), u.data(), N, H, eps);
+    sub_in = u.data();
+    if (conv_taps) {
+      project(u.data(), N, H, lw[11], dyn.data());
+      conv.base = lw[10].data_ptr<float>();
+      conv.apply(u.data(), u0.data(), R, B, H, 0);
+      sub_in = u0.data();
+    }
+    project(sub_in, N, H, lw[6], gu.data());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gu[n * 2 * I + i];
+        hmid[n * I + i] = g / (1.0f + std::exp(-g)) * gu[n * 2 * I + I + i];
+      }
+    project(hmid.data(), N, I, lw[7], a.data());
+    if (conv_taps) { conv.apply(a.data(), u0.data(), R, B, H, 1); }
+    delta = conv_taps ? u0.data() : a.data();
+    for (int64_t i = 0; i < N * H; ++i) x[i] += delta[i];
+  }
+  rms_rows(x, w.back().data_ptr<float>(), x, N, H, eps);
+  return out;
+}
+
+// Context K/V of new positions: taps [N, T] -> fc -> norm -> per layer K/V projection, K norm, RoPE,
+// written to the cache at (slot, position) of each row.
+void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots_t, torch::Tensor pos_t,
+             torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor fc, torch::Tensor norm_w,
+             std::vector<torch::Tensor> kv_w, int64_t kv_heads, int64_t hd, double eps_d) {
+  const int64_t N = taps.size(0), T = taps.size(1), H = norm_w.size(0), L = int64_t(kv_w.size()) / 2;
+  const int64_t S = kc.size(1), M = kc.size(3);
+  const float eps = float(eps_d);
+  std::vector<float> h(N * H), kv(N * 2 * kv_heads * hd);
+  project(taps.data_ptr<float>(), N, T, fc, h.data());
+  rms_rows(h.data(), norm_w.data_ptr<float>(), h.data(), N, H, eps);
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l) {
+    project(h.data(), N, H, kv_w[2 * l], kv.data());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        float* k = kv.data() + n * 2 * kv_heads * hd + g * hd;
+        const float* v = k + kv_heads * hd;
+        norm_rope(k, kv_w[2 * l + 1].data_ptr<float>(), cos_t.data_ptr<float>() + pos[n] * hd,
+                  sin_t.data_ptr<float>() + pos[n] * hd, hd, eps);
+        const int64_t at = (((l * S + slots[n]) * kv_heads + g) * M + pos[n]) * hd;
+        std::copy(k, k + hd, kc.data_ptr<float>() + at);
+        std::copy(v, v + hd, vc.data_ptr<float>() + at);
+      }
+  }
+}
+
+// The selector's greedy walk: per slot the top_k logits (highest first, the lower token id first among
+// equals), then the candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)>; the choice is the next
+// slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [V, rank] -> [R, S].
+torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+                   torch::Tensor anchor, int64_t top_k) {
+  const int64_t R = logits.size(0), S = logits.size(1), V = logits.size(2), H = hidden.size(2), rank = proj.size(0);
+  auto out = torch::empty({R, S}, anchor.options());
+  int64_t* tokens = out.data_ptr<int64_t>();
+  const float* hp = hidden.data_ptr<float>();
+  const float* lp = logits.data_ptr<float>();
+  const float* pw = proj.data_ptr<float>();
+  const float* ap = A.data_ptr<float>();
+  const float* bp = Bc.data_ptr<float>();
+  std::vector<float> val(top_k), q(rank);
+  std::vector<int64_t> idx(top_k);
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t prev = anchor.data_ptr<int64_t>()[r];
+    for (int64_t t = 0; t < S; ++t) {
+      const float* lg = lp + (r * S + t) * V;
+      int64_t n = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        if (n == top_k && !(lg[v] > val[n - 1])) continue;
+        int64_t at = n < top_k ? n++ : n - 1;
+        while (at > 0 && lg[v] > val[at - 1]) { val[at] = val[at - 1]; idx[at] = idx[at - 1]; --at; }
+        val[at] = lg[v]; idx[at] = v;
+      }
+      const float* h = hp + (r * S + t) * H;
+      for (int64_t j = 0; j < rank; ++j) q[j] = ap[prev * rank + j] * dot(h, pw + j * H, H);
+      int64_t best = 0;
+      float best_score = -INFINITY;
+      for (int64_t b = 0; b < n; ++b) {
+        float pair = 0.f;
+        for (int64_t j = 0; j < rank; ++j) pair += q[j] * bp[idx[b] * rank + j];
+        const float score = val[b] + pair;
+        if (score > best_score || b == 0) { best_score = score; best = b; }
+      }
+      prev = idx[best];
+      tokens[r * S + t] = prev;
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block", &block);
+  m.def("context", &context);
+  m.def("walk", &walk);
+}
+"""
+
+_extension = cpu_kernels.Extension("blockspec_dflash_cpu", _SOURCE, "the drafter's torch forward")
+
+
+class CpuDrafter:
+    """The fast CPU path of one DFlashDrafter at inference; `usable` says whether it applies."""
+
+    def __init__(self, model, use_dynamic_conv: bool) -> None:
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        self.use_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
+        params = list(model.parameters())
+        self.usable = (
+            _extension.get() is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+            and cfg.head_dim % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.head_dim <= 1024
+            and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.intermediate_size % 16 == 0
+        )
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The weights in the order `block` reads them, projections as `_projection` gives them."""
+        out = []
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            items = [layer.input_layernorm.weight, (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight),
+                     att.q_norm.weight, att.k_norm.weight, (att.o_proj.weight,), layer.post_attention_layernorm.weight,
+                     (mlp.gate_proj.weight, mlp.up_proj.weight), (mlp.down_proj.weight,)]
+            if self.use_conv:
+                items += [layer.attention_conv.base_kernel, (layer.attention_conv.kernel_projection.weight,),
+                          layer.mlp_conv.base_kernel, (layer.mlp_conv.kernel_projection.weight,)]
+            out += [_projection(item) if isinstance(item, tuple) else item.detach() for item in items]
+            out += [torch.empty(0)] * (12 - len(items))
+        return out + [self.model.norm.weight.detach()]
+
+    def _context_weights(self) -> list[torch.Tensor]:
+        out = [_projection((self.model.fc.weight,))]
+        for layer in self.model.layers:
+            att = layer.self_attn
+            out += [_projection((att.k_proj.weight, att.v_proj.weight)), att.k_norm.weight.detach()]
+        return out
+
+    def block(self, block_embeds: torch.Tensor, cache, slots: torch.Tensor, lens: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """block_embeds [R, B, H] -> normed hidden [R, B, H]; each request attends to its slot's first
+        `lens` cached positions and the block, the block at positions lens .. lens + B - 1."""
+        cfg = self.cfg
+        return _extension.get().block(
+            block_embeds.contiguous(), cache.k, cache.v, slots, lens, cos, sin, self._weights(), cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
+            cfg.rms_norm_eps)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""
+        sel = self.model.candidate_selector
+        return _extension.get().walk(hidden.contiguous(), logits.contiguous(), sel.hidden_projection.weight.detach(),
+                                     sel.predecessor_codebook.detach(), sel.successor_codebook.detach(), anchor,
+                                     min(sel.top_k, logits.shape[-1]))
+
+    def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Context K/V of tap rows taps [N, n_taps * H], each written at its (slot, position)."""
+        fc, *kv = self._context_weights()
+        _extension.get().context(taps.float().contiguous(), cache.k, cache.v, slots, positions, cos, sin, fc,
+                                 self.model.hidden_norm.weight.detach(), kv, self.cfg.num_kv_heads,
+                                 self.cfg.head_dim, self.cfg.rms_norm_eps)
+
+
+def _projection(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """cat(weights) as `project` takes it: packed for the kernel (cached by cpu_kernels) where the output
+    count is whole panels and the budget allows, else the plain [O, I] weight."""
+    packable = all(w.shape[0] % 64 == 0 for w in weights)
+    panels = cpu_kernels.packed(weights) if packable else None
+    if panels is not None:
+        return panels
+    return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
