@@ -282,12 +282,23 @@ class CpuDrafter:
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         self.use_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
-        params = list(model.parameters())
+        self._params = list(model.parameters())
         self.usable = (
-            _extension.get() is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+            _extension.get() is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self._params)
             and cfg.head_dim % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.head_dim <= 1024
             and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.intermediate_size % 16 == 0
         )
+        self._prepared_for: tuple | None = None
+        self._prepared: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    def _prepare(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The weight lists of `block` and `context`, made again only after a parameter changed in place
+        (e.g. load_state_dict): gathering them costs more than a small proposal's arithmetic."""
+        versions = tuple(p._version for p in self._params)
+        if versions != self._prepared_for:
+            self._prepared = (self._weights(), self._context_weights())
+            self._prepared_for = versions
+        return self._prepared
 
     def _weights(self) -> list[torch.Tensor]:
         """The weights in the order `block` reads them, projections as `_projection` gives them."""
@@ -317,7 +328,7 @@ class CpuDrafter:
         `lens` cached positions and the block, the block at positions lens .. lens + B - 1."""
         cfg = self.cfg
         return _extension.get().block(
-            block_embeds.contiguous(), cache.k, cache.v, slots, lens, cos, sin, self._weights(), cfg.num_heads,
+            block_embeds.contiguous(), cache.k, cache.v, slots, lens, cos, sin, self._prepare()[0], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
             cfg.rms_norm_eps)
 
@@ -331,7 +342,7 @@ class CpuDrafter:
     def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Context K/V of tap rows taps [N, n_taps * H], each written at its (slot, position)."""
-        fc, *kv = self._context_weights()
+        fc, *kv = self._prepare()[1]
         _extension.get().context(taps.float().contiguous(), cache.k, cache.v, slots, positions, cos, sin, fc,
                                  self.model.hidden_norm.weight.detach(), kv, self.cfg.num_kv_heads,
                                  self.cfg.head_dim, self.cfg.rms_norm_eps)

@@ -105,7 +105,6 @@ class DFlashProposer:
         block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
         block_ids[:, 0] = anchors
         lens = torch.tensor(ctx_lens, device=dev)
-        positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
         # The block always runs whole (the drafter was trained on it); only the slots some request asks for
         # go through the LM head and the selector walk, the two costs that grow with the slot count.
         slots_used = max(i.k for i in live)
@@ -115,6 +114,7 @@ class DFlashProposer:
             key_len = max(ctx_lens)
             layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
             visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
+            positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
             ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
             hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)
         hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
