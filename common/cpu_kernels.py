@@ -44,6 +44,7 @@ ENV_BUDGET = "BLOCKSPEC_CPU_KERNELS_MAX_MB"  # packed copies per process, MiB (d
 PANEL_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <vector>
 
 typedef float v16 __attribute__((vector_size(64)));  // lowered to what the CPU has (AVX-512, AVX2, SSE)
 
@@ -106,7 +107,27 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("small_linear", &small_linear); }
+// The index of each row's largest value (the first among equals; a NaN counts as the largest, as in
+// torch.argmax); x [N, V] contiguous fp32.
+std::vector<int64_t> argmax_rows(torch::Tensor x) {
+  const int64_t N = x.size(0), V = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  std::vector<int64_t> out(N);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = xp + n * V;
+    int64_t best = 0;
+    float value = row[0];
+    for (int64_t v = 1; v < V && value == value; ++v)
+      if (row[v] > value || row[v] != row[v]) { value = row[v]; best = v; }
+    out[n] = best;
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear", &small_linear);
+  m.def("argmax_rows", &argmax_rows);
+}
 """
 
 _lock = threading.Lock()
@@ -235,3 +256,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """x.argmax(-1).tolist() for x [N, V]: one C++ loop for fp32 on the CPU (30 -> a few us for a verify's
+    8 x 4096 logits), the same indices (first among equals, NaN as the largest)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] and enabled():
+        return _kernels.module.argmax_rows(x.contiguous())
+    return x.argmax(dim=-1).tolist()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.common import cpu_kernels
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
 from blockspec.common.sampling import GREEDY, DraftDist, SamplingParams, log_probs, process
@@ -236,10 +237,10 @@ class Verifier:
         """The request's rule over logits [k + 1, vocab]; row i samples the token at committed_len + i."""
         sp = state.sampling
         if sp.plain_greedy:
-            return greedy_accept(draft_ids, logits.argmax(dim=-1).tolist())
+            return greedy_accept(draft_ids, cpu_kernels.argmax_rows(logits))
         processed = process(logits, state.token_ids, state.prompt_len, draft_ids, sp)
         if sp.greedy:
-            return greedy_accept(draft_ids, processed.argmax(dim=-1).tolist())
+            return greedy_accept(draft_ids, cpu_kernels.argmax_rows(processed))
         logp, position = log_probs(processed, sp), len(state.token_ids)
         if sp.rule == "strict":
             return strict_accept(draft_ids, logp, sp.seed, position)

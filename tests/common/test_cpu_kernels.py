@@ -99,3 +99,14 @@ def test_fp32_rms_norm_is_bitwise_the_transformers_arithmetic():
     x, weight = torch.randn(3, 5, 256), torch.randn(256)
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     assert torch.equal(rms_norm(x, weight, 1e-6), weight * h)
+
+
+def test_argmax_rows_equals_torch_argmax():
+    torch.manual_seed(0)
+    x = torch.randn(9, 4096)
+    x[1, 7] = x[1, 3000] = 50.0  # ties: the first index
+    x[2, :] = 1.0
+    x[3, 10], x[3, 20] = float("nan"), float("nan")  # NaN counts as the largest: the first NaN
+    x[4, 4095] = float("inf")
+    assert cpu_kernels.argmax_rows(x) == x.argmax(dim=-1).tolist()
+    assert cpu_kernels.argmax_rows(x[:, ::2]) == x[:, ::2].argmax(dim=-1).tolist()  # not contiguous
