@@ -10,7 +10,8 @@ arithmetic, made a proposal cost most of a target decode. Here the same computat
   block (bidirectional);
 * `context`: the context K/V of newly committed positions (fc, norm, K/V projections, K norm, RoPE),
   written into the cache;
-* `walk`: the path selector's greedy walk (top-k candidates per slot, pairwise scores, argmax).
+* `walk`: the path selector's greedy walk (top-k candidates per slot, pairwise scores, argmax);
+* `draft`: a whole greedy proposal, `block`, the LM head over the draft slots and `walk` in one call.
 
 Linear layers use the packed small-batch kernel of `common.cpu_kernels`; everything else is plain
 loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
@@ -225,20 +226,17 @@ void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tens
 // The selector's greedy walk: per slot the top_k logits (highest first, the lower token id first among
 // equals), then the candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)>; the choice is the next
 // slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [V, rank] -> [R, S].
-torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
-                   torch::Tensor anchor, int64_t top_k) {
-  const int64_t R = logits.size(0), S = logits.size(1), V = logits.size(2), H = hidden.size(2), rank = proj.size(0);
-  auto out = torch::empty({R, S}, anchor.options());
-  int64_t* tokens = out.data_ptr<int64_t>();
-  const float* hp = hidden.data_ptr<float>();
-  const float* lp = logits.data_ptr<float>();
+static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, int64_t V, int64_t H,
+                      const torch::Tensor& proj, const torch::Tensor& A, const torch::Tensor& Bc,
+                      const int64_t* anchor, int64_t top_k, int64_t* tokens) {
+  const int64_t rank = proj.size(0);
   const float* pw = proj.data_ptr<float>();
   const float* ap = A.data_ptr<float>();
   const float* bp = Bc.data_ptr<float>();
   std::vector<float> val(top_k), q(rank);
   std::vector<int64_t> idx(top_k);
   for (int64_t r = 0; r < R; ++r) {
-    int64_t prev = anchor.data_ptr<int64_t>()[r];
+    int64_t prev = anchor[r];
     for (int64_t t = 0; t < S; ++t) {
       const float* lg = lp + (r * S + t) * V;
       int64_t n = 0;
@@ -262,6 +260,37 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
       tokens[r * S + t] = prev;
     }
   }
+}
+
+torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+                   torch::Tensor anchor, int64_t top_k) {
+  const int64_t R = logits.size(0), S = logits.size(1);
+  auto out = torch::empty({R, S}, anchor.options());
+  walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
+            anchor.data_ptr<int64_t>(), top_k, out.data_ptr<int64_t>());
+  return out;
+}
+
+// A whole greedy proposal: `block`, the LM head over slots 1..S of each block (then the optional scale
+// and soft cap of the draft logits), and the walk -> tokens [R, S].
+torch::Tensor draft(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots_t, torch::Tensor lens_t,
+                    torch::Tensor cos_t, torch::Tensor sin_t, std::vector<torch::Tensor> w, int64_t heads,
+                    int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps, torch::Tensor lm_head,
+                    int64_t S, double scale, double softcap, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+                    torch::Tensor anchor, int64_t top_k) {
+  auto hidden = block(x_in, kc, vc, slots_t, lens_t, cos_t, sin_t, w, heads, kv_heads, hd, conv_taps, group, eps);
+  const int64_t R = hidden.size(0), B = hidden.size(1), H = hidden.size(2);
+  const int64_t V = lm_head.dim() == 3 ? lm_head.size(0) * 64 : lm_head.size(0);
+  std::vector<float> rows(R * S * H), logits(R * S * V);
+  for (int64_t r = 0; r < R; ++r)
+    std::copy(hidden.data_ptr<float>() + (r * B + 1) * H, hidden.data_ptr<float>() + (r * B + 1 + S) * H,
+              rows.begin() + r * S * H);
+  project(rows.data(), R * S, H, lm_head, logits.data());
+  if (scale != 0.0) for (auto& l : logits) l *= float(scale);
+  if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
+  auto out = torch::empty({R, S}, anchor.options());
+  walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchor.data_ptr<int64_t>(), std::min(top_k, V),
+            out.data_ptr<int64_t>());
   return out;
 }
 
@@ -269,6 +298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block", &block);
   m.def("context", &context);
   m.def("walk", &walk);
+  m.def("draft", &draft);
 }
 """
 
@@ -331,6 +361,24 @@ class CpuDrafter:
             block_embeds.contiguous(), cache.k, cache.v, slots, lens, cos, sin, self._prepare()[0], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
             cfg.rms_norm_eps)
+
+    def draft(self, block_embeds: torch.Tensor, cache, slots: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, lm_head: torch.Tensor, num_slots: int, anchor: torch.Tensor) -> torch.Tensor | None:
+        """A greedy proposal in one call: `block`, the LM head over draft slots 1..num_slots, the walk ->
+        tokens [R, num_slots]. None where the LM head is not this process's own packable parameter (a
+        tensor mapped from the target's process is never copied): then block, linear and walk apart."""
+        if not (isinstance(lm_head, torch.nn.Parameter) and lm_head.shape[0] % 64 == 0 and lm_head.dtype == torch.float32):
+            return None
+        panels = cpu_kernels.packed((lm_head,))
+        if panels is None:
+            return None
+        cfg, sel = self.cfg, self.model.candidate_selector
+        return _extension.get().draft(
+            block_embeds.contiguous(), cache.k, cache.v, slots, lens, cos, sin, self._prepare()[0], cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
+            cfg.rms_norm_eps, panels, num_slots, cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
+            sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(), sel.successor_codebook.detach(),
+            anchor, sel.top_k)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""

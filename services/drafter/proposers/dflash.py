@@ -108,6 +108,12 @@ class DFlashProposer:
         # The block always runs whole (the drafter was trained on it); only the slots some request asks for
         # go through the LM head and the selector walk, the two costs that grow with the slot count.
         slots_used = max(i.k for i in live)
+        greedy = all(i.sampling.greedy for i in live)
+        if self._cpu is not None and greedy and self.use_path_selector:
+            tokens = self._cpu.draft(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin,
+                                     self.lm_head, slots_used, anchors)
+            if tokens is not None:
+                return self._drafts(inputs, live, tokens, [[] for _ in live])
         if self._cpu is not None:
             hidden = self._cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
         else:
@@ -120,7 +126,7 @@ class DFlashProposer:
         hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
         q_rows: list[list] = [[] for _ in live]
-        pick = None if all(i.sampling.greedy for i in live) else self._sampler(live, q_rows)
+        pick = None if greedy else self._sampler(live, q_rows)
         if self.use_path_selector and pick is None and self._cpu is not None:
             tokens = self._cpu.walk(hidden, logits, anchors)  # [R, k]
         elif self.use_path_selector:
@@ -129,6 +135,13 @@ class DFlashProposer:
             unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, k, m]
             tokens = torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
                                   pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(slots_used)], 1)
+        return self._drafts(inputs, live, tokens, q_rows)
+
+    @staticmethod
+    def _drafts(inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], tokens: torch.Tensor,
+                q_rows: list[list]) -> list[Draft]:
+        """One Draft per input: row r of tokens [R, k] for live request r (with the q it sampled from,
+        if any), nothing for the others."""
         drafts = {}
         for r, i in enumerate(live):
             q = q_rows[r][: i.k]

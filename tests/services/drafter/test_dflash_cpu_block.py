@@ -1,5 +1,5 @@
 """The drafter's one-call CPU path (cpu_block.py) against the torch module it replaces at inference:
-block forward, context K/V, the greedy selector walk, and whole proposals."""
+block forward, context K/V, the greedy selector walk, and whole proposals (fused and apart)."""
 
 from __future__ import annotations
 
@@ -88,11 +88,13 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts):
                for _ in range(2)]
     assert engines[0].proposer._cpu is not None
     engines[1].proposer._cpu = None  # the torch module
+    engines.append(Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3))
+    engines[2].proposer._cpu.draft = lambda *a, **kw: None  # block, LM head and walk apart (a shared LM head)
     for engine in engines:
         for i, p in enumerate(prompts[:3]):
             engine.verifier.add(str(i), p)
         engine.verifier.prefill([str(i) for i in range(3)])
     for k in (1, 4, 7):
         inputs = [ProposeInput(str(i), engines[0].verifier.committed(str(i)), k) for i in range(3)]
-        fast, ref = (e.proposer.propose(inputs) for e in engines)
-        assert [d.token_ids for d in fast] == [d.token_ids for d in ref]
+        fused, ref, apart = ([d.token_ids for d in e.proposer.propose(inputs)] for e in engines)
+        assert fused == ref == apart
