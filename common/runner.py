@@ -141,13 +141,16 @@ class Runner:
             tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
         batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, min(lengths) == width)
         hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
-        all_logits = self.model.logits(hidden) if invariant else None  # [B, T, vocab]: same row count every call
         tap_rows = batch.real_rows(torch.cat(taps, dim=-1)) if taps else None  # [N, n_taps * H]
-        logits = []
-        for b, seg in enumerate(segments):
-            n = lengths[b]
-            first = n - 1 if seg.last_only else 0
-            logits.append(all_logits[b, first:n] if invariant else self.model.logits(hidden[b, first:n]))
-            self.cache.set_length(seg.slot, starts[b] + n)
+        firsts = [n - 1 if seg.last_only else 0 for seg, n in zip(segments, lengths)]
+        if invariant:  # [B, T, vocab]: the same row count every call
+            all_logits = self.model.logits(hidden)
+            logits = [all_logits[b, first:n] for b, (first, n) in enumerate(zip(firsts, lengths))]
+        else:  # the rows each segment returns, through the LM head in one call (its weight read once)
+            rows = [hidden[b, first:n] for b, (first, n) in enumerate(zip(firsts, lengths))]
+            logits = list(self.model.logits(torch.cat(rows) if len(rows) > 1 else rows[0]).split(
+                [n - first for first, n in zip(firsts, lengths)]))
+        for seg, start, n in zip(segments, starts, lengths):
+            self.cache.set_length(seg.slot, start + n)
         per_segment = list(tap_rows.split(lengths)) if taps else []
         return ForwardResult(logits, per_segment, tap_rows, batch.store_slots, batch.store_pos)
