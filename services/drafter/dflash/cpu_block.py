@@ -11,7 +11,8 @@ arithmetic, made a proposal cost most of a target decode. Here the same computat
 * `context`: the context K/V of newly committed positions (fc, norm, K/V projections, K norm, RoPE),
   written into the cache;
 * `walk`: the path selector's greedy walk (top-k candidates per slot, pairwise scores, argmax);
-* `draft`: a whole greedy proposal, `block`, the LM head over the draft slots and `walk` in one call.
+* `propose`: a whole greedy proposal in one call: the missing context, the block of every request, the
+  LM head over the draft slots and the walk.
 
 Linear layers use the packed small-batch kernel of `common.cpu_kernels`; everything else is plain
 loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
@@ -23,6 +24,8 @@ runs the torch module; `tests/services/drafter/test_dflash_cpu_block.py` holds t
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -97,19 +100,17 @@ struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sub
 // Per layer, 12 tensors: input norm, qkv packed, q norm, k norm, o packed, post norm, gate/up packed,
 // down packed, attention conv base, its projection packed, MLP conv base, its projection packed (the
 // conv ones undefined without convs). Then the final norm.
-torch::Tensor block(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots_t,
-                    torch::Tensor lens_t, torch::Tensor cos_t, torch::Tensor sin_t, std::vector<torch::Tensor> w,
-                    int64_t heads, int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps_d) {
-  const int64_t R = x_in.size(0), B = x_in.size(1), H = x_in.size(2), N = R * B;
+// x [R, B, H] in place: block embeddings in, normed hidden states out.
+static void block_rows(float* x, int64_t R, int64_t B, int64_t H, const torch::Tensor& kc, const torch::Tensor& vc,
+                       const int64_t* slots, const int64_t* lens, const torch::Tensor& cos_t, const torch::Tensor& sin_t,
+                       const std::vector<torch::Tensor>& w, int64_t heads, int64_t kv_heads, int64_t hd,
+                       int64_t conv_taps, int64_t group, double eps_d) {
+  const int64_t N = R * B;
   const int64_t L = (int64_t(w.size()) - 1) / 12, S = kc.size(1), M = kc.size(3);
   const int64_t QKV = (heads + 2 * kv_heads) * hd, I = (w[6].dim() == 3 ? w[6].size(0) * 64 : w[6].size(0)) / 2;
   const float eps = float(eps_d);
-  const int64_t* slots = slots_t.data_ptr<int64_t>();
-  const int64_t* lens = lens_t.data_ptr<int64_t>();
   const float* cos = cos_t.data_ptr<float>();
   const float* sin = sin_t.data_ptr<float>();
-  auto out = x_in.clone();
-  float* x = out.data_ptr<float>();
   std::vector<float> u(N * H), u0(N * H), a(N * H), qkv(N * QKV), att(N * heads * hd), gu(N * 2 * I), hmid(N * I);
   const int64_t G = conv_taps ? H / group : 0;
   std::vector<float> dyn(conv_taps ? N * 2 * conv_taps * G : 0);
@@ -192,22 +193,29 @@ torch::Tensor block(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torc
     for (int64_t i = 0; i < N * H; ++i) x[i] += delta[i];
   }
   rms_rows(x, w.back().data_ptr<float>(), x, N, H, eps);
+}
+
+torch::Tensor block(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor lens,
+                    torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> w, int64_t heads,
+                    int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps) {
+  auto out = x_in.clone();
+  block_rows(out.data_ptr<float>(), x_in.size(0), x_in.size(1), x_in.size(2), kc, vc, slots.data_ptr<int64_t>(),
+             lens.data_ptr<int64_t>(), cos, sin, w, heads, kv_heads, hd, conv_taps, group, eps);
   return out;
 }
 
 // Context K/V of new positions: taps [N, T] -> fc -> norm -> per layer K/V projection, K norm, RoPE,
 // written to the cache at (slot, position) of each row.
-void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots_t, torch::Tensor pos_t,
-             torch::Tensor cos_t, torch::Tensor sin_t, torch::Tensor fc, torch::Tensor norm_w,
-             std::vector<torch::Tensor> kv_w, int64_t kv_heads, int64_t hd, double eps_d) {
-  const int64_t N = taps.size(0), T = taps.size(1), H = norm_w.size(0), L = int64_t(kv_w.size()) / 2;
+static void context_rows(const float* taps, int64_t N, int64_t T, const int64_t* slots, const int64_t* pos,
+                         const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos_t,
+                         const torch::Tensor& sin_t, const torch::Tensor& fc, const torch::Tensor& norm_w,
+                         const std::vector<torch::Tensor>& kv_w, int64_t kv_heads, int64_t hd, double eps_d) {
+  const int64_t H = norm_w.size(0), L = int64_t(kv_w.size()) / 2;
   const int64_t S = kc.size(1), M = kc.size(3);
   const float eps = float(eps_d);
   std::vector<float> h(N * H), kv(N * 2 * kv_heads * hd);
-  project(taps.data_ptr<float>(), N, T, fc, h.data());
+  project(taps, N, T, fc, h.data());
   rms_rows(h.data(), norm_w.data_ptr<float>(), h.data(), N, H, eps);
-  const int64_t* slots = slots_t.data_ptr<int64_t>();
-  const int64_t* pos = pos_t.data_ptr<int64_t>();
   for (int64_t l = 0; l < L; ++l) {
     project(h.data(), N, H, kv_w[2 * l], kv.data());
     for (int64_t n = 0; n < N; ++n)
@@ -221,6 +229,13 @@ void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tens
         std::copy(v, v + hd, vc.data_ptr<float>() + at);
       }
   }
+}
+
+void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor pos,
+             torch::Tensor cos, torch::Tensor sin, torch::Tensor fc, torch::Tensor norm_w,
+             std::vector<torch::Tensor> kv_w, int64_t kv_heads, int64_t hd, double eps) {
+  context_rows(taps.data_ptr<float>(), taps.size(0), taps.size(1), slots.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+               kc, vc, cos, sin, fc, norm_w, kv_w, kv_heads, hd, eps);
 }
 
 // The selector's greedy walk: per slot the top_k logits (highest first, the lower token id first among
@@ -271,25 +286,48 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
   return out;
 }
 
-// A whole greedy proposal: `block`, the LM head over slots 1..S of each block (then the optional scale
-// and soft cap of the draft logits), and the walk -> tokens [R, S].
-torch::Tensor draft(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots_t, torch::Tensor lens_t,
-                    torch::Tensor cos_t, torch::Tensor sin_t, std::vector<torch::Tensor> w, int64_t heads,
-                    int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps, torch::Tensor lm_head,
-                    int64_t S, double scale, double softcap, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
-                    torch::Tensor anchor, int64_t top_k) {
-  auto hidden = block(x_in, kc, vc, slots_t, lens_t, cos_t, sin_t, w, heads, kv_heads, hd, conv_taps, group, eps);
-  const int64_t R = hidden.size(0), B = hidden.size(1), H = hidden.size(2);
+// A whole greedy proposal in one call:
+// * context: rows [start, end) of each features[i] ([len, n_taps * H]) become context K/V of slot ctx_slots[i];
+// * the block of request r, [anchors[r], MASK...] embedded from `embedding`, through `block_rows` at slot
+//   slots[r] after its lens[r] context positions;
+// * the LM head over draft slots 1..S (then the optional scale and soft cap of the draft logits);
+// * the selector's walk -> tokens [R, S].
+torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> ctx_slots, std::vector<int64_t> starts,
+                      std::vector<int64_t> ends, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
+                      torch::Tensor fc, torch::Tensor hidden_norm, std::vector<torch::Tensor> kv_w,
+                      torch::Tensor embedding, int64_t mask_id, std::vector<int64_t> anchors, std::vector<int64_t> slots,
+                      std::vector<int64_t> lens, int64_t B, std::vector<torch::Tensor> w, int64_t heads,
+                      int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps, torch::Tensor lm_head,
+                      int64_t S, double scale, double softcap, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+                      int64_t top_k) {
+  if (!features.empty()) {
+    const int64_t T = features[0].size(1);
+    std::vector<float> taps;
+    std::vector<int64_t> rows_slot, rows_pos;
+    for (size_t i = 0; i < features.size(); ++i) {
+      const float* f = features[i].data_ptr<float>();
+      taps.insert(taps.end(), f + starts[i] * T, f + ends[i] * T);
+      for (int64_t p = starts[i]; p < ends[i]; ++p) { rows_slot.push_back(ctx_slots[i]); rows_pos.push_back(p); }
+    }
+    context_rows(taps.data(), int64_t(rows_pos.size()), T, rows_slot.data(), rows_pos.data(), kc, vc, cos, sin, fc,
+                 hidden_norm, kv_w, kv_heads, hd, eps);
+  }
+  const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
   const int64_t V = lm_head.dim() == 3 ? lm_head.size(0) * 64 : lm_head.size(0);
+  const float* emb = embedding.data_ptr<float>();
+  std::vector<float> x(R * B * H);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < B; ++t)
+      std::copy(emb + (t ? mask_id : anchors[r]) * H, emb + ((t ? mask_id : anchors[r]) + 1) * H, x.begin() + (r * B + t) * H);
+  block_rows(x.data(), R, B, H, kc, vc, slots.data(), lens.data(), cos, sin, w, heads, kv_heads, hd, conv_taps, group, eps);
   std::vector<float> rows(R * S * H), logits(R * S * V);
   for (int64_t r = 0; r < R; ++r)
-    std::copy(hidden.data_ptr<float>() + (r * B + 1) * H, hidden.data_ptr<float>() + (r * B + 1 + S) * H,
-              rows.begin() + r * S * H);
+    std::copy(x.begin() + (r * B + 1) * H, x.begin() + (r * B + 1 + S) * H, rows.begin() + r * S * H);
   project(rows.data(), R * S, H, lm_head, logits.data());
   if (scale != 0.0) for (auto& l : logits) l *= float(scale);
   if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
-  auto out = torch::empty({R, S}, anchor.options());
-  walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchor.data_ptr<int64_t>(), std::min(top_k, V),
+  auto out = torch::empty({R, S}, torch::kLong);
+  walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
             out.data_ptr<int64_t>());
   return out;
 }
@@ -298,7 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block", &block);
   m.def("context", &context);
   m.def("walk", &walk);
-  m.def("draft", &draft);
+  m.def("propose", &propose);
 }
 """
 
@@ -362,23 +400,30 @@ class CpuDrafter:
             cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
             cfg.rms_norm_eps)
 
-    def draft(self, block_embeds: torch.Tensor, cache, slots: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, lm_head: torch.Tensor, num_slots: int, anchor: torch.Tensor) -> torch.Tensor | None:
-        """A greedy proposal in one call: `block`, the LM head over draft slots 1..num_slots, the walk ->
-        tokens [R, num_slots]. None where the LM head is not this process's own packable parameter (a
-        tensor mapped from the target's process is never copied): then block, linear and walk apart."""
+    def lm_head_panels(self, lm_head: torch.Tensor) -> torch.Tensor | None:
+        """The LM head packed for `propose`; None where it is not this process's own fp32 parameter (a
+        tensor mapped from the target's process is never copied) or the packing budget is spent."""
         if not (isinstance(lm_head, torch.nn.Parameter) and lm_head.shape[0] % 64 == 0 and lm_head.dtype == torch.float32):
             return None
-        panels = cpu_kernels.packed((lm_head,))
-        if panels is None:
-            return None
+        return cpu_kernels.packed((lm_head,))
+
+    def propose(self, pending: Sequence[tuple[int, int, int, torch.Tensor]], cache, cos: torch.Tensor, sin: torch.Tensor,
+                embedding: torch.Tensor, anchors: list[int], slots: list[int], lens: list[int],
+                lm_head_panels: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """A greedy proposal in one call -> tokens [R, num_slots]: first the context each request lacks
+        (`pending`: slot, start, end, its tap features [len, n_taps * H]), then per request r the block
+        [anchors[r], MASK...] after lens[r] context positions of slot slots[r], the LM head over draft
+        slots 1..num_slots and the walk. The caller sets the cache lengths."""
         cfg, sel = self.cfg, self.model.candidate_selector
-        return _extension.get().draft(
-            block_embeds.contiguous(), cache.k, cache.v, slots, lens, cos, sin, self._prepare()[0], cfg.num_heads,
+        block_w, (fc, *kv) = self._prepare()
+        return _extension.get().propose(
+            [f.float().contiguous() for _, _, _, f in pending], [p[0] for p in pending], [p[1] for p in pending],
+            [p[2] for p in pending], cache.k, cache.v, cos, sin, fc, self.model.hidden_norm.weight.detach(), kv,
+            embedding.detach(), cfg.mask_token_id, anchors, slots, lens, cfg.block_size, block_w, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
-            cfg.rms_norm_eps, panels, num_slots, cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
-            sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(), sel.successor_codebook.detach(),
-            anchor, sel.top_k)
+            cfg.rms_norm_eps, lm_head_panels, num_slots, cfg.output_multiplier or 0.0,
+            cfg.final_logit_softcapping or 0.0, sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
+            sel.successor_codebook.detach(), sel.top_k)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""

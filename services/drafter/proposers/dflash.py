@@ -58,13 +58,11 @@ class DFlashProposer:
         if slot is not None:
             self.cache.release(slot)
 
-    def _extend_contexts(self, request_ids: Sequence[str], ctx_lens: Sequence[int]) -> list[int]:
-        """Bring each request's context K/V to its `ctx_len` positions, all requests in one pass (the
-        rows are independent: projection, norm and RoPE per position); returns their slots.
-
-        Committed tokens never change, so cached positions stay valid: a retry adds nothing.
-        """
-        slots, pieces, positions, spans = [], [], [], []
+    def _pending(self, request_ids: Sequence[str], ctx_lens: Sequence[int]) -> tuple[list[int], list[tuple]]:
+        """The slot of each request, and the context K/V each still lacks to reach its `ctx_len` positions:
+        (slot, start, end, tap features [len, n_taps * H]). Committed tokens never change, so cached
+        positions stay valid: a retry adds nothing."""
+        slots, pending = [], []
         for request_id, ctx_len in zip(request_ids, ctx_lens):
             if request_id not in self._slots:
                 self._slots[request_id] = self.cache.allocate()
@@ -72,25 +70,32 @@ class DFlashProposer:
             slots.append(slot)
             start = self.cache.lengths[slot]
             if ctx_len > start:
-                pieces.append(self.features(request_id)[start:ctx_len])  # [n, n_taps * H]
-                positions.append(torch.arange(start, ctx_len, device=self.device))
-                spans.append((slot, start, ctx_len))
-        if pieces and self._cpu is not None:
-            rows = torch.cat([torch.full((end - start,), slot) for slot, start, end in spans])
-            self._cpu.context(torch.cat(pieces), self.cache, rows, torch.cat(positions), self._cos, self._sin)
-            for slot, _, end in spans:
-                self.cache.set_length(slot, end)
-        elif pieces:
-            pos = torch.cat(positions)
-            cos, sin = self._cos[pos][None, None], self._sin[pos][None, None]
+                pending.append((slot, start, ctx_len, self.features(request_id)))
+        return slots, pending
+
+    def _extend(self, pending: Sequence[tuple]) -> None:
+        """Compute the pending context K/V, all requests in one pass (the rows are independent:
+        projection, norm and RoPE per position)."""
+        if not pending:
+            return
+        pieces = [features[start:end] for _, start, end, features in pending]
+        positions = torch.cat([torch.arange(start, end, device=self.device) for _, start, end, _ in pending])
+        if self._cpu is not None:
+            rows = torch.cat([torch.full((end - start,), slot) for slot, start, end, _ in pending])
+            self._cpu.context(torch.cat(pieces), self.cache, rows, positions, self._cos, self._sin)
+        else:
+            cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]
             layer_kv = self.model.context_kv(self.model.context(torch.cat(pieces))[None], cos, sin)
             offset = 0
-            for slot, start, end in spans:
+            for slot, start, end, _ in pending:
                 for layer, (k, v) in enumerate(layer_kv):  # k, v [1, kv_heads, total rows, hd]
                     self.cache.write(layer, slot, start, k[0, :, offset : offset + end - start], v[0, :, offset : offset + end - start])
-                self.cache.set_length(slot, end)
                 offset += end - start
-        return slots
+        self._advance(pending)
+
+    def _advance(self, pending: Sequence[tuple]) -> None:
+        for slot, _, end, _ in pending:
+            self.cache.set_length(slot, end)
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
@@ -99,21 +104,24 @@ class DFlashProposer:
             return [Draft(()) for _ in inputs]
         B = self.cfg.block_size
         dev = self.device
-        anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
-        slots = torch.tensor(self._extend_contexts([i.request_id for i in live], ctx_lens), device=dev)
-        block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
-        block_ids[:, 0] = anchors
-        lens = torch.tensor(ctx_lens, device=dev)
+        slot_ids, pending = self._pending([i.request_id for i in live], ctx_lens)
         # The block always runs whole (the drafter was trained on it); only the slots some request asks for
         # go through the LM head and the selector walk, the two costs that grow with the slot count.
         slots_used = max(i.k for i in live)
         greedy = all(i.sampling.greedy for i in live)
-        if self._cpu is not None and greedy and self.use_path_selector:
-            tokens = self._cpu.draft(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin,
-                                     self.lm_head, slots_used, anchors)
-            if tokens is not None:
-                return self._drafts(inputs, live, tokens, [[] for _ in live])
+        fused = self._cpu is not None and greedy and self.use_path_selector
+        panels = self._cpu.lm_head_panels(self.lm_head) if fused else None
+        if panels is not None:  # the whole proposal in one C++ call
+            tokens = self._cpu.propose(pending, self.cache, self._cos, self._sin, self.embedding,
+                                       [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, slots_used)
+            self._advance(pending)
+            return self._drafts(inputs, live, tokens, [[] for _ in live])
+        self._extend(pending)
+        anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
+        slots, lens = torch.tensor(slot_ids, device=dev), torch.tensor(ctx_lens, device=dev)
+        block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
+        block_ids[:, 0] = anchors
         if self._cpu is not None:
             hidden = self._cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
         else:

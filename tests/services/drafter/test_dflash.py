@@ -86,16 +86,9 @@ def test_one_forward_per_step_shared_tensors_and_cache_equals_recompute(drafter_
     forwards, proposes = [], []
     forward, propose = DFlashDrafter.forward, type(proposer).propose
     monkeypatch.setattr(DFlashDrafter, "forward", lambda self, *a, **kw: forwards.append(1) or forward(self, *a, **kw))
-    block, draft = CpuDrafter.block, CpuDrafter.draft  # the same forward in one C++ call, where it applies
-
-    def counted_draft(self, *a, **kw):
-        tokens = draft(self, *a, **kw)
-        if tokens is not None:
-            forwards.append(1)
-        return tokens
-
+    block, fused = CpuDrafter.block, CpuDrafter.propose  # the same forward in one C++ call, where it applies
     monkeypatch.setattr(CpuDrafter, "block", lambda self, *a, **kw: forwards.append(1) or block(self, *a, **kw))
-    monkeypatch.setattr(CpuDrafter, "draft", counted_draft)
+    monkeypatch.setattr(CpuDrafter, "propose", lambda self, *a, **kw: forwards.append(1) or fused(self, *a, **kw))
     monkeypatch.setattr(type(proposer), "propose", lambda self, inputs: proposes.append(len(inputs)) or propose(self, inputs))
     events = list(engine.generate([engine.request("a", prompts[3], 20, 5), engine.request("b", prompts[4], 20, 5)]))
     finish = [e for e in events if isinstance(e, FinishEvent)]

@@ -89,7 +89,7 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts):
     assert engines[0].proposer._cpu is not None
     engines[1].proposer._cpu = None  # the torch module
     engines.append(Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3))
-    engines[2].proposer._cpu.draft = lambda *a, **kw: None  # block, LM head and walk apart (a shared LM head)
+    engines[2].proposer._cpu.lm_head_panels = lambda lm_head: None  # block, LM head and walk apart (a shared LM head)
     for engine in engines:
         for i, p in enumerate(prompts[:3]):
             engine.verifier.add(str(i), p)
