@@ -73,16 +73,16 @@ class DFlashProposer:
                 pending.append((slot, start, ctx_len, self.features(request_id)))
         return slots, pending
 
-    def _extend(self, pending: Sequence[tuple]) -> None:
+    def _extend(self, pending: Sequence[tuple], cpu: CpuDrafter | None) -> None:
         """Compute the pending context K/V, all requests in one pass (the rows are independent:
         projection, norm and RoPE per position)."""
         if not pending:
             return
         pieces = [features[start:end] for _, start, end, features in pending]
         positions = torch.cat([torch.arange(start, end, device=self.device) for _, start, end, _ in pending])
-        if self._cpu is not None:
+        if cpu is not None:
             rows = torch.cat([torch.full((end - start,), slot) for slot, start, end, _ in pending])
-            self._cpu.context(torch.cat(pieces), self.cache, rows, positions, self._cos, self._sin)
+            cpu.context(torch.cat(pieces), self.cache, rows, positions, self._cos, self._sin)
         else:
             cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]
             layer_kv = self.model.context_kv(self.model.context(torch.cat(pieces))[None], cos, sin)
@@ -110,20 +110,20 @@ class DFlashProposer:
         # go through the LM head and the selector walk, the two costs that grow with the slot count.
         slots_used = max(i.k for i in live)
         greedy = all(i.sampling.greedy for i in live)
-        fused = self._cpu is not None and greedy and self.use_path_selector
-        panels = self._cpu.lm_head_panels(self.lm_head) if fused else None
+        cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
+        panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
         if panels is not None:  # the whole proposal in one C++ call
-            tokens = self._cpu.propose(pending, self.cache, self._cos, self._sin, self.embedding,
+            tokens = cpu.propose(pending, self.cache, self._cos, self._sin, self.embedding,
                                        [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, slots_used)
             self._advance(pending)
             return self._drafts(inputs, live, tokens, [[] for _ in live])
-        self._extend(pending)
+        self._extend(pending, cpu)
         anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
         slots, lens = torch.tensor(slot_ids, device=dev), torch.tensor(ctx_lens, device=dev)
         block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
         block_ids[:, 0] = anchors
-        if self._cpu is not None:
-            hidden = self._cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
+        if cpu is not None:
+            hidden = cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
         else:
             key_len = max(ctx_lens)
             layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
@@ -135,8 +135,8 @@ class DFlashProposer:
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
         q_rows: list[list] = [[] for _ in live]
         pick = None if greedy else self._sampler(live, q_rows)
-        if self.use_path_selector and pick is None and self._cpu is not None:
-            tokens = self._cpu.walk(hidden, logits, anchors)  # [R, k]
+        if self.use_path_selector and pick is None and cpu is not None:
+            tokens = cpu.walk(hidden, logits, anchors)  # [R, k]
         elif self.use_path_selector:
             tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick)  # [R, k]
         else:  # per-slot choice among the slot's own top tokens

@@ -98,3 +98,8 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts):
         inputs = [ProposeInput(str(i), engines[0].verifier.committed(str(i)), k) for i in range(3)]
         fused, ref, apart = ([d.token_ids for d in e.proposer.propose(inputs)] for e in engines)
         assert fused == ref == apart
+    cpu_kernels.set_enabled(False)  # switched off at run time: the torch module, the same drafts
+    try:
+        assert [d.token_ids for d in engines[0].proposer.propose(inputs)] == fused
+    finally:
+        cpu_kernels.set_enabled(True)
