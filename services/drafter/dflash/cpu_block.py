@@ -19,8 +19,9 @@ loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: s
 order. A proposal only decides what the target verifies, so this changes speed, never the output.
 
 Scope: fp32, CPU, inference, head_dim, hidden and intermediate sizes multiples of 16. Projections
-whose output count is not whole panels of 64 run as plain dot products. Elsewhere (training, GPU, bf16, a kernel that cannot be built) the proposer
-runs the torch module; `tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
+whose output count is not whole panels of 64 run as plain dot products. Elsewhere (training, GPU,
+bf16, sampling, a kernel that cannot be built or is switched off) the proposer runs the torch module;
+`tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
 """
 
 from __future__ import annotations
