@@ -71,6 +71,8 @@ class Row:
     exact: bool | None = None  # outputs equal plain decoding's, token for token
     speedup: float | None = None  # tokens/s over plain decoding at the same concurrency
     rounds: list[float] = field(default_factory=list)  # tokens/s of every pass (the row is the median pass)
+    # Concurrency 1, engine modes: ms per step [whole step, verify, drafter], from the step loop's own timers
+    step_ms: list[float] = field(default_factory=list)
 
 
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
@@ -98,10 +100,14 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
         for e in done:
             per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
         tokens = sum(len(e.token_ids) for e in done)
+        # One request at a time: its steps are the loop's, so the timers split the wall clock per step.
+        split = [elapsed / steps * 1e3, *(sum(getattr(e.stats, a) for e in done) / steps * 1e3
+                                          for a in ("verify_s", "draft_s"))] if concurrency == 1 and steps else []
         row = Row(f"{mode.name} adaptive" if mode.adaptive else mode.name, mode.k, concurrency, tokens, elapsed,
                   tokens / elapsed,
                   tau=1 + accepted / steps if steps and mode.k else None,
-                  acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps)
+                  acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
+                  step_ms=split)
         return row, [list(e.token_ids) for e in done]
 
     return run
@@ -241,6 +247,14 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
             with_drafter = r.tau / (costs.r[r.k] + costs.c_d.get(r.k, 0.0))
             lines.append(f"| {r.k} | {costs.r[r.k]:.2f} | {costs.c_d.get(r.k, 0.0):.2f} | {r.tau:.2f} | {ceiling:.2f} | "
                          f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} |")
+    split = [r for r in rows if r.step_ms]
+    if split:
+        lines += ["", "Inside the step loop at concurrency 1 (ms per step; the rest is prefill, the drafter-free part of a",
+                  "step's bookkeeping and the loop itself):", "",
+                  "| mode | step | verify | drafter | rest |", "|---|---|---|---|---|"]
+        for r in split:
+            step, verify, draft = r.step_ms
+            lines.append(f"| {Mode(r.mode, r.k).label} | {step:.2f} | {verify:.2f} | {draft:.2f} | {step - verify - draft:.2f} |")
     return "\n".join(lines) + "\n"
 
 

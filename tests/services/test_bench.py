@@ -34,9 +34,13 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert all(len(r["rounds"]) == 2 and r["tokens_per_s"] in r["rounds"] for r in result["rows"])
     dflash = next(r for r in result["rows"] if r["mode"] == "dflash" and r["concurrency"] == 1)
     assert dflash["tau"] > 1 and sum(dflash["accepted_per_pos"]) > 0
+    step, verify, draft = dflash["step_ms"]  # the loop's own split of a step at concurrency 1
+    assert 0 < verify and 0 < draft and verify + draft < step
+    assert next(r for r in result["rows"] if r["mode"] == "none" and r["concurrency"] == 1)["step_ms"][2] < 0.01  # no drafter call
+    assert all(not r["step_ms"] for r in result["rows"] if r["concurrency"] == 2 or r["mode"].startswith("hf"))
     assert result["costs"]["r"]["3"] > 0 and result["costs"]["c_d"]["3"] > 0
     report = (out / "bench.md").read_text()
-    assert "ceiling tau / r(k+1)" in report and "| dflash k=3 | 2 |" in report
+    assert "ceiling tau / r(k+1)" in report and "| dflash k=3 | 2 |" in report and "Inside the step loop" in report
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out
