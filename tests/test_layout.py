@@ -1,5 +1,6 @@
 """The repository keeps the layout the README documents."""
 
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,3 +20,12 @@ def test_ci_runs_the_readme_test_command():
 
 def test_no_generated_stubs_are_committed():
     assert not list((ROOT / "protos").glob("*_pb2*.py"))
+
+
+def test_every_package_is_installed():
+    """pyproject lists packages explicitly: a new package directory must be added there, or a
+    non-editable install (the Docker image) ships without it."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"blockspec." + ".".join(p.parent.relative_to(ROOT).parts)
+             for top in ("common", "protos", "services") for p in (ROOT / top).rglob("__init__.py")}
+    assert found == listed
