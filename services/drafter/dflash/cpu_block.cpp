@@ -1,0 +1,308 @@
+// The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_kernels.py's
+// PANEL_SOURCE (v16, load16, linear_into).
+#include <cmath>
+#include <vector>
+#include <immintrin.h>
+
+static inline float hsum(v16 v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s;
+#endif
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {  // n % 16 == 0
+  v16 acc = v16{};
+  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
+  return hsum(acc);
+}
+
+// A projection: packed [O / 64, I, 64] through the kernel, or (an output count that is not whole panels)
+// the plain weight [O, I] row by row. I % 16 == 0.
+static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w, float* y) {
+  if (w.dim() == 3) { linear_into(x, N, I, w, y); return; }
+  const int64_t O = w.size(0);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o) y[n * O + o] = dot(x + n * I, wp + o * I, I);
+}
+
+// y = w * x / sqrt(mean(x^2) + eps), row by row (D % 16 == 0); y may be x.
+static void rms_rows(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * D;
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, D) / D + eps);
+    float* yr = y + n * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = w[d] * (xr[d] * inv);
+  }
+}
+
+// In place: head vector h [hd] normed by w, then rotated (rotate-half layout) at the table row.
+static void norm_rope(float* h, const float* w, const float* cos, const float* sin, int64_t hd, float eps) {
+  rms_rows(h, w, h, 1, hd, eps);
+  const int64_t half = hd / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < hd; ++i) tmp[i] = h[i];
+  for (int64_t i = 0; i < hd; ++i) h[i] = tmp[i] * cos[i] + (i < half ? -tmp[i + half] : tmp[i - half]) * sin[i];
+}
+
+struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sublayer input
+  const float* base; const float* dyn; int64_t K, G, group;
+  // y[r, t] = sum_{j < K, j <= t} c[r, t, s, j] * x[r, t - j], c = base + dyn repeated over each group.
+  void apply(const float* x, float* y, int64_t R, int64_t B, int64_t H, int s) const {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < B; ++t) {
+        const int64_t n = r * B + t;
+        const float* d = dyn + n * 2 * K * G + s * K * G;
+        for (int64_t h = 0; h < H; ++h) {
+          float acc = (base[(s * K) * H + h] + d[h / group]) * x[n * H + h];
+          for (int64_t j = 1; j < K && j <= t; ++j)
+            acc += (base[(s * K + j) * H + h] + d[j * G + h / group]) * x[(n - j) * H + h];
+          y[n * H + h] = acc;
+        }
+      }
+  }
+};
+
+// Attention of each block row to its request's first lens[r] cached positions (layer l, read in place)
+// and to the whole block; qkv [R * B, (heads + 2 kv_heads) hd] normed and rotated -> att [R * B, heads hd].
+static void attend(const float* qkv, float* att, int64_t R, int64_t B, int64_t l, const torch::Tensor& kc,
+                   const torch::Tensor& vc, const int64_t* slots, const int64_t* lens, int64_t heads, int64_t kv_heads,
+                   int64_t hd) {
+  const int64_t S = kc.size(1), M = kc.size(3), QKV = (heads + 2 * kv_heads) * hd, per_kv = heads / kv_heads;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  at::parallel_for(0, R * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / heads, h = rh % heads, g = h / per_kv, C = lens[r];
+      const int64_t base = (((l * S + slots[r]) * kv_heads + g) * M) * hd;
+      const float* kctx = kc.data_ptr<float>() + base;
+      const float* vctx = vc.data_ptr<float>() + base;
+      p.resize(C + B);
+      for (int64_t t = 0; t < B; ++t) {
+        const float* q = qkv + (r * B + t) * QKV + h * hd;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < C + B; ++j) {
+          const float* k = j < C ? kctx + j * hd : qkv + (r * B + j - C) * QKV + (heads + g) * hd;
+          p[j] = dot(q, k, hd) * scale;
+          mx = p[j] > mx ? p[j] : mx;
+        }
+        float total = 0.f;
+        for (int64_t j = 0; j < C + B; ++j) total += (p[j] = std::exp(p[j] - mx));
+        v16 acc[64];
+        const int64_t nv = hd / 16;
+        for (int64_t c = 0; c < nv; ++c) acc[c] = v16{};
+        for (int64_t j = 0; j < C + B; ++j) {
+          const float* v = j < C ? vctx + j * hd : qkv + (r * B + j - C) * QKV + (heads + kv_heads + g) * hd;
+          for (int64_t c = 0; c < nv; ++c) acc[c] += load16(v + 16 * c) * p[j];
+        }
+        float* o = att + (r * B + t) * heads * hd + h * hd;
+        for (int64_t c = 0; c < nv; ++c) { v16 y = acc[c] / total; __builtin_memcpy(o + 16 * c, &y, sizeof y); }
+      }
+    }
+  });
+}
+
+// Per layer, 12 tensors: input norm, qkv packed, q norm, k norm, o packed, post norm, gate/up packed,
+// down packed, attention conv base, its projection packed, MLP conv base, its projection packed (the
+// conv ones undefined without convs). Then the final norm.
+// x [R, B, H] in place: block embeddings in, normed hidden states out.
+static void block_rows(float* x, int64_t R, int64_t B, int64_t H, const torch::Tensor& kc, const torch::Tensor& vc,
+                       const int64_t* slots, const int64_t* lens, const torch::Tensor& cos_t, const torch::Tensor& sin_t,
+                       const std::vector<torch::Tensor>& w, int64_t heads, int64_t kv_heads, int64_t hd,
+                       int64_t conv_taps, int64_t group, double eps_d) {
+  const int64_t N = R * B;
+  const int64_t L = (int64_t(w.size()) - 1) / 12;
+  const int64_t QKV = (heads + 2 * kv_heads) * hd, I = (w[6].dim() == 3 ? w[6].size(0) * 64 : w[6].size(0)) / 2;
+  const float eps = float(eps_d);
+  const float* cos = cos_t.data_ptr<float>();
+  const float* sin = sin_t.data_ptr<float>();
+  std::vector<float> u(N * H), u0(N * H), a(N * H), qkv(N * QKV), att(N * heads * hd), gu(N * 2 * I), hmid(N * I);
+  const int64_t G = conv_taps ? H / group : 0;
+  std::vector<float> dyn(conv_taps ? N * 2 * conv_taps * G : 0);
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* lw = &w[12 * l];
+    Conv conv{nullptr, dyn.data(), conv_taps, G, group};
+    // A sublayer's input: normed x, then (with convs) the coefficients from it and the first convolution.
+    auto sublayer_in = [&](const torch::Tensor& norm, const torch::Tensor& base, const torch::Tensor& proj) {
+      rms_rows(x, norm.data_ptr<float>(), u.data(), N, H, eps);
+      if (!conv_taps) return static_cast<const float*>(u.data());
+      project(u.data(), N, H, proj, dyn.data());
+      conv.base = base.data_ptr<float>();
+      conv.apply(u.data(), u0.data(), R, B, H, 0);
+      return static_cast<const float*>(u0.data());
+    };
+    // Its output (with convs, the second convolution) added to the residual stream.
+    auto add_sublayer_out = [&](const float* out) {
+      if (conv_taps) { conv.apply(out, u0.data(), R, B, H, 1); out = u0.data(); }
+      for (int64_t i = 0; i < N * H; ++i) x[i] += out[i];
+    };
+    project(sublayer_in(lw[0], lw[8], lw[9]), N, H, lw[1], qkv.data());  // attention
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < B; ++t) {
+        float* row = qkv.data() + (r * B + t) * QKV;
+        const int64_t pos = lens[r] + t;
+        for (int64_t h = 0; h < heads; ++h)
+          norm_rope(row + h * hd, lw[2].data_ptr<float>(), cos + pos * hd, sin + pos * hd, hd, eps);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          norm_rope(row + (heads + h) * hd, lw[3].data_ptr<float>(), cos + pos * hd, sin + pos * hd, hd, eps);
+      }
+    attend(qkv.data(), att.data(), R, B, l, kc, vc, slots, lens, heads, kv_heads, hd);
+    project(att.data(), N, heads * hd, lw[4], a.data());
+    add_sublayer_out(a.data());
+    project(sublayer_in(lw[5], lw[10], lw[11]), N, H, lw[6], gu.data());  // MLP
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gu[n * 2 * I + i];
+        hmid[n * I + i] = g / (1.0f + std::exp(-g)) * gu[n * 2 * I + I + i];
+      }
+    project(hmid.data(), N, I, lw[7], a.data());
+    add_sublayer_out(a.data());
+  }
+  rms_rows(x, w.back().data_ptr<float>(), x, N, H, eps);
+}
+
+torch::Tensor block(torch::Tensor x_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor lens,
+                    torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> w, int64_t heads,
+                    int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps) {
+  auto out = x_in.clone();
+  block_rows(out.data_ptr<float>(), x_in.size(0), x_in.size(1), x_in.size(2), kc, vc, slots.data_ptr<int64_t>(),
+             lens.data_ptr<int64_t>(), cos, sin, w, heads, kv_heads, hd, conv_taps, group, eps);
+  return out;
+}
+
+// Context K/V of new positions: taps [N, T] -> fc -> norm -> per layer K/V projection, K norm, RoPE,
+// written to the cache at (slot, position) of each row.
+static void context_rows(const float* taps, int64_t N, int64_t T, const int64_t* slots, const int64_t* pos,
+                         const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos_t,
+                         const torch::Tensor& sin_t, const torch::Tensor& fc, const torch::Tensor& norm_w,
+                         const std::vector<torch::Tensor>& kv_w, int64_t kv_heads, int64_t hd, double eps_d) {
+  const int64_t H = norm_w.size(0), L = int64_t(kv_w.size()) / 2;
+  const int64_t S = kc.size(1), M = kc.size(3);
+  const float eps = float(eps_d);
+  std::vector<float> h(N * H), kv(N * 2 * kv_heads * hd);
+  project(taps, N, T, fc, h.data());
+  rms_rows(h.data(), norm_w.data_ptr<float>(), h.data(), N, H, eps);
+  for (int64_t l = 0; l < L; ++l) {
+    project(h.data(), N, H, kv_w[2 * l], kv.data());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        float* k = kv.data() + n * 2 * kv_heads * hd + g * hd;
+        const float* v = k + kv_heads * hd;
+        norm_rope(k, kv_w[2 * l + 1].data_ptr<float>(), cos_t.data_ptr<float>() + pos[n] * hd,
+                  sin_t.data_ptr<float>() + pos[n] * hd, hd, eps);
+        const int64_t at = (((l * S + slots[n]) * kv_heads + g) * M + pos[n]) * hd;
+        std::copy(k, k + hd, kc.data_ptr<float>() + at);
+        std::copy(v, v + hd, vc.data_ptr<float>() + at);
+      }
+  }
+}
+
+void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor pos,
+             torch::Tensor cos, torch::Tensor sin, torch::Tensor fc, torch::Tensor norm_w,
+             std::vector<torch::Tensor> kv_w, int64_t kv_heads, int64_t hd, double eps) {
+  context_rows(taps.data_ptr<float>(), taps.size(0), taps.size(1), slots.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+               kc, vc, cos, sin, fc, norm_w, kv_w, kv_heads, hd, eps);
+}
+
+// The selector's greedy walk: per slot the top_k logits (highest first, the lower token id first among
+// equals), then the candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)>; the choice is the next
+// slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [V, rank] -> [R, S].
+static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, int64_t V, int64_t H,
+                      const torch::Tensor& proj, const torch::Tensor& A, const torch::Tensor& Bc,
+                      const int64_t* anchor, int64_t top_k, int64_t* tokens) {
+  const int64_t rank = proj.size(0);
+  const float* pw = proj.data_ptr<float>();
+  const float* ap = A.data_ptr<float>();
+  const float* bp = Bc.data_ptr<float>();
+  std::vector<float> val(top_k), q(rank);
+  std::vector<int64_t> idx(top_k);
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t prev = anchor[r];
+    for (int64_t t = 0; t < S; ++t) {
+      const float* lg = lp + (r * S + t) * V;
+      int64_t n = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        if (n == top_k && !(lg[v] > val[n - 1])) continue;
+        int64_t at = n < top_k ? n++ : n - 1;
+        while (at > 0 && lg[v] > val[at - 1]) { val[at] = val[at - 1]; idx[at] = idx[at - 1]; --at; }
+        val[at] = lg[v]; idx[at] = v;
+      }
+      const float* h = hp + (r * S + t) * H;
+      for (int64_t j = 0; j < rank; ++j) q[j] = ap[prev * rank + j] * dot(h, pw + j * H, H);
+      int64_t best = 0;
+      float best_score = -INFINITY;
+      for (int64_t b = 0; b < n; ++b) {
+        float pair = 0.f;
+        for (int64_t j = 0; j < rank; ++j) pair += q[j] * bp[idx[b] * rank + j];
+        const float score = val[b] + pair;
+        if (score > best_score || b == 0) { best_score = score; best = b; }
+      }
+      prev = idx[best];
+      tokens[r * S + t] = prev;
+    }
+  }
+}
+
+torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+                   torch::Tensor anchor, int64_t top_k) {
+  const int64_t R = logits.size(0), S = logits.size(1);
+  auto out = torch::empty({R, S}, anchor.options());
+  walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
+            anchor.data_ptr<int64_t>(), top_k, out.data_ptr<int64_t>());
+  return out;
+}
+
+// A whole greedy proposal in one call:
+// * context: rows [start, end) of each features[i] ([len, n_taps * H]) become context K/V of slot ctx_slots[i];
+// * the block of request r, [anchors[r], MASK...] embedded from `embedding`, through `block_rows` at slot
+//   slots[r] after its lens[r] context positions;
+// * the LM head over draft slots 1..S (then the optional scale and soft cap of the draft logits);
+// * the selector's walk -> tokens [R, S].
+torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> ctx_slots, std::vector<int64_t> starts,
+                      std::vector<int64_t> ends, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
+                      torch::Tensor fc, torch::Tensor hidden_norm, std::vector<torch::Tensor> kv_w,
+                      torch::Tensor embedding, int64_t mask_id, std::vector<int64_t> anchors, std::vector<int64_t> slots,
+                      std::vector<int64_t> lens, int64_t B, std::vector<torch::Tensor> w, int64_t heads,
+                      int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps, torch::Tensor lm_head,
+                      int64_t S, double scale, double softcap, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+                      int64_t top_k) {
+  if (!features.empty()) {
+    const int64_t T = features[0].size(1);
+    std::vector<float> taps;
+    std::vector<int64_t> rows_slot, rows_pos;
+    for (size_t i = 0; i < features.size(); ++i) {
+      const float* f = features[i].data_ptr<float>();
+      taps.insert(taps.end(), f + starts[i] * T, f + ends[i] * T);
+      for (int64_t p = starts[i]; p < ends[i]; ++p) { rows_slot.push_back(ctx_slots[i]); rows_pos.push_back(p); }
+    }
+    context_rows(taps.data(), int64_t(rows_pos.size()), T, rows_slot.data(), rows_pos.data(), kc, vc, cos, sin, fc,
+                 hidden_norm, kv_w, kv_heads, hd, eps);
+  }
+  const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
+  const int64_t V = lm_head.dim() == 3 ? lm_head.size(0) * 64 : lm_head.size(0);
+  const float* emb = embedding.data_ptr<float>();
+  std::vector<float> x(R * B * H);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < B; ++t)
+      std::copy(emb + (t ? mask_id : anchors[r]) * H, emb + ((t ? mask_id : anchors[r]) + 1) * H, x.begin() + (r * B + t) * H);
+  block_rows(x.data(), R, B, H, kc, vc, slots.data(), lens.data(), cos, sin, w, heads, kv_heads, hd, conv_taps, group, eps);
+  std::vector<float> rows(R * S * H), logits(R * S * V);
+  for (int64_t r = 0; r < R; ++r)
+    std::copy(x.begin() + (r * B + 1) * H, x.begin() + (r * B + 1 + S) * H, rows.begin() + r * S * H);
+  project(rows.data(), R * S, H, lm_head, logits.data());
+  if (scale != 0.0) for (auto& l : logits) l *= float(scale);
+  if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
+  auto out = torch::empty({R, S}, torch::kLong);
+  walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
+            out.data_ptr<int64_t>());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block", &block);
+  m.def("context", &context);
+  m.def("walk", &walk);
+  m.def("propose", &propose);
+}
