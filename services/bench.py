@@ -198,17 +198,22 @@ class CostModel:
 
 def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats: int, device: str = "cpu"):
     """(decode seconds, {k: r(k+1)}, {k: c_d}) for a prefilled request: every verify is rolled back to the
-    same committed state first. proposer=None: no c_d."""
+    same committed state first; decodes, verifies and proposals are timed in interleaved rounds, so the
+    ratios compare like with like. proposer=None: no c_d."""
     from blockspec.services.drafter.proposer import ProposeInput
-    from blockspec.services.verifier.verifier import rolled_back_verify, timed
+    from blockspec.services.verifier.verifier import interleaved, rolled_back_verify
 
-    decode = timed(rolled_back_verify(verifier, [request_id], 1), repeats, device)
-    r = {k: timed(rolled_back_verify(verifier, [request_id], k + 1), repeats, device) / decode for k in ks}
     verifier.roll_back([request_id])
-    committed = verifier.committed(request_id)
-    c_d = {} if proposer is None else {
-        k: timed(lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)]), repeats, device) / decode
-        for k in ks if k <= proposer.max_k}
+    committed = list(verifier.committed(request_id))
+    fns = {("verify", k): rolled_back_verify(verifier, [request_id], k + 1) for k in (0, *ks)}
+    if proposer is not None:  # the proposal sees the committed state the verifies roll back to
+        fns |= {("draft", k): lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)])
+                for k in ks if k <= proposer.max_k}
+    seconds = interleaved(fns, repeats, device)
+    verifier.roll_back([request_id])
+    decode = seconds["verify", 0]
+    r = {k: seconds["verify", k] / decode for k in ks}
+    c_d = {k: s / decode for (kind, k), s in seconds.items() if kind == "draft"}
     return decode, r, c_d
 
 

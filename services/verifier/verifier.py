@@ -74,6 +74,18 @@ def timed(fn: Callable[[], object], repeats: int, device: str = "cpu", warm_up: 
     return statistics.median(samples)
 
 
+def interleaved(fns: dict, repeats: int, device: str = "cpu") -> dict:
+    """Median seconds per call of each fn: one untimed round first, then `repeats` rounds that each time
+    every fn once, so a machine that speeds up or slows down meanwhile shifts all of them alike."""
+    samples: dict = {key: [] for key in fns}
+    for round_ in range(repeats + 1):
+        for key, fn in fns.items():
+            seconds = timed(fn, 1, device, warm_up=False)
+            if round_:
+                samples[key].append(seconds)
+    return {key: statistics.median(s) for key, s in samples.items()}
+
+
 def rolled_back_verify(verifier: "Verifier", request_ids: Sequence[str], width: int) -> Callable[[], None]:
     """A verify of `width - 1` drafts for each prefilled request, rolled back first: every call starts
     from the same committed state."""
@@ -142,9 +154,8 @@ class Verifier:
         """Time verify steps of batch sizes 1, 2, 4, ... (up to the free slots) at widths 1..max_width, on
         scratch requests of `context` prompt tokens, added and released here. Run it before serving.
 
-        One untimed pass first (first touches of the caches, packed weights); then `repeats` rounds,
-        each timing every cell once, so a machine that speeds up or slows down meanwhile shifts all
-        cells alike; the median per cell. A wider or larger step never costs less: each row of the
+        Cells timed by `interleaved` (an untimed round first: first touches of the caches, packed
+        weights), the median per cell. A wider or larger step never costs less: each row of the
         table is made non-decreasing in width, each column in batch size.
         """
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= self.free_slots] or [1]
@@ -156,17 +167,12 @@ class Verifier:
             for i, rid in enumerate(ids):
                 self.add(rid, [(16 + 7 * i + j) % vocab for j in range(context)])
             self.prefill(ids)
-            steps = {(b, w): rolled_back_verify(self, ids[:b], w) for b in sizes for w in widths}
-            samples: dict[tuple[int, int], list[float]] = {cell: [] for cell in steps}
-            for round_ in range(repeats + 1):
-                for cell, step in steps.items():
-                    seconds = timed(step, 1, device, warm_up=False)
-                    if round_:
-                        samples[cell].append(seconds)
+            seconds = interleaved({(b, w): rolled_back_verify(self, ids[:b], w) for b in sizes for w in widths},
+                                  repeats, device)
         finally:
             for rid in ids:
                 self.release(rid)
-        table = [[statistics.median(samples[b, w]) for w in widths] for b in sizes]
+        table = [[seconds[b, w] for w in widths] for b in sizes]
         for i, row in enumerate(table):
             for j in range(len(row)):
                 row[j] = max(row[j], row[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
