@@ -17,6 +17,10 @@ ahead of MKL up to 256 rows on the default target's shapes (a batched verify at 
   multiple of 64. Anything else (training, prefill chunks over 256 tokens, GPU, bf16, a tensor shared from another process)
   goes to torch's linear. The packed copies count against a per-process budget
   ($BLOCKSPEC_CPU_KERNELS_MAX_MB, 1024 MiB): a model too big to hold twice keeps torch's linear.
+* Also here: `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
+  queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
+  built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
+  `argmax_rows`, the row argmax of a verify's logits.
 * Switch: BLOCKSPEC_CPU_KERNELS=0 (or `set_enabled(False)`) turns the kernel off.
 * Build: compiled on first use by torch's C++ extension loader (g++ and ninja, about 35 s here, then
   cached under ~/.cache/torch_extensions). Where it cannot be built, torch's linear is used and the
@@ -38,6 +42,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # above this (prefill chunks), torch's linear: not measured to lose, not measured to win
+ATTENTION_MAX_QUERIES = 64  # cached_attention up to this many queries per row (more: SDPA, blocked for them)
 ENV_SWITCH = "BLOCKSPEC_CPU_KERNELS"  # "0" turns the kernel off (torch's linear everywhere)
 ENV_BUDGET = "BLOCKSPEC_CPU_KERNELS_MAX_MB"  # packed copies per process, MiB (default 1024)
 
@@ -107,26 +112,130 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   return y;
 }
 
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
 // The index of each row's largest value (the first among equals; a NaN counts as the largest, as in
-// torch.argmax); x [N, V] contiguous fp32.
+// torch.argmax); x [N, V] contiguous fp32. One vector pass finds the maximum and whether the row has a
+// NaN, a second the first index holding it.
 std::vector<int64_t> argmax_rows(torch::Tensor x) {
-  const int64_t N = x.size(0), V = x.size(1);
+  const int64_t N = x.size(0), V = x.size(1), whole = V / 16 * 16;
   const float* xp = x.data_ptr<float>();
   std::vector<int64_t> out(N);
   for (int64_t n = 0; n < N; ++n) {
     const float* row = xp + n * V;
-    int64_t best = 0;
     float value = row[0];
-    for (int64_t v = 1; v < V && value == value; ++v)
-      if (row[v] > value || row[v] != row[v]) { value = row[v]; best = v; }
+    bool nan = false;
+    if (whole) {
+      v16 mx = load16(row);
+      vi16 bad = mx != mx;
+      for (int64_t v = 16; v < whole; v += 16) {
+        const v16 a = load16(row + v);
+        bad |= a != a;
+        mx = a > mx ? a : mx;
+      }
+      for (int i = 0; i < 16; ++i) { nan |= bad[i] != 0; value = mx[i] > value ? mx[i] : value; }
+    }
+    for (int64_t v = whole; v < V; ++v) { nan |= row[v] != row[v]; value = row[v] > value ? row[v] : value; }
+    int64_t best = 0;
+    if (nan) { while (row[best] == row[best]) ++best; }
+    else { while (!(row[best] == value)) ++best; }
     out[n] = best;
   }
+  return out;
+}
+
+// exp(x) for a vector of x <= 0 (scores less their maximum): x = k ln 2 + r with |r| <= ln 2 / 2, e^r
+// from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
+// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
+static inline v16 exp16(v16 x) {
+  const v16 k = x * 1.44269504088896341f;
+  vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
+  const v16 kf = __builtin_convertvector(ki, v16);
+  const v16 r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
+  v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
+  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  vi16 scale = (ki + 127) << 23;
+  v16 two_k;
+  __builtin_memcpy(&two_k, &scale, sizeof two_k);
+  return x < -87.f ? v16{} : p * two_k;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0
+  v16 acc = v16{};
+  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
+  return hsum16(acc);
+}
+
+// Attention of short query blocks over the slot KV cache, read in place (no gathered copy, no mask):
+// q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [slots, KV, max_len, hd] contiguous,
+// slots [B], pos [B, T]: query (b, t) sees keys 0..pos[b, t] of slot slots[b]; head h reads KV head
+// h / (H / KV). Every query is computed on its own, in the same order whatever B and T: a row's result
+// does not depend on its batch. -> [B, T, H * hd]. hd % 16 == 0, hd <= 256.
+torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
+                               torch::Tensor pos, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
+  const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV;
+  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && hd % 16 == 0 && hd <= 256
+              && H % KV == 0, "cached_attention: unsupported layout");
+  auto out = torch::empty({B, T, H * hd}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t *sp = slots.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  float* op = out.data_ptr<float>();
+  const float fscale = (float)scale;
+  at::parallel_for(0, B * H * T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(L + 16);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / (H * T), h = idx / T % H, t = idx % T;
+      const int64_t n = std::min(pp[b * T + t] + 1, L);
+      const float* query = qp + b * qs0 + h * qs1 + t * qs2;
+      const int64_t head = (sp[b] * KV + h / group) * L * hd;
+      const float *keys = kp + head, *values = vp + head;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = dot16(query, keys + j * hd, hd) * fscale;
+        m = scores[j] > m ? scores[j] : m;
+      }
+      for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) scores[j] = -INFINITY;
+      v16 total = v16{};
+      for (int64_t j = 0; j < n; j += 16) {
+        const v16 e = exp16(load16(scores.data() + j) - m);
+        __builtin_memcpy(scores.data() + j, &e, sizeof e);
+        total += e;
+      }
+      const float sum = hsum16(total);
+      v16 acc[16];
+      const int64_t blocks = hd / 16;
+      for (int64_t c = 0; c < blocks; ++c) acc[c] = v16{};
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = scores[j];
+        for (int64_t c = 0; c < blocks; ++c) acc[c] += load16(values + j * hd + 16 * c) * w;
+      }
+      float* o = op + (b * T + t) * H * hd + h * hd;
+      const float inv = 1.f / sum;
+      for (int64_t c = 0; c < blocks; ++c) {
+        const v16 y = acc[c] * inv;
+        __builtin_memcpy(o + 16 * c, &y, sizeof y);
+      }
+    }
+  });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear);
   m.def("argmax_rows", &argmax_rows);
+  m.def("cached_attention", &cached_attention);
 }
 """
 
@@ -256,6 +365,25 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def attends_in_place(cache: torch.Tensor, queries: int) -> bool:
+    """Whether `cached_attention` applies to a forward of `queries` tokens per row over this KV cache
+    [layers, slots, kv_heads, max_len, head_dim]: CPU, fp32, head_dim a multiple of 16 up to 256, at most
+    ATTENTION_MAX_QUERIES (decode and verify steps; prefill chunks go to SDPA)."""
+    return (cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.shape[-1] % 16 == 0
+            and cache.shape[-1] <= 256 and queries <= ATTENTION_MAX_QUERIES and enabled())
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention over one layer's cache, read in place: q [B, heads, T, hd], k_cache / v_cache
+    [slots, kv_heads, max_len, hd], slots [B], positions [B, T] (query (b, t) sees keys 0..positions[b, t]
+    of slot slots[b]; grouped heads share a KV head) -> [B, T, heads * hd], scale 1 / sqrt(hd). What SDPA
+    with the causal mask computes, within fp32 rounding (a degree-7 exp; every query on its own, so a
+    row's result does not depend on its batch). Call where `attends_in_place` holds."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return _kernels.module.cached_attention(q, k_cache, v_cache, slots, positions, q.shape[-1] ** -0.5)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

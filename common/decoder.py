@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.common.cpu_kernels import Linear, fused_linear
+from blockspec.common.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import ModelConfig
 
@@ -89,7 +89,11 @@ class Attention(nn.Module):
             qk = rms_norm(qk, torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(KV, -1)]),
                           cfg.rms_norm_eps)
         qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)  # [B, heads + kv_heads, T, hd]
-        keys, values = batch.write_and_read(layer, qk[:, H:], v.transpose(1, 2))
+        batch.write(layer, qk[:, H:], v.transpose(1, 2))
+        if batch.in_place:  # short queries on the CPU: one C++ call over the cache as it lies
+            return self.o_proj(cached_attention(qk[:, :H], batch.cache.k[layer], batch.cache.v[layer], batch.slots,
+                                                batch.positions))
+        keys, values = batch.read(layer)
         out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -133,12 +137,15 @@ class AttentionBatch:
         host_slots: list[int],  # slots as ints, and whether every row is real: known on the host,
         all_real: bool,  # so no device value is read back
     ) -> None:
-        self.cache, self.slots, self.key_len = cache, slots, key_len
+        self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
         self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
         self.sin = cos_sin[1][positions].unsqueeze(1)
+        # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
+        # gathered keys with a mask.
+        self.in_place = attends_in_place(cache.k, positions.shape[1])
         keys = torch.arange(key_len, device=positions.device)
-        self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, key_len]
+        self.mask = None if self.in_place else (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, key_len]
         # Where the real tokens' K/V go, worked out once for every layer.
         self.all_real = all_real
         self.rows = None if self.all_real else real.nonzero(as_tuple=True)  # (b, t) of each real token
@@ -150,12 +157,14 @@ class AttentionBatch:
         """x [B, T, ...] -> the real tokens' rows [N, ...], in the order of store_slots / store_pos."""
         return x.reshape(-1, *x.shape[2:]) if self.all_real else x[self.rows]
 
-    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache; return the keys and values
-        [B, kv_heads, key_len, hd] of each row's slot."""
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        for cache, new in ((kc, k), (vc, v)):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache."""
+        for cache, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             cache[self.store_slots, :, self.store_pos] = self.real_rows(new.transpose(1, 2))  # [N, kv_heads, hd]
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [B, kv_heads, key_len, hd] of each row's slot."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
         if self.slot0 is not None:
             s = self.slot0
             return kc[s : s + 1, :, : self.key_len], vc[s : s + 1, :, : self.key_len]

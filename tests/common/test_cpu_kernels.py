@@ -108,5 +108,42 @@ def test_argmax_rows_equals_torch_argmax():
     x[2, :] = 1.0
     x[3, 10], x[3, 20] = float("nan"), float("nan")  # NaN counts as the largest: the first NaN
     x[4, 4095] = float("inf")
+    x[5, :] = -0.0
+    x[5, 9] = 0.0  # -0.0 == 0.0: the first
+    x[6, :] = float("-inf")
+    x[6, 100] = -1e30
     assert cpu_kernels.argmax_rows(x) == x.argmax(dim=-1).tolist()
+    for width in (1, 7, 37):  # rows shorter than a vector, and a remainder after the vectors
+        assert cpu_kernels.argmax_rows(x[:, :width].contiguous()) == x[:, :width].argmax(dim=-1).tolist()
     assert cpu_kernels.argmax_rows(x[:, ::2]) == x[:, ::2].argmax(dim=-1).tolist()  # not contiguous
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(4, 2, 64), (8, 1, 128), (2, 2, 16)])
+@pytest.mark.parametrize("batch,queries", [(1, 1), (1, 8), (3, 5), (2, 17)])
+def test_cached_attention_matches_sdpa_with_the_causal_mask(heads, kv_heads, hd, batch, queries):
+    g = torch.Generator().manual_seed(batch * 100 + queries)
+    slots_total, max_len = 5, 300
+    kc, vc = torch.randn(slots_total, kv_heads, max_len, hd, generator=g), torch.randn(slots_total, kv_heads, max_len, hd, generator=g)
+    slots = torch.tensor([4, 0, 2][:batch])
+    positions = (torch.tensor([100, 0, 280][:batch])[:, None] + torch.arange(queries)).clamp(max=max_len - 1)
+    q = torch.randn(batch, heads, queries, hd, generator=g) * 3
+    out = cpu_kernels.cached_attention(q, kc, vc, slots, positions)
+    mask = (torch.arange(max_len)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+    ref = F.scaled_dot_product_attention(q, kc[slots], vc[slots], attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref.transpose(1, 2).reshape(batch, queries, -1), rtol=1e-5, atol=1e-5)
+    # A query's result does not depend on the others computed with it.
+    alone = cpu_kernels.cached_attention(q[-1:, :, -1:], kc, vc, slots[-1:], positions[-1:, -1:])
+    assert torch.equal(alone[0, 0], out[-1, -1])
+
+
+def test_cached_attention_applies_to_short_fp32_cpu_queries_only():
+    cache = torch.zeros(2, 3, 2, 64, 64)
+    assert cpu_kernels.attends_in_place(cache, 1) and cpu_kernels.attends_in_place(cache, cpu_kernels.ATTENTION_MAX_QUERIES)
+    assert not cpu_kernels.attends_in_place(cache, cpu_kernels.ATTENTION_MAX_QUERIES + 1)  # prefill chunks: SDPA
+    assert not cpu_kernels.attends_in_place(cache.bfloat16(), 1)
+    assert not cpu_kernels.attends_in_place(torch.zeros(2, 3, 2, 64, 72), 1)  # head_dim not a multiple of 16
+    cpu_kernels.set_enabled(False)
+    try:
+        assert not cpu_kernels.attends_in_place(cache, 1)
+    finally:
+        cpu_kernels.set_enabled(True)
