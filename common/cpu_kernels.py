@@ -170,62 +170,100 @@ static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0
-  v16 acc = v16{};
-  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
-  return hsum16(acc);
+// One KV head of one request: its nq = group x T queries (query i: head g * group + i / T, position
+// index i % T; q(i) its vector) against keys / values [L, hd] (BLK = hd / 16), query i seeing keys
+// 0..n[i] - 1. Scores, then each query's softmax, then the weighted values, in chunks of queries that
+// read each key or value row once for the chunk. The arithmetic of a query (its dot products, softmax
+// and weighted sum, in key order) is the same whatever the others.
+template <int BLK, typename Query, typename Out>
+static void attend_head(Query q, Out out, const float* keys, const float* values, const int64_t* n, int64_t nq,
+                        float* scores, int64_t row, float scale) {
+  constexpr int QC = BLK >= 16 ? 1 : 16 / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
+  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // scores: 4 queries at a time
+    const int64_t count = std::min<int64_t>(4, nq - i0);
+    int64_t reach = 0;
+    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
+    const float* qs[4];
+    for (int64_t i = 0; i < 4; ++i) qs[i] = q(i0 + std::min(i, count - 1));
+    for (int64_t j = 0; j < reach; ++j) {  // past a query's own n: computed, never read
+      const float* k = keys + j * BLK * 16;
+      v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
+      for (int c = 0; c < BLK; ++c) {
+        const v16 kv = load16(k + 16 * c);
+        for (int i = 0; i < 4; ++i) acc[i] += load16(qs[i] + 16 * c) * kv;
+      }
+      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsum16(acc[i]) * scale;
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {  // softmax numerators in place, each query's own
+    float* s = scores + i * row;
+    float m = s[0];
+    for (int64_t j = 1; j < n[i]; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = n[i]; j < (n[i] + 15) / 16 * 16; ++j) s[j] = -INFINITY;
+    v16 total = v16{};
+    for (int64_t j = 0; j < n[i]; j += 16) {
+      const v16 e = exp16(load16(s + j) - m);
+      __builtin_memcpy(s + j, &e, sizeof e);
+      total += e;
+    }
+    s[row - 1] = 1.f / hsum16(total);  // past every key: the normaliser
+  }
+  for (int64_t i0 = 0; i0 < nq; i0 += QC) {  // weighted values
+    const int64_t count = std::min<int64_t>(QC, nq - i0);
+    int64_t reach = 0;
+    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
+    v16 acc[QC][BLK];
+    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = v16{};
+    for (int64_t j = 0; j < reach; ++j) {
+      const float* v = values + j * BLK * 16;
+      for (int i = 0; i < QC; ++i) {
+        if (i >= count || j >= n[i0 + i]) continue;
+        const float w = scores[(i0 + i) * row + j];
+        for (int c = 0; c < BLK; ++c) acc[i][c] += load16(v + 16 * c) * w;
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const float inv = scores[(i0 + i) * row + row - 1];
+      float* o = out(i0 + i);
+      for (int c = 0; c < BLK; ++c) {
+        const v16 y = acc[i][c] * inv;
+        __builtin_memcpy(o + 16 * c, &y, sizeof y);
+      }
+    }
+  }
 }
 
 // Attention of short query blocks over the slot KV cache, read in place (no gathered copy, no mask):
 // q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [slots, KV, max_len, hd] contiguous,
 // slots [B], pos [B, T]: query (b, t) sees keys 0..pos[b, t] of slot slots[b]; head h reads KV head
-// h / (H / KV). Every query is computed on its own, in the same order whatever B and T: a row's result
-// does not depend on its batch. -> [B, T, H * hd]. hd % 16 == 0, hd <= 256.
+// h / (H / KV). Each query is computed on its own terms (attend_head): a row's result does not depend on
+// its batch. -> [B, T, H * hd]. hd one of 16, 32, 64, 128, 256.
 torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
                                torch::Tensor pos, double scale) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
-  const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV;
-  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && hd % 16 == 0 && hd <= 256
-              && H % KV == 0, "cached_attention: unsupported layout");
+  const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV, nq = group * T;
+  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0
+              && (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256), "cached_attention: unsupported layout");
   auto out = torch::empty({B, T, H * hd}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t *sp = slots.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), row = L + 16;
   float* op = out.data_ptr<float>();
-  const float fscale = (float)scale;
-  at::parallel_for(0, B * H * T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(L + 16);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / (H * T), h = idx / T % H, t = idx % T;
-      const int64_t n = std::min(pp[b * T + t] + 1, L);
-      const float* query = qp + b * qs0 + h * qs1 + t * qs2;
-      const int64_t head = (sp[b] * KV + h / group) * L * hd;
+  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(nq * row);
+    std::vector<int64_t> n(nq);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KV, g = task % KV, head = (sp[b] * KV + g) * L * hd;
+      for (int64_t i = 0; i < nq; ++i) n[i] = std::min(pp[b * T + i % T] + 1, L);
+      auto query = [&](int64_t i) { return qp + b * qs0 + (g * group + i / T) * qs1 + (i % T) * qs2; };
+      auto output = [&](int64_t i) { return op + (b * T + i % T) * H * hd + (g * group + i / T) * hd; };
       const float *keys = kp + head, *values = vp + head;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[j] = dot16(query, keys + j * hd, hd) * fscale;
-        m = scores[j] > m ? scores[j] : m;
-      }
-      for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) scores[j] = -INFINITY;
-      v16 total = v16{};
-      for (int64_t j = 0; j < n; j += 16) {
-        const v16 e = exp16(load16(scores.data() + j) - m);
-        __builtin_memcpy(scores.data() + j, &e, sizeof e);
-        total += e;
-      }
-      const float sum = hsum16(total);
-      v16 acc[16];
-      const int64_t blocks = hd / 16;
-      for (int64_t c = 0; c < blocks; ++c) acc[c] = v16{};
-      for (int64_t j = 0; j < n; ++j) {
-        const float w = scores[j];
-        for (int64_t c = 0; c < blocks; ++c) acc[c] += load16(values + j * hd + 16 * c) * w;
-      }
-      float* o = op + (b * T + t) * H * hd + h * hd;
-      const float inv = 1.f / sum;
-      for (int64_t c = 0; c < blocks; ++c) {
-        const v16 y = acc[c] * inv;
-        __builtin_memcpy(o + 16 * c, &y, sizeof y);
+      switch (hd) {
+        case 16: attend_head<1>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
+        case 32: attend_head<2>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
+        case 64: attend_head<4>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
+        case 128: attend_head<8>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
+        default: attend_head<16>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
       }
     }
   });
@@ -369,10 +407,10 @@ class Linear(nn.Linear):
 
 def attends_in_place(cache: torch.Tensor, queries: int) -> bool:
     """Whether `cached_attention` applies to a forward of `queries` tokens per row over this KV cache
-    [layers, slots, kv_heads, max_len, head_dim]: CPU, fp32, head_dim a multiple of 16 up to 256, at most
+    [layers, slots, kv_heads, max_len, head_dim]: CPU, fp32, head_dim 16, 32, 64, 128 or 256, at most
     ATTENTION_MAX_QUERIES (decode and verify steps; prefill chunks go to SDPA)."""
-    return (cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.shape[-1] % 16 == 0
-            and cache.shape[-1] <= 256 and queries <= ATTENTION_MAX_QUERIES and enabled())
+    return (cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.shape[-1] in (16, 32, 64, 128, 256)
+            and queries <= ATTENTION_MAX_QUERIES and enabled())
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

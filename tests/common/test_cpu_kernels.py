@@ -118,7 +118,7 @@ def test_argmax_rows_equals_torch_argmax():
     assert cpu_kernels.argmax_rows(x[:, ::2]) == x[:, ::2].argmax(dim=-1).tolist()  # not contiguous
 
 
-@pytest.mark.parametrize("heads,kv_heads,hd", [(4, 2, 64), (8, 1, 128), (2, 2, 16)])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(4, 2, 64), (8, 1, 128), (2, 2, 16), (2, 1, 256)])
 @pytest.mark.parametrize("batch,queries", [(1, 1), (1, 8), (3, 5), (2, 17)])
 def test_cached_attention_matches_sdpa_with_the_causal_mask(heads, kv_heads, hd, batch, queries):
     g = torch.Generator().manual_seed(batch * 100 + queries)
@@ -141,7 +141,7 @@ def test_cached_attention_applies_to_short_fp32_cpu_queries_only():
     assert cpu_kernels.attends_in_place(cache, 1) and cpu_kernels.attends_in_place(cache, cpu_kernels.ATTENTION_MAX_QUERIES)
     assert not cpu_kernels.attends_in_place(cache, cpu_kernels.ATTENTION_MAX_QUERIES + 1)  # prefill chunks: SDPA
     assert not cpu_kernels.attends_in_place(cache.bfloat16(), 1)
-    assert not cpu_kernels.attends_in_place(torch.zeros(2, 3, 2, 64, 72), 1)  # head_dim not a multiple of 16
+    assert not cpu_kernels.attends_in_place(torch.zeros(2, 3, 2, 64, 80), 1)  # head_dim not one the kernel has
     cpu_kernels.set_enabled(False)
     try:
         assert not cpu_kernels.attends_in_place(cache, 1)
