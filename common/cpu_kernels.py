@@ -49,6 +49,7 @@ ENV_BUDGET = "BLOCKSPEC_CPU_KERNELS_MAX_MB"  # packed copies per process, MiB (d
 PANEL_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cmath>
 #include <vector>
 
 typedef float v16 __attribute__((vector_size(64)));  // lowered to what the CPU has (AVX-512, AVX2, SSE)
@@ -103,6 +104,118 @@ static void linear_into(const float* xp, int64_t N, int64_t I, const torch::Tens
     for (int64_t p = begin; p < end; ++p) panel(xp, wp + p * I * 64, yp, N, I, O, p * 64);
   });
 }
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// exp(x) for a vector of x <= 0 (scores less their maximum): x = k ln 2 + r with |r| <= ln 2 / 2, e^r
+// from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
+// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
+static inline v16 exp16(v16 x) {
+  const v16 k = x * 1.44269504088896341f;
+  vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
+  const v16 kf = __builtin_convertvector(ki, v16);
+  const v16 r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
+  v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
+  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  vi16 scale = (ki + 127) << 23;
+  v16 two_k;
+  __builtin_memcpy(&two_k, &scale, sizeof two_k);
+  return x < -87.f ? v16{} : p * two_k;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0
+  v16 acc = v16{};
+  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
+  return hsum16(acc);
+}
+
+// Attention of nq queries sharing one KV head: q(i) the vector of query i, key(j) / value(j) the rows of
+// key j (hd = 16 BLK floats each), query i seeing keys 0..n[i] - 1, out(i) where its result goes.
+// Scores, then each query's softmax, then the weighted values, in chunks of queries that read each key
+// or value row once for the chunk. The arithmetic of a query (its dot products, softmax and weighted
+// sum, in key order) is the same whatever the others: a row's result does not depend on its batch.
+// scores: nq x row floats of scratch, row >= max n + 16.
+template <int BLK, typename Query, typename Key, typename Value, typename Out>
+static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n, int64_t nq, float* scores,
+                        int64_t row, float scale) {
+  constexpr int QC = BLK >= 16 ? 1 : 16 / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
+  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // scores: 4 queries at a time
+    const int64_t count = std::min<int64_t>(4, nq - i0);
+    int64_t reach = 0;
+    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
+    const float* qs[4];
+    for (int64_t i = 0; i < 4; ++i) qs[i] = q(i0 + std::min(i, count - 1));
+    for (int64_t j = 0; j < reach; ++j) {  // past a query's own n: computed, never read
+      const float* k = key(j);
+      v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
+      for (int c = 0; c < BLK; ++c) {
+        const v16 kv = load16(k + 16 * c);
+        for (int i = 0; i < 4; ++i) acc[i] += load16(qs[i] + 16 * c) * kv;
+      }
+      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsum16(acc[i]) * scale;
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {  // softmax numerators in place, each query's own
+    float* s = scores + i * row;
+    float m = s[0];
+    for (int64_t j = 1; j < n[i]; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = n[i]; j < (n[i] + 15) / 16 * 16; ++j) s[j] = -INFINITY;
+    v16 total = v16{};
+    for (int64_t j = 0; j < n[i]; j += 16) {
+      const v16 e = exp16(load16(s + j) - m);
+      __builtin_memcpy(s + j, &e, sizeof e);
+      total += e;
+    }
+    s[row - 1] = 1.f / hsum16(total);  // past every key: the normaliser
+  }
+  for (int64_t i0 = 0; i0 < nq; i0 += QC) {  // weighted values
+    const int64_t count = std::min<int64_t>(QC, nq - i0);
+    int64_t reach = 0;
+    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
+    v16 acc[QC][BLK];
+    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = v16{};
+    for (int64_t j = 0; j < reach; ++j) {
+      const float* v = value(j);
+      for (int i = 0; i < QC; ++i) {
+        if (i >= count || j >= n[i0 + i]) continue;
+        const float w = scores[(i0 + i) * row + j];
+        for (int c = 0; c < BLK; ++c) acc[i][c] += load16(v + 16 * c) * w;
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const float inv = scores[(i0 + i) * row + row - 1];
+      float* o = out(i0 + i);
+      for (int c = 0; c < BLK; ++c) {
+        const v16 y = acc[i][c] * inv;
+        __builtin_memcpy(o + 16 * c, &y, sizeof y);
+      }
+    }
+  }
+}
+
+// attend_head for a head size known at run time: 16, 32, 64, 128 or 256.
+template <typename... A>
+static void attend_head_hd(int64_t hd, A&&... a) {
+  switch (hd) {
+    case 16: attend_head<1>(a...); break;
+    case 32: attend_head<2>(a...); break;
+    case 64: attend_head<4>(a...); break;
+    case 128: attend_head<8>(a...); break;
+    default: TORCH_CHECK(hd == 256, "attention: head size ", hd, " unsupported"); attend_head<16>(a...);
+  }
+}
+
+static constexpr int64_t ATTEND_CHUNK = 16;  // queries per parallel task (a KV head's queries split in such chunks)
 """
 
 _SOURCE = PANEL_SOURCE + r"""
@@ -111,8 +224,6 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   linear_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
   return y;
 }
-
-typedef int32_t vi16 __attribute__((vector_size(64)));
 
 // The index of each row's largest value (the first among equals; a NaN counts as the largest, as in
 // torch.argmax); x [N, V] contiguous fp32. One vector pass finds the maximum and whether the row has a
@@ -144,127 +255,34 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// exp(x) for a vector of x <= 0 (scores less their maximum): x = k ln 2 + r with |r| <= ln 2 / 2, e^r
-// from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
-// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
-static inline v16 exp16(v16 x) {
-  const v16 k = x * 1.44269504088896341f;
-  vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
-  const v16 kf = __builtin_convertvector(ki, v16);
-  const v16 r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
-  v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
-  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
-  vi16 scale = (ki + 127) << 23;
-  v16 two_k;
-  __builtin_memcpy(&two_k, &scale, sizeof two_k);
-  return x < -87.f ? v16{} : p * two_k;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// One KV head of one request: its nq = group x T queries (query i: head g * group + i / T, position
-// index i % T; q(i) its vector) against keys / values [L, hd] (BLK = hd / 16), query i seeing keys
-// 0..n[i] - 1. Scores, then each query's softmax, then the weighted values, in chunks of queries that
-// read each key or value row once for the chunk. The arithmetic of a query (its dot products, softmax
-// and weighted sum, in key order) is the same whatever the others.
-template <int BLK, typename Query, typename Out>
-static void attend_head(Query q, Out out, const float* keys, const float* values, const int64_t* n, int64_t nq,
-                        float* scores, int64_t row, float scale) {
-  constexpr int QC = BLK >= 16 ? 1 : 16 / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
-  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // scores: 4 queries at a time
-    const int64_t count = std::min<int64_t>(4, nq - i0);
-    int64_t reach = 0;
-    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
-    const float* qs[4];
-    for (int64_t i = 0; i < 4; ++i) qs[i] = q(i0 + std::min(i, count - 1));
-    for (int64_t j = 0; j < reach; ++j) {  // past a query's own n: computed, never read
-      const float* k = keys + j * BLK * 16;
-      v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
-      for (int c = 0; c < BLK; ++c) {
-        const v16 kv = load16(k + 16 * c);
-        for (int i = 0; i < 4; ++i) acc[i] += load16(qs[i] + 16 * c) * kv;
-      }
-      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsum16(acc[i]) * scale;
-    }
-  }
-  for (int64_t i = 0; i < nq; ++i) {  // softmax numerators in place, each query's own
-    float* s = scores + i * row;
-    float m = s[0];
-    for (int64_t j = 1; j < n[i]; ++j) m = s[j] > m ? s[j] : m;
-    for (int64_t j = n[i]; j < (n[i] + 15) / 16 * 16; ++j) s[j] = -INFINITY;
-    v16 total = v16{};
-    for (int64_t j = 0; j < n[i]; j += 16) {
-      const v16 e = exp16(load16(s + j) - m);
-      __builtin_memcpy(s + j, &e, sizeof e);
-      total += e;
-    }
-    s[row - 1] = 1.f / hsum16(total);  // past every key: the normaliser
-  }
-  for (int64_t i0 = 0; i0 < nq; i0 += QC) {  // weighted values
-    const int64_t count = std::min<int64_t>(QC, nq - i0);
-    int64_t reach = 0;
-    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
-    v16 acc[QC][BLK];
-    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = v16{};
-    for (int64_t j = 0; j < reach; ++j) {
-      const float* v = values + j * BLK * 16;
-      for (int i = 0; i < QC; ++i) {
-        if (i >= count || j >= n[i0 + i]) continue;
-        const float w = scores[(i0 + i) * row + j];
-        for (int c = 0; c < BLK; ++c) acc[i][c] += load16(v + 16 * c) * w;
-      }
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const float inv = scores[(i0 + i) * row + row - 1];
-      float* o = out(i0 + i);
-      for (int c = 0; c < BLK; ++c) {
-        const v16 y = acc[i][c] * inv;
-        __builtin_memcpy(o + 16 * c, &y, sizeof y);
-      }
-    }
-  }
-}
-
 // Attention of short query blocks over the slot KV cache, read in place (no gathered copy, no mask):
 // q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [slots, KV, max_len, hd] contiguous,
 // slots [B], pos [B, T]: query (b, t) sees keys 0..pos[b, t] of slot slots[b]; head h reads KV head
-// h / (H / KV). Each query is computed on its own terms (attend_head): a row's result does not depend on
-// its batch. -> [B, T, H * hd]. hd one of 16, 32, 64, 128, 256.
+// h / (H / KV). -> [B, T, H * hd]. Tasks: chunks of a KV head's group x T queries (attend_head).
 torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
                                torch::Tensor pos, double scale) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
   const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV, nq = group * T;
-  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0
-              && (hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256), "cached_attention: unsupported layout");
+  const int64_t chunks = (nq + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0, "cached_attention: unsupported layout");
   auto out = torch::empty({B, T, H * hd}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t *sp = slots.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), row = L + 16;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(nq * row);
-    std::vector<int64_t> n(nq);
+  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(ATTEND_CHUNK * row);
+    int64_t n[ATTEND_CHUNK];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KV, g = task % KV, head = (sp[b] * KV + g) * L * hd;
-      for (int64_t i = 0; i < nq; ++i) n[i] = std::min(pp[b * T + i % T] + 1, L);
-      auto query = [&](int64_t i) { return qp + b * qs0 + (g * group + i / T) * qs1 + (i % T) * qs2; };
-      auto output = [&](int64_t i) { return op + (b * T + i % T) * H * hd + (g * group + i / T) * hd; };
-      const float *keys = kp + head, *values = vp + head;
-      switch (hd) {
-        case 16: attend_head<1>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
-        case 32: attend_head<2>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
-        case 64: attend_head<4>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
-        case 128: attend_head<8>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
-        default: attend_head<16>(query, output, keys, values, n.data(), nq, scores.data(), row, (float)scale); break;
-      }
+      const int64_t b = task / (KV * chunks), g = task / chunks % KV, first = task % chunks * ATTEND_CHUNK;
+      const int64_t count = std::min(ATTEND_CHUNK, nq - first), head = (sp[b] * KV + g) * L * hd;
+      // Query first + i of the KV head: head g * group + (first + i) / T, position index (first + i) % T.
+      for (int64_t i = 0; i < count; ++i) n[i] = std::min(pp[b * T + (first + i) % T] + 1, L);
+      auto query = [&](int64_t i) { return qp + b * qs0 + (g * group + (first + i) / T) * qs1 + (first + i) % T * qs2; };
+      auto output = [&](int64_t i) { return op + (b * T + (first + i) % T) * H * hd + (g * group + (first + i) / T) * hd; };
+      auto key = [&](int64_t j) { return kp + head + j * hd; };
+      auto value = [&](int64_t j) { return vp + head + j * hd; };
+      attend_head_hd(hd, query, key, value, output, n, count, scores.data(), row, (float)scale);
     }
   });
   return out;

@@ -4,20 +4,6 @@
 #include <vector>
 #include <immintrin.h>
 
-static inline float hsum(v16 v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s;
-#endif
-}
-
-static inline float dot(const float* a, const float* b, int64_t n) {  // n % 16 == 0
-  v16 acc = v16{};
-  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
-  return hsum(acc);
-}
-
 // A projection: packed [O / 64, I, 64] through the kernel, or (an output count that is not whole panels)
 // the plain weight [O, I] row by row. I % 16 == 0.
 static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w, float* y) {
@@ -25,14 +11,14 @@ static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w
   const int64_t O = w.size(0);
   const float* wp = w.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t o = 0; o < O; ++o) y[n * O + o] = dot(x + n * I, wp + o * I, I);
+    for (int64_t o = 0; o < O; ++o) y[n * O + o] = dot16(x + n * I, wp + o * I, I);
 }
 
 // y = w * x / sqrt(mean(x^2) + eps), row by row (D % 16 == 0); y may be x.
 static void rms_rows(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * D;
-    const float inv = 1.0f / std::sqrt(dot(xr, xr, D) / D + eps);
+    const float inv = 1.0f / std::sqrt(dot16(xr, xr, D) / D + eps);
     float* yr = y + n * D;
     for (int64_t d = 0; d < D; ++d) yr[d] = w[d] * (xr[d] * inv);
   }
@@ -67,39 +53,29 @@ struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sub
 
 // Attention of each block row to its request's first lens[r] cached positions (layer l, read in place)
 // and to the whole block; qkv [R * B, (heads + 2 kv_heads) hd] normed and rotated -> att [R * B, heads hd].
+// Tasks: chunks of a KV head's heads-per-kv x B queries (attend_head), each seeing lens[r] + B keys.
 static void attend(const float* qkv, float* att, int64_t R, int64_t B, int64_t l, const torch::Tensor& kc,
                    const torch::Tensor& vc, const int64_t* slots, const int64_t* lens, int64_t heads, int64_t kv_heads,
                    int64_t hd) {
   const int64_t S = kc.size(1), M = kc.size(3), QKV = (heads + 2 * kv_heads) * hd, per_kv = heads / kv_heads;
+  const int64_t nq = per_kv * B, chunks = (nq + ATTEND_CHUNK - 1) / ATTEND_CHUNK, row = M + B + 16;
   const float scale = 1.0f / std::sqrt(float(hd));
-  at::parallel_for(0, R * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p;
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / heads, h = rh % heads, g = h / per_kv, C = lens[r];
+  at::parallel_for(0, R * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(ATTEND_CHUNK * row);
+    int64_t n[ATTEND_CHUNK];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / (kv_heads * chunks), g = task / chunks % kv_heads, first = task % chunks * ATTEND_CHUNK;
+      const int64_t count = std::min(ATTEND_CHUNK, nq - first), C = lens[r];
       const int64_t base = (((l * S + slots[r]) * kv_heads + g) * M) * hd;
       const float* kctx = kc.data_ptr<float>() + base;
       const float* vctx = vc.data_ptr<float>() + base;
-      p.resize(C + B);
-      for (int64_t t = 0; t < B; ++t) {
-        const float* q = qkv + (r * B + t) * QKV + h * hd;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < C + B; ++j) {
-          const float* k = j < C ? kctx + j * hd : qkv + (r * B + j - C) * QKV + (heads + g) * hd;
-          p[j] = dot(q, k, hd) * scale;
-          mx = p[j] > mx ? p[j] : mx;
-        }
-        float total = 0.f;
-        for (int64_t j = 0; j < C + B; ++j) total += (p[j] = std::exp(p[j] - mx));
-        v16 acc[64];
-        const int64_t nv = hd / 16;
-        for (int64_t c = 0; c < nv; ++c) acc[c] = v16{};
-        for (int64_t j = 0; j < C + B; ++j) {
-          const float* v = j < C ? vctx + j * hd : qkv + (r * B + j - C) * QKV + (heads + kv_heads + g) * hd;
-          for (int64_t c = 0; c < nv; ++c) acc[c] += load16(v + 16 * c) * p[j];
-        }
-        float* o = att + (r * B + t) * heads * hd + h * hd;
-        for (int64_t c = 0; c < nv; ++c) { v16 y = acc[c] / total; __builtin_memcpy(o + 16 * c, &y, sizeof y); }
-      }
+      for (int64_t i = 0; i < count; ++i) n[i] = C + B;
+      // Query first + i: head g * per_kv + (first + i) / B, block row (first + i) % B.
+      auto query = [&](int64_t i) { return qkv + (r * B + (first + i) % B) * QKV + (g * per_kv + (first + i) / B) * hd; };
+      auto output = [&](int64_t i) { return att + (r * B + (first + i) % B) * heads * hd + (g * per_kv + (first + i) / B) * hd; };
+      auto key = [&](int64_t j) { return j < C ? kctx + j * hd : qkv + (r * B + j - C) * QKV + (heads + g) * hd; };
+      auto value = [&](int64_t j) { return j < C ? vctx + j * hd : qkv + (r * B + j - C) * QKV + (heads + kv_heads + g) * hd; };
+      attend_head_hd(hd, query, key, value, output, n, count, scores.data(), row, scale);
     }
   });
 }
@@ -230,7 +206,7 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
         val[at] = lg[v]; idx[at] = v;
       }
       const float* h = hp + (r * S + t) * H;
-      for (int64_t j = 0; j < rank; ++j) q[j] = ap[prev * rank + j] * dot(h, pw + j * H, H);
+      for (int64_t j = 0; j < rank; ++j) q[j] = ap[prev * rank + j] * dot16(h, pw + j * H, H);
       int64_t best = 0;
       float best_score = -INFINITY;
       for (int64_t b = 0; b < n; ++b) {

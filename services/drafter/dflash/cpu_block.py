@@ -15,14 +15,14 @@ C++ is `cpu_block.cpp`, built on first use like `common/cpu_kernels.py`):
 * `propose`: a whole greedy proposal in one call: the missing context, the block of every request, the
   LM head over the draft slots and the walk.
 
-Linear layers use the packed small-batch kernel of `common.cpu_kernels`; everything else is plain
-loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
+Linear layers use the packed small-batch kernel of `common.cpu_kernels`, attention its `attend_head`;
+everything else is plain loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
 order. A proposal only decides what the target verifies, so this changes speed, never the output.
 
-Scope: fp32, CPU, inference, head_dim, hidden and intermediate sizes multiples of 16. Projections
-whose output count is not whole panels of 64 run as plain dot products. Elsewhere (training, GPU,
-bf16, sampling, a kernel that cannot be built or is switched off) the proposer runs the torch module;
-`tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
+Scope: fp32, CPU, inference, head_dim 16, 32, 64, 128 or 256, hidden and intermediate sizes multiples
+of 16. Projections whose output count is not whole panels of 64 run as plain dot products. Elsewhere
+(training, GPU, bf16, sampling, a kernel that cannot be built or is switched off) the proposer runs the
+torch module; `tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class CpuDrafter:
         self._params = list(model.parameters())
         self.usable = (
             _extension.get() is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self._params)
-            and cfg.head_dim % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.head_dim <= 1024
+            and cfg.head_dim in (16, 32, 64, 128, 256) and cfg.hidden_size % 16 == 0
             and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.intermediate_size % 16 == 0
         )
         self._prepared_for: tuple | None = None
