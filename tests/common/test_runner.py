@@ -103,3 +103,23 @@ def test_measure_reports_zero_mismatches_in_invariant_mode(variant_dirs, prompts
     ck = load_checkpoint(variant_dirs[1])
     report = measure(ck, [prompts[-1]], ks=(3,), invariant=True, stride=32)
     assert report.positions > 0 and report.argmax_mismatches == 0 and report.max_abs_diff == 0.0
+
+
+def test_decode_and_verify_attend_in_place_and_long_prefill_chunks_use_sdpa(variant_dirs, monkeypatch):
+    """On the CPU, forwards of at most ATTENTION_MAX_QUERIES tokens per row read the KV cache in place
+    (no SDPA call); longer prefill chunks go to SDPA. Both give the logits transformers gives (above)."""
+    from blockspec.common import cpu_kernels, decoder
+
+    if not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels could not be built here")
+    calls = []
+    sdpa = decoder.F.scaled_dot_product_attention
+    monkeypatch.setattr(decoder.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    runner = Runner(load_checkpoint(variant_dirs[2]), num_slots=2, max_len=256)
+    a, b = runner.cache.allocate(), runner.cache.allocate()
+    runner.forward([Segment(a, list(range(3, 3 + cpu_kernels.ATTENTION_MAX_QUERIES + 1)))])
+    assert calls  # a long prefill chunk
+    calls.clear()
+    runner.forward([Segment(a, [5]), Segment(b, list(range(7, 15)))])  # a decode and an 8-token prefill
+    runner.forward([Segment(a, [5, 6, 7, 8]), Segment(b, [9])])  # a verify and a decode
+    assert not calls
