@@ -89,17 +89,23 @@ def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]
 @torch.inference_mode()
 def tap_features(runner: Runner, sequences: Sequence[Sequence[int]], batch: int = 8,
                  dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Target tap features [len, n_taps * H] of every position of every sequence, stored as `dtype` batch
-    by batch (a large run never holds every feature in fp32 at once: 32k sequences of 192 tokens would be
-    19 GB)."""
-    out = []
+    """Target tap features [len, n_taps * H] of every position of every sequence: views of one tensor of
+    `dtype`, filled batch by batch. (Per-batch fp32 results kept until the end held 32k sequences of 192
+    tokens in 19 GB, and per-sequence copies fragmented the heap past this machine's 24 GB.)"""
+    lengths = [len(seq) for seq in sequences]
+    width = len(runner.tap_layers) * runner.config.hidden_size
+    store = torch.empty(sum(lengths), width, dtype=dtype)
+    offset = 0
     for i in range(0, len(sequences), batch):
         chunk = sequences[i : i + batch]
         slots = [runner.cache.allocate() for _ in chunk]
-        out.extend(t.to(dtype, copy=True) for t in runner.forward([Segment(s, list(seq)) for s, seq in zip(slots, chunk)]).taps)
+        # last_only: the LM head over one row per sequence; the taps cover every row.
+        rows = runner.forward([Segment(s, list(seq), last_only=True) for s, seq in zip(slots, chunk)]).tap_rows
+        store[offset : offset + len(rows)] = rows
+        offset += len(rows)
         for s in slots:
             runner.cache.release(s)
-    return out
+    return list(store.split(lengths))
 
 
 class _Batcher:
