@@ -426,9 +426,9 @@ class Linear(nn.Linear):
 def attends_in_place(cache: torch.Tensor, queries: int) -> bool:
     """Whether `cached_attention` applies to a forward of `queries` tokens per row over this KV cache
     [layers, slots, kv_heads, max_len, head_dim]: CPU, fp32, head_dim 16, 32, 64, 128 or 256, at most
-    ATTENTION_MAX_QUERIES (decode and verify steps; prefill chunks go to SDPA)."""
+    ATTENTION_MAX_QUERIES (decode and verify steps; prefill chunks go to SDPA), inference (no autograd)."""
     return (cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.shape[-1] in (16, 32, 64, 128, 256)
-            and queries <= ATTENTION_MAX_QUERIES and enabled())
+            and queries <= ATTENTION_MAX_QUERIES and not torch.is_grad_enabled() and enabled())
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

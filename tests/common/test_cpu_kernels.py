@@ -136,11 +136,14 @@ def test_cached_attention_matches_sdpa_with_the_causal_mask(heads, kv_heads, hd,
     assert torch.equal(alone[0, 0], out[-1, -1])
 
 
+@torch.no_grad()
 def test_cached_attention_applies_to_short_fp32_cpu_queries_only():
     cache = torch.zeros(2, 3, 2, 64, 64)
     assert cpu_kernels.attends_in_place(cache, 1) and cpu_kernels.attends_in_place(cache, cpu_kernels.ATTENTION_MAX_QUERIES)
     assert not cpu_kernels.attends_in_place(cache, cpu_kernels.ATTENTION_MAX_QUERIES + 1)  # prefill chunks: SDPA
     assert not cpu_kernels.attends_in_place(cache.bfloat16(), 1)
+    with torch.enable_grad():
+        assert not cpu_kernels.attends_in_place(cache, 1)  # no autograd through the kernel
     assert not cpu_kernels.attends_in_place(torch.zeros(2, 3, 2, 64, 80), 1)  # head_dim not one the kernel has
     cpu_kernels.set_enabled(False)
     try:
