@@ -111,17 +111,19 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 // from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
 // exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
 static inline v16 exp16(v16 x) {
-  const v16 k = x * 1.44269504088896341f;
+  const v16 floor = v16{} - 87.f;
+  const v16 xc = x < floor ? floor : x;  // keeps the int conversion below in range (-inf included)
+  const v16 k = xc * 1.44269504088896341f;
   vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
   const v16 kf = __builtin_convertvector(ki, v16);
-  const v16 r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
+  const v16 r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
   v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
   p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
   vi16 scale = (ki + 127) << 23;
   v16 two_k;
   __builtin_memcpy(&two_k, &scale, sizeof two_k);
-  return x < -87.f ? v16{} : p * two_k;
+  return x < floor ? v16{} : p * two_k;
 }
 
 typedef float v8 __attribute__((vector_size(32)));
