@@ -120,6 +120,8 @@ BASE_DISTILL = DistillConfig(steps=8000, intermediate_size=512, selector_rank=8,
 BASE_SUPERVISION = 8192  # prompts whose greedy continuations supervise the shipped drafter (per prompt seed)
 # Stage 2: warm start from stage 1, twice the supervision (prompt seeds 0 and 1), a lower learning rate.
 BASE_REFINE = replace(BASE_DISTILL, lr=1e-3, warmup_steps=50, seed=1, feature_dtype="float16")
+# Stage 3: warm start from stage 2, four times the supervision (prompt seeds 0-3), half its learning rate.
+BASE_STAGE3 = replace(BASE_REFINE, lr=5e-4, seed=2)
 
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
@@ -135,6 +137,8 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128, BASE_DISTILL)
     distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128,
             replace(BASE_REFINE, init_from=str(paths.drafter)), prompt_seeds=(0, 1))
+    distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128,
+            replace(BASE_STAGE3, init_from=str(paths.drafter)), prompt_seeds=(0, 1, 2, 3))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
