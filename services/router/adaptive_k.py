@@ -7,10 +7,7 @@ towards those while it is not drafting.
 
 Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1] + overhead(B).
 * verify comes from a table the verifier measured before serving (`Verifier.measure_step_costs`), scaled
-  by an EWMA of observed / table time (how fast the machine runs now against calibration), one for
-  plain steps and one for drafting steps: a drafting step's verify runs after a drafter pass and its
-  cache traffic, slower against the table than a plain step's, and one factor learned from drafting
-  steps alone made plain decoding look that much slower too;
+  by an EWMA of observed / table time (how fast the machine runs now against calibration);
 * draft is an EWMA of the drafter's observed time per (batch size, width);
 * overhead is an EWMA of the rest of a step (the loop, the commit, the caller).
 
@@ -18,9 +15,7 @@ The verify forward pads every request to the widest one, so a step has one width
 W = 1 .. max + 1 and gives each request min(W - 1, its own k). A width above 1 must beat plain
 decoding's estimated rate by DRAFT_MARGIN, a hedge against the estimates' error. W = 1 is plain decoding: no drafter
 call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh,
-unless drafting is estimated far from paying (a probe step costs a drafter call and its catch-up). A
-batch that drafts runs one plain step first and then one every PROBE_EVERY steps, to keep the plain
-factor fresh (about 1% of the tokens of a batch for which drafting pays 3x).
+unless drafting is estimated far from paying (a probe step costs a drafter call and its catch-up).
 """
 
 from __future__ import annotations
@@ -99,8 +94,7 @@ class AdaptiveK:
     def __init__(self, costs: StepCosts) -> None:
         self.costs = costs
         self.steps = 0
-        self.speed: dict[bool, float] = {}  # drafting (width > 1)? -> observed verify time / table time (EWMA)
-        self.steps_drafting = 0  # consecutive drafting steps chosen since the last plain one
+        self.speed: float | None = None  # observed verify time / table time (EWMA)
         self.draft_s: dict[tuple[int, int], float] = {}  # (batch, width) -> drafter seconds (EWMA)
         self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
         self.steps_at_one = 0  # consecutive steps at width 1
@@ -115,8 +109,7 @@ class AdaptiveK:
     def observe_step(self, batch: int, width: int, verify_s: float, draft_s: float, overhead_s: float | None) -> None:
         """One finished step: `width` is the widest row verified; overhead None when unknown (first step)."""
         self.steps += 1
-        drafting = width > 1
-        self.speed[drafting] = _ewma(self.speed.get(drafting), verify_s / max(self.costs.verify_s(batch, width), 1e-9))
+        self.speed = _ewma(self.speed, verify_s / max(self.costs.verify_s(batch, width), 1e-9))
         if width > 1:
             self.draft_s[batch, width] = _ewma(self.draft_s.get((batch, width)), draft_s)
         if overhead_s is not None:
@@ -132,10 +125,7 @@ class AdaptiveK:
         return self.draft_s[b, w] * batch / b
 
     def step_seconds(self, batch: int, width: int) -> float:
-        # The factor of this kind of step, else the other kind's (a machine slower than at calibration is
-        # slower for both), else the table as measured.
-        speed = self.speed.get(width > 1, self.speed.get(width == 1, 1.0))
-        verify = self.costs.verify_s(batch, width) * speed
+        verify = self.costs.verify_s(batch, width) * (self.speed or 1.0)
         draft = self._draft_estimate(batch, width) if width > 1 else 0.0
         overhead = self.overhead_s.get(batch, min(self.overhead_s.values(), default=0.0))
         return verify + draft + overhead
@@ -160,9 +150,5 @@ class AdaptiveK:
         # Held at plain decoding, probe now and then, only where drafting is estimated close to paying.
         if self.steps_at_one > PROBE_EVERY and drafting_rate >= PROBE_MARGIN * plain_rate:
             best, self.steps_at_one = 2, 0
-        # Drafting: a plain step first and every PROBE_EVERY steps, to time plain decoding as it runs now.
-        if best > 1 and (False not in self.speed or self.steps_drafting >= PROBE_EVERY):
-            best = 1
-        self.steps_drafting = self.steps_drafting + 1 if best > 1 else 0
         self.last_width = best
         return [min(best - 1, k) for _, k in requests]
