@@ -3,8 +3,8 @@
 Decoding is a matrix-vector product per layer, a verify step a product with k + 1 rows. On the 2-core
 VM this project is measured on, MKL's fp32 product over the default target's 17 MB of weights takes
 1.55 ms with one row and 1.9 ms with six, where a plain read of the same bytes takes 0.37 ms. The
-kernel below takes 0.49 ms / 1.2 ms (`tests/common/test_cpu_kernels.py` checks its results). It stays
-ahead of MKL up to 256 rows on the default target's shapes (a batched verify at concurrency 16 has
+kernel (`cpu_shared.cpp`) takes 0.49 ms / 1.2 ms (`tests/common/test_cpu_kernels.py` checks its
+results). It stays ahead of MKL up to 256 rows on the default target's shapes (a batched verify at concurrency 16 has
 96-128): 190-220 GFLOP/s against MKL's 90-190 (256 x 4096 LM head: 2.6 ms against 3.9).
 
 * Layout: each weight is copied once, packed in panels of 64 output features ([O / 64, I, 64]), so
@@ -34,6 +34,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,256 +47,11 @@ ATTENTION_MAX_QUERIES = 64  # cached_attention up to this many queries per row (
 ENV_SWITCH = "BLOCKSPEC_CPU_KERNELS"  # "0" turns the kernel off (torch's linear everywhere)
 ENV_BUDGET = "BLOCKSPEC_CPU_KERNELS_MAX_MB"  # packed copies per process, MiB (default 1024)
 
-PANEL_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <vector>
+_HERE = Path(__file__).parent
+# The shared C++ (packed linear, attention over a KV head) every extension source starts with.
+PANEL_SOURCE = (_HERE / "cpu_shared.cpp").read_text()
 
-typedef float v16 __attribute__((vector_size(64)));  // lowered to what the CPU has (AVX-512, AVX2, SSE)
-
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-
-// The weight comes packed in panels of 64 output features: panel[i][c] = w[64 p + c][i], so a panel
-// streams through memory contiguously.
-//
-// RB blocks of 16 features x RN rows of x. Every output element is the sum over i = 0..I-1 in order,
-// one fused multiply-add per step, whatever the tile: a row's result does not depend on the others.
-template <int RB, int RN>
-static inline void tile(const float* xp, const float* panel, float* yp, int64_t I, int64_t O, int64_t o, int64_t n) {
-  v16 acc[RB][RN];
-  for (int r = 0; r < RB; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = v16{};
-  for (int64_t i = 0; i < I; ++i) {
-    v16 wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load16(panel + i * 64 + 16 * r);
-    for (int c = 0; c < RN; ++c) {
-      const float xs = xp[(n + c) * I + i];
-      for (int r = 0; r < RB; ++r) acc[r][c] += wv[r] * xs;
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + 16 * r, &acc[r][c], sizeof(v16));
-}
-
-// One panel, whole (4 blocks of 16 features) for up to 8 rows at a time: the panel streams through once
-// per 8 rows, contiguously (half-panel tiles read every 256-byte row in two strided passes and ran
-// 15-40% slower at 6-16 rows when the weights come from L3). 8 rows use 32 accumulators (some spill).
-static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
-  int64_t n = 0;
-  for (; N - n >= 8; n += 8) tile<4, 8>(xp, pp, yp, I, O, o, n);
-  switch (N - n) {
-    case 1: tile<4, 1>(xp, pp, yp, I, O, o, n); break;
-    case 2: tile<4, 2>(xp, pp, yp, I, O, o, n); break;
-    case 3: tile<4, 3>(xp, pp, yp, I, O, o, n); break;
-    case 4: tile<4, 4>(xp, pp, yp, I, O, o, n); break;
-    case 5: tile<4, 5>(xp, pp, yp, I, O, o, n); break;
-    case 6: tile<4, 6>(xp, pp, yp, I, O, o, n); break;
-    case 7: tile<4, 7>(xp, pp, yp, I, O, o, n); break;
-    default: break;
-  }
-}
-
-// y[n, o] = sum_i x[n, i] * w[o, i] for n < N; x [N, I] fp32 rows, packed [O / 64, I, 64] (see above), y [N, O].
-static void linear_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
-  const int64_t P = packed.size(0), O = P * 64;
-  TORCH_CHECK(packed.size(1) == I && packed.size(2) == 64, "small_linear: weight not packed for this input");
-  const float* wp = packed.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) panel(xp, wp + p * I * 64, yp, N, I, O, p * 64);
-  });
-}
-
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-// exp(x) for a vector of x <= 0 (scores less their maximum): x = k ln 2 + r with |r| <= ln 2 / 2, e^r
-// from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
-// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
-static inline v16 exp16(v16 x) {
-  const v16 floor = v16{} - 87.f;
-  const v16 xc = x < floor ? floor : x;  // keeps the int conversion below in range (-inf included)
-  const v16 k = xc * 1.44269504088896341f;
-  vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
-  const v16 kf = __builtin_convertvector(ki, v16);
-  const v16 r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
-  v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
-  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
-  vi16 scale = (ki + 127) << 23;
-  v16 two_k;
-  __builtin_memcpy(&two_k, &scale, sizeof two_k);
-  return x < floor ? v16{} : p * two_k;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0
-  v16 acc = v16{};
-  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
-  return hsum16(acc);
-}
-
-// Attention of nq queries sharing one KV head: q(i) the vector of query i, key(j) / value(j) the rows of
-// key j (hd = 16 BLK floats each), query i seeing keys 0..n[i] - 1, out(i) where its result goes.
-// Scores, then each query's softmax, then the weighted values, in chunks of queries that read each key
-// or value row once for the chunk. The arithmetic of a query (its dot products, softmax and weighted
-// sum, in key order) is the same whatever the others: a row's result does not depend on its batch.
-// scores: nq x row floats of scratch, row >= max n + 16.
-template <int BLK, typename Query, typename Key, typename Value, typename Out>
-static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n, int64_t nq, float* scores,
-                        int64_t row, float scale) {
-  constexpr int QC = BLK >= 16 ? 1 : 16 / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
-  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // scores: 4 queries at a time
-    const int64_t count = std::min<int64_t>(4, nq - i0);
-    int64_t reach = 0;
-    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
-    const float* qs[4];
-    for (int64_t i = 0; i < 4; ++i) qs[i] = q(i0 + std::min(i, count - 1));
-    for (int64_t j = 0; j < reach; ++j) {  // past a query's own n: computed, never read
-      const float* k = key(j);
-      v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
-      for (int c = 0; c < BLK; ++c) {
-        const v16 kv = load16(k + 16 * c);
-        for (int i = 0; i < 4; ++i) acc[i] += load16(qs[i] + 16 * c) * kv;
-      }
-      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsum16(acc[i]) * scale;
-    }
-  }
-  for (int64_t i = 0; i < nq; ++i) {  // softmax numerators in place, each query's own
-    float* s = scores + i * row;
-    float m = s[0];
-    for (int64_t j = 1; j < n[i]; ++j) m = s[j] > m ? s[j] : m;
-    for (int64_t j = n[i]; j < (n[i] + 15) / 16 * 16; ++j) s[j] = -INFINITY;
-    v16 total = v16{};
-    for (int64_t j = 0; j < n[i]; j += 16) {
-      const v16 e = exp16(load16(s + j) - m);
-      __builtin_memcpy(s + j, &e, sizeof e);
-      total += e;
-    }
-    s[row - 1] = 1.f / hsum16(total);  // past every key: the normaliser
-  }
-  for (int64_t i0 = 0; i0 < nq; i0 += QC) {  // weighted values
-    const int64_t count = std::min<int64_t>(QC, nq - i0);
-    int64_t reach = 0;
-    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
-    v16 acc[QC][BLK];
-    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = v16{};
-    for (int64_t j = 0; j < reach; ++j) {
-      const float* v = value(j);
-      for (int i = 0; i < QC; ++i) {
-        if (i >= count || j >= n[i0 + i]) continue;
-        const float w = scores[(i0 + i) * row + j];
-        for (int c = 0; c < BLK; ++c) acc[i][c] += load16(v + 16 * c) * w;
-      }
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const float inv = scores[(i0 + i) * row + row - 1];
-      float* o = out(i0 + i);
-      for (int c = 0; c < BLK; ++c) {
-        const v16 y = acc[i][c] * inv;
-        __builtin_memcpy(o + 16 * c, &y, sizeof y);
-      }
-    }
-  }
-}
-
-// attend_head for a head size known at run time: 16, 32, 64, 128 or 256.
-template <typename... A>
-static void attend_head_hd(int64_t hd, A&&... a) {
-  switch (hd) {
-    case 16: attend_head<1>(a...); break;
-    case 32: attend_head<2>(a...); break;
-    case 64: attend_head<4>(a...); break;
-    case 128: attend_head<8>(a...); break;
-    default: TORCH_CHECK(hd == 256, "attention: head size ", hd, " unsupported"); attend_head<16>(a...);
-  }
-}
-
-static constexpr int64_t ATTEND_CHUNK = 16;  // queries per parallel task (a KV head's queries split in such chunks)
-"""
-
-_SOURCE = PANEL_SOURCE + r"""
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
-  auto y = torch::empty({x.size(0), packed.size(0) * 64}, x.options());
-  linear_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
-  return y;
-}
-
-// The index of each row's largest value (the first among equals; a NaN counts as the largest, as in
-// torch.argmax); x [N, V] contiguous fp32. One vector pass finds the maximum and whether the row has a
-// NaN, a second the first index holding it.
-std::vector<int64_t> argmax_rows(torch::Tensor x) {
-  const int64_t N = x.size(0), V = x.size(1), whole = V / 16 * 16;
-  const float* xp = x.data_ptr<float>();
-  std::vector<int64_t> out(N);
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = xp + n * V;
-    float value = row[0];
-    bool nan = false;
-    if (whole) {
-      v16 mx = load16(row);
-      vi16 bad = mx != mx;
-      for (int64_t v = 16; v < whole; v += 16) {
-        const v16 a = load16(row + v);
-        bad |= a != a;
-        mx = a > mx ? a : mx;
-      }
-      for (int i = 0; i < 16; ++i) { nan |= bad[i] != 0; value = mx[i] > value ? mx[i] : value; }
-    }
-    for (int64_t v = whole; v < V; ++v) { nan |= row[v] != row[v]; value = row[v] > value ? row[v] : value; }
-    int64_t best = 0;
-    if (nan) { while (row[best] == row[best]) ++best; }
-    else { while (!(row[best] == value)) ++best; }
-    out[n] = best;
-  }
-  return out;
-}
-
-// Attention of short query blocks over the slot KV cache, read in place (no gathered copy, no mask):
-// q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [slots, KV, max_len, hd] contiguous,
-// slots [B], pos [B, T]: query (b, t) sees keys 0..pos[b, t] of slot slots[b]; head h reads KV head
-// h / (H / KV). -> [B, T, H * hd]. Tasks: chunks of a KV head's group x T queries (attend_head).
-torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
-                               torch::Tensor pos, double scale) {
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
-  const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV, nq = group * T;
-  const int64_t chunks = (nq + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
-  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0, "cached_attention: unsupported layout");
-  auto out = torch::empty({B, T, H * hd}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-  const int64_t *sp = slots.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), row = L + 16;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(ATTEND_CHUNK * row);
-    int64_t n[ATTEND_CHUNK];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (KV * chunks), g = task / chunks % KV, first = task % chunks * ATTEND_CHUNK;
-      const int64_t count = std::min(ATTEND_CHUNK, nq - first), head = (sp[b] * KV + g) * L * hd;
-      // Query first + i of the KV head: head g * group + (first + i) / T, position index (first + i) % T.
-      for (int64_t i = 0; i < count; ++i) n[i] = std::min(pp[b * T + (first + i) % T] + 1, L);
-      auto query = [&](int64_t i) { return qp + b * qs0 + (g * group + (first + i) / T) * qs1 + (first + i) % T * qs2; };
-      auto output = [&](int64_t i) { return op + (b * T + (first + i) % T) * H * hd + (g * group + (first + i) / T) * hd; };
-      auto key = [&](int64_t j) { return kp + head + j * hd; };
-      auto value = [&](int64_t j) { return vp + head + j * hd; };
-      attend_head_hd(hd, query, key, value, output, n, count, scores.data(), row, (float)scale);
-    }
-  });
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_linear", &small_linear);
-  m.def("argmax_rows", &argmax_rows);
-  m.def("cached_attention", &cached_attention);
-}
-"""
+_SOURCE = PANEL_SOURCE + (_HERE / "cpu_kernels.cpp").read_text()
 
 _lock = threading.Lock()
 _state = {"switch": os.environ.get(ENV_SWITCH, "1") != "0"}

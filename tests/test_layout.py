@@ -29,3 +29,13 @@ def test_every_package_is_installed():
     found = {"blockspec." + ".".join(p.parent.relative_to(ROOT).parts)
              for top in ("common", "protos", "services") for p in (ROOT / top).rglob("__init__.py")}
     assert found == listed
+
+
+def test_every_cpp_source_is_installed():
+    """The C++ kernels are read from .cpp files next to their module at run time: each such package
+    must ship them as package data."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for top in ("common", "services"):
+        for source in (ROOT / top).rglob("*.cpp"):
+            package = "blockspec." + ".".join(source.parent.relative_to(ROOT).parts)
+            assert "*.cpp" in data.get(package, []), f"{source.relative_to(ROOT)} is not package data"

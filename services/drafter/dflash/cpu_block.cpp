@@ -1,5 +1,5 @@
-// The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_kernels.py's
-// PANEL_SOURCE (v16, load16, linear_into).
+// The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_shared.cpp
+// (v16, load16, linear_into, attend_head).
 #include <cmath>
 #include <vector>
 #include <immintrin.h>

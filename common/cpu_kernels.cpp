@@ -1,0 +1,75 @@
+// common/cpu_kernels.py's own functions, compiled after cpu_shared.cpp.
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
+  auto y = torch::empty({x.size(0), packed.size(0) * 64}, x.options());
+  linear_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
+  return y;
+}
+
+// The index of each row's largest value (the first among equals; a NaN counts as the largest, as in
+// torch.argmax); x [N, V] contiguous fp32. One vector pass finds the maximum and whether the row has a
+// NaN, a second the first index holding it.
+std::vector<int64_t> argmax_rows(torch::Tensor x) {
+  const int64_t N = x.size(0), V = x.size(1), whole = V / 16 * 16;
+  const float* xp = x.data_ptr<float>();
+  std::vector<int64_t> out(N);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = xp + n * V;
+    float value = row[0];
+    bool nan = false;
+    if (whole) {
+      v16 mx = load16(row);
+      vi16 bad = mx != mx;
+      for (int64_t v = 16; v < whole; v += 16) {
+        const v16 a = load16(row + v);
+        bad |= a != a;
+        mx = a > mx ? a : mx;
+      }
+      for (int i = 0; i < 16; ++i) { nan |= bad[i] != 0; value = mx[i] > value ? mx[i] : value; }
+    }
+    for (int64_t v = whole; v < V; ++v) { nan |= row[v] != row[v]; value = row[v] > value ? row[v] : value; }
+    int64_t best = 0;
+    if (nan) { while (row[best] == row[best]) ++best; }
+    else { while (!(row[best] == value)) ++best; }
+    out[n] = best;
+  }
+  return out;
+}
+
+// Attention of short query blocks over the slot KV cache, read in place (no gathered copy, no mask):
+// q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [slots, KV, max_len, hd] contiguous,
+// slots [B], pos [B, T]: query (b, t) sees keys 0..pos[b, t] of slot slots[b]; head h reads KV head
+// h / (H / KV). -> [B, T, H * hd]. Tasks: chunks of a KV head's group x T queries (attend_head).
+torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
+                               torch::Tensor pos, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
+  const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV, nq = group * T;
+  const int64_t chunks = (nq + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
+  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0, "cached_attention: unsupported layout");
+  auto out = torch::empty({B, T, H * hd}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t *sp = slots.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), row = L + 16;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(ATTEND_CHUNK * row);
+    int64_t n[ATTEND_CHUNK];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (KV * chunks), g = task / chunks % KV, first = task % chunks * ATTEND_CHUNK;
+      const int64_t count = std::min(ATTEND_CHUNK, nq - first), head = (sp[b] * KV + g) * L * hd;
+      // Query first + i of the KV head: head g * group + (first + i) / T, position index (first + i) % T.
+      for (int64_t i = 0; i < count; ++i) n[i] = std::min(pp[b * T + (first + i) % T] + 1, L);
+      auto query = [&](int64_t i) { return qp + b * qs0 + (g * group + (first + i) / T) * qs1 + (first + i) % T * qs2; };
+      auto output = [&](int64_t i) { return op + (b * T + (first + i) % T) * H * hd + (g * group + (first + i) / T) * hd; };
+      auto key = [&](int64_t j) { return kp + head + j * hd; };
+      auto value = [&](int64_t j) { return vp + head + j * hd; };
+      attend_head_hd(hd, query, key, value, output, n, count, scores.data(), row, (float)scale);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear", &small_linear);
+  m.def("argmax_rows", &argmax_rows);
+  m.def("cached_attention", &cached_attention);
+}

@@ -1,0 +1,173 @@
+// Shared C++ of the CPU kernels (see common/cpu_kernels.py): the packed small-batch linear
+// (`linear_into`) and attention over a KV head (`attend_head`). Every extension source starts with it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+typedef float v16 __attribute__((vector_size(64)));  // lowered to what the CPU has (AVX-512, AVX2, SSE)
+
+static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+
+// The weight comes packed in panels of 64 output features: panel[i][c] = w[64 p + c][i], so a panel
+// streams through memory contiguously.
+//
+// RB blocks of 16 features x RN rows of x. Every output element is the sum over i = 0..I-1 in order,
+// one fused multiply-add per step, whatever the tile: a row's result does not depend on the others.
+template <int RB, int RN>
+static inline void tile(const float* xp, const float* panel, float* yp, int64_t I, int64_t O, int64_t o, int64_t n) {
+  v16 acc[RB][RN];
+  for (int r = 0; r < RB; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = v16{};
+  for (int64_t i = 0; i < I; ++i) {
+    v16 wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = load16(panel + i * 64 + 16 * r);
+    for (int c = 0; c < RN; ++c) {
+      const float xs = xp[(n + c) * I + i];
+      for (int r = 0; r < RB; ++r) acc[r][c] += wv[r] * xs;
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + 16 * r, &acc[r][c], sizeof(v16));
+}
+
+// One panel, whole (4 blocks of 16 features) for up to 8 rows at a time: the panel streams through once
+// per 8 rows, contiguously (half-panel tiles read every 256-byte row in two strided passes and ran
+// 15-40% slower at 6-16 rows when the weights come from L3). 8 rows use 32 accumulators (some spill).
+static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
+  int64_t n = 0;
+  for (; N - n >= 8; n += 8) tile<4, 8>(xp, pp, yp, I, O, o, n);
+  switch (N - n) {
+    case 1: tile<4, 1>(xp, pp, yp, I, O, o, n); break;
+    case 2: tile<4, 2>(xp, pp, yp, I, O, o, n); break;
+    case 3: tile<4, 3>(xp, pp, yp, I, O, o, n); break;
+    case 4: tile<4, 4>(xp, pp, yp, I, O, o, n); break;
+    case 5: tile<4, 5>(xp, pp, yp, I, O, o, n); break;
+    case 6: tile<4, 6>(xp, pp, yp, I, O, o, n); break;
+    case 7: tile<4, 7>(xp, pp, yp, I, O, o, n); break;
+    default: break;
+  }
+}
+
+// y[n, o] = sum_i x[n, i] * w[o, i] for n < N; x [N, I] fp32 rows, packed [O / 64, I, 64] (see above), y [N, O].
+static void linear_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
+  const int64_t P = packed.size(0), O = P * 64;
+  TORCH_CHECK(packed.size(1) == I && packed.size(2) == 64, "small_linear: weight not packed for this input");
+  const float* wp = packed.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) panel(xp, wp + p * I * 64, yp, N, I, O, p * 64);
+  });
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// exp(x) for a vector of x <= 0 (scores less their maximum): x = k ln 2 + r with |r| <= ln 2 / 2, e^r
+// from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
+// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
+static inline v16 exp16(v16 x) {
+  const v16 floor = v16{} - 87.f;
+  const v16 xc = x < floor ? floor : x;  // keeps the int conversion below in range (-inf included)
+  const v16 k = xc * 1.44269504088896341f;
+  vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
+  const v16 kf = __builtin_convertvector(ki, v16);
+  const v16 r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
+  v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
+  p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  vi16 scale = (ki + 127) << 23;
+  v16 two_k;
+  __builtin_memcpy(&two_k, &scale, sizeof two_k);
+  return x < floor ? v16{} : p * two_k;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0
+  v16 acc = v16{};
+  for (int64_t i = 0; i < n; i += 16) acc += load16(a + i) * load16(b + i);
+  return hsum16(acc);
+}
+
+// Attention of nq queries sharing one KV head: q(i) the vector of query i, key(j) / value(j) the rows of
+// key j (hd = 16 BLK floats each), query i seeing keys 0..n[i] - 1, out(i) where its result goes.
+// Scores, then each query's softmax, then the weighted values, in chunks of queries that read each key
+// or value row once for the chunk. The arithmetic of a query (its dot products, softmax and weighted
+// sum, in key order) is the same whatever the others: a row's result does not depend on its batch.
+// scores: nq x row floats of scratch, row >= max n + 16.
+template <int BLK, typename Query, typename Key, typename Value, typename Out>
+static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n, int64_t nq, float* scores,
+                        int64_t row, float scale) {
+  constexpr int QC = BLK >= 16 ? 1 : 16 / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
+  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // scores: 4 queries at a time
+    const int64_t count = std::min<int64_t>(4, nq - i0);
+    int64_t reach = 0;
+    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
+    const float* qs[4];
+    for (int64_t i = 0; i < 4; ++i) qs[i] = q(i0 + std::min(i, count - 1));
+    for (int64_t j = 0; j < reach; ++j) {  // past a query's own n: computed, never read
+      const float* k = key(j);
+      v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
+      for (int c = 0; c < BLK; ++c) {
+        const v16 kv = load16(k + 16 * c);
+        for (int i = 0; i < 4; ++i) acc[i] += load16(qs[i] + 16 * c) * kv;
+      }
+      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsum16(acc[i]) * scale;
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {  // softmax numerators in place, each query's own
+    float* s = scores + i * row;
+    float m = s[0];
+    for (int64_t j = 1; j < n[i]; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = n[i]; j < (n[i] + 15) / 16 * 16; ++j) s[j] = -INFINITY;
+    v16 total = v16{};
+    for (int64_t j = 0; j < n[i]; j += 16) {
+      const v16 e = exp16(load16(s + j) - m);
+      __builtin_memcpy(s + j, &e, sizeof e);
+      total += e;
+    }
+    s[row - 1] = 1.f / hsum16(total);  // past every key: the normaliser
+  }
+  for (int64_t i0 = 0; i0 < nq; i0 += QC) {  // weighted values
+    const int64_t count = std::min<int64_t>(QC, nq - i0);
+    int64_t reach = 0;
+    for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
+    v16 acc[QC][BLK];
+    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = v16{};
+    for (int64_t j = 0; j < reach; ++j) {
+      const float* v = value(j);
+      for (int i = 0; i < QC; ++i) {
+        if (i >= count || j >= n[i0 + i]) continue;
+        const float w = scores[(i0 + i) * row + j];
+        for (int c = 0; c < BLK; ++c) acc[i][c] += load16(v + 16 * c) * w;
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const float inv = scores[(i0 + i) * row + row - 1];
+      float* o = out(i0 + i);
+      for (int c = 0; c < BLK; ++c) {
+        const v16 y = acc[i][c] * inv;
+        __builtin_memcpy(o + 16 * c, &y, sizeof y);
+      }
+    }
+  }
+}
+
+// attend_head for a head size known at run time: 16, 32, 64, 128 or 256.
+template <typename... A>
+static void attend_head_hd(int64_t hd, A&&... a) {
+  switch (hd) {
+    case 16: attend_head<1>(a...); break;
+    case 32: attend_head<2>(a...); break;
+    case 64: attend_head<4>(a...); break;
+    case 128: attend_head<8>(a...); break;
+    default: TORCH_CHECK(hd == 256, "attention: head size ", hd, " unsupported"); attend_head<16>(a...);
+  }
+}
+
+static constexpr int64_t ATTEND_CHUNK = 16;  // queries per parallel task (a KV head's queries split in such chunks)
