@@ -144,8 +144,10 @@ class AttentionBatch:
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
         # gathered keys with a mask.
         self.in_place = attends_in_place(cache.k, positions.shape[1])
-        keys = torch.arange(key_len, device=positions.device)
-        self.mask = None if self.in_place else (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, key_len]
+        self.mask = None  # [B, 1, T, key_len]: only SDPA needs it
+        if not self.in_place:
+            keys = torch.arange(key_len, device=positions.device)
+            self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         # Where the real tokens' K/V go, worked out once for every layer.
         self.all_real = all_real
         self.rows = None if self.all_real else real.nonzero(as_tuple=True)  # (b, t) of each real token

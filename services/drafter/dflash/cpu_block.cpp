@@ -2,7 +2,6 @@
 // (v16, load16, linear_into, attend_head).
 #include <cmath>
 #include <vector>
-#include <immintrin.h>
 
 // A projection: packed [O / 64, I, 64] through the kernel, or (an output count that is not whole panels)
 // the plain weight [O, I] row by row. I % 16 == 0.
