@@ -53,14 +53,24 @@ class CpuDrafter:
             and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.intermediate_size % 16 == 0
         )
         self._prepared_for: tuple | None = None
-        self._prepared: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._prepared: tuple[list[torch.Tensor], tuple, tuple, tuple] = ([], (), (), ())
 
-    def _prepare(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The weight lists of `block` and `context`, made again only after a parameter changed in place
-        (e.g. load_state_dict): gathering them costs more than a small proposal's arithmetic."""
+    def _prepare(self) -> tuple[list[torch.Tensor], tuple, tuple, tuple]:
+        """The weight lists of `block` and `context` and the fixed arguments of `propose` around the block
+        (context, then LM head and walk), made again only after a parameter changed in place (e.g.
+        load_state_dict): gathering them (module attributes, detach) costs more than a small proposal's
+        arithmetic."""
         versions = tuple(p._version for p in self._params)
         if versions != self._prepared_for:
-            self._prepared = (self._weights(), self._context_weights())
+            cfg, sel = self.cfg, self.model.candidate_selector
+            block_w, (fc, *kv) = self._weights(), self._context_weights()
+            context_args = (fc, self.model.hidden_norm.weight.detach(), kv)
+            block_args = (cfg.block_size, block_w, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                          cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size, cfg.rms_norm_eps)
+            walk_args = (cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
+                         sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
+                         sel.successor_codebook.detach(), sel.top_k)
+            self._prepared = (block_w, context_args, block_args, walk_args)
             self._prepared_for = versions
         return self._prepared
 
@@ -110,16 +120,11 @@ class CpuDrafter:
         (`pending`: slot, start, end, its tap features [len, n_taps * H]), then per request r the block
         [anchors[r], MASK...] after lens[r] context positions of slot slots[r], the LM head over draft
         slots 1..num_slots and the walk. The caller sets the cache lengths."""
-        cfg, sel = self.cfg, self.model.candidate_selector
-        block_w, (fc, *kv) = self._prepare()
+        _, context_args, block_args, walk_args = self._prepare()
         return _extension.get().propose(
             [f.float().contiguous() for _, _, _, f in pending], [p[0] for p in pending], [p[1] for p in pending],
-            [p[2] for p in pending], cache.k, cache.v, cos, sin, fc, self.model.hidden_norm.weight.detach(), kv,
-            embedding.detach(), cfg.mask_token_id, anchors, slots, lens, cfg.block_size, block_w, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size,
-            cfg.rms_norm_eps, lm_head_panels, num_slots, cfg.output_multiplier or 0.0,
-            cfg.final_logit_softcapping or 0.0, sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
-            sel.successor_codebook.detach(), sel.top_k)
+            [p[2] for p in pending], cache.k, cache.v, cos, sin, *context_args, embedding.detach(),
+            self.cfg.mask_token_id, anchors, slots, lens, *block_args, lm_head_panels, num_slots, *walk_args)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""
@@ -131,10 +136,8 @@ class CpuDrafter:
     def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Context K/V of tap rows taps [N, n_taps * H], each written at its (slot, position)."""
-        fc, *kv = self._prepare()[1]
-        _extension.get().context(taps.float().contiguous(), cache.k, cache.v, slots, positions, cos, sin, fc,
-                                 self.model.hidden_norm.weight.detach(), kv, self.cfg.num_kv_heads,
-                                 self.cfg.head_dim, self.cfg.rms_norm_eps)
+        _extension.get().context(taps.float().contiguous(), cache.k, cache.v, slots, positions, cos, sin,
+                                 *self._prepare()[1], self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps)
 
 
 def _projection(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
