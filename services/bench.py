@@ -75,6 +75,15 @@ class Row:
     step_ms: list[float] = field(default_factory=list)
 
 
+def workload(prompts: Sequence[Sequence[int]], concurrency: int, waves: int) -> list[Sequence[int]]:
+    """The requests of one pass at `concurrency`: the prompts in order, cycled to at least `waves` x
+    concurrency requests. The loop keeps `concurrency` in flight and admits the next request as one
+    finishes, so a pass is mostly steady state; with a single wave (as many prompts as streams) it would be
+    mostly the ramp and the tail, where the last few requests run alone."""
+    need = max(len(prompts), waves * concurrency)
+    return [prompts[i % len(prompts)] for i in range(need)]
+
+
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
     from blockspec.services.router.step_loop import FinishEvent
 
@@ -114,7 +123,8 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
 
 
 def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int) -> tuple[Row, list]:
-    """The same workload through a running server's gRPC API, `concurrency` streams at a time."""
+    """The same workload (`workload`'s requests) through a running server's gRPC API, `concurrency` streams at a
+    time."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -295,10 +305,11 @@ def plots(rows: list[Row], out: Path) -> list[Path]:
 
 
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
-              max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3) -> dict:
+              max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
+              waves: int = 4) -> dict:
     """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each,
-    interleaved; report the median pass; check exactness against plain decoding; measure the cost model;
-    write bench.md / bench.json / plots into `out`."""
+    interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
+    exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     if not any(m.name == "none" for m in modes):
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
@@ -306,8 +317,9 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
     with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
         for c, ms in plan:
-            runners = {m: engine_runner(target, drafter, m, prompts, max_tokens, c) if m.name in ENGINE_METHODS
-                       else hf_runner(target, m, prompts, max_tokens, assistant) for m in ms}
+            work = workload(prompts, c, waves)
+            runners = {m: engine_runner(target, drafter, m, work, max_tokens, c) if m.name in ENGINE_METHODS
+                       else hf_runner(target, m, work, max_tokens, assistant) for m in ms}
             samples: dict[Mode, list[Row]] = {m: [] for m in ms}
             for r in range(rounds):  # interleaved, each round in another order: drift hits every mode alike
                 for m in ms[r % len(ms):] + ms[: r % len(ms)]:
@@ -328,10 +340,11 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     ks = sorted({m.k for m in modes if m.name == "dflash"})
     costs = measure_costs(target, drafter, ks) if drafter and ks else None
     header = (f"Machine: {machine()}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
-              f"greedy. Each figure is the median of {rounds} interleaved passes.")
+              f"greedy; a pass at concurrency c serves max({len(prompts)}, {waves} c) requests (the prompts cycled), c "
+              f"at a time. Each figure is the median of {rounds} interleaved passes.")
     report = markdown(rows, costs, header)
     (out / "bench.md").write_text(report)
-    result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts),
+    result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,
               "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "costs": asdict(costs) if costs else None}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     result["plots"] = [str(p) for p in plots(rows, out)]

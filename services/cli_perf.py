@@ -30,6 +30,8 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
+    bn.add_argument("--waves", type=int, default=4, help="a pass at concurrency c serves at least WAVES x c requests "
+                    "(the prompts cycled), c in flight: mostly steady state, not one wave's ramp and tail")
     bn.set_defaults(func=cmd_bench)
     gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
     gc.add_argument("--sizes", default="1b,8b,27b", help="comma list of tiny, 1b, 8b, 27b (the reference shape)")
@@ -48,6 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     concurrency = _int_list("--concurrency", args.concurrency)
     rounds = _int_list("--rounds", str(args.rounds))[0]
+    waves = _int_list("--waves", str(args.waves))[0]
     out = Path(args.out)
     if args.server:
         import grpc
@@ -59,12 +62,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             stub = api_grpc.GenerationStub(channel)
             prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
         ks = _int_list("--server-k", args.server_k)
-        rows, outputs = [], None
+        rows, outputs = [], {}  # concurrency -> the first k's outputs (the workload depends on the concurrency)
         for k in ks:
             for c in concurrency:
-                row, out_ids = bench.run_server_mode(args.server, k, prompts, args.max_tokens, c)
-                outputs = outputs or out_ids
-                row.exact = out_ids == outputs
+                row, out_ids = bench.run_server_mode(args.server, k, bench.workload(prompts, c, waves), args.max_tokens, c)
+                row.exact = out_ids == outputs.setdefault(c, out_ids)
                 rows.append(row)
         report = bench.markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.")
         out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
     result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(args.modes),
                              concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
-                             rounds=rounds)
+                             rounds=rounds, waves=waves)
     print(result["markdown"])
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
     return 0

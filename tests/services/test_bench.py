@@ -7,7 +7,7 @@ import json
 import pytest
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.bench import Mode, parse_modes
+from blockspec.services.bench import Mode, parse_modes, workload
 from blockspec.services.cli import main
 
 
@@ -20,14 +20,23 @@ def test_modes_parse_and_bad_ones_name_the_flag():
         assert e.value.field == "--modes"
 
 
+def test_a_pass_keeps_every_stream_busy_over_several_waves():
+    prompts = [[1], [2], [3]]
+    assert workload(prompts, 1, 3) == prompts  # enough prompts: each once, in order
+    assert workload(prompts, 1, 4) == [[1], [2], [3], [1]]
+    assert workload(prompts, 2, 4) == [[1], [2], [3], [1], [2], [3], [1], [2]]  # cycled to 4 x 2 requests
+    assert workload(prompts, 16, 1) == [prompts[i % 3] for i in range(16)]
+
+
 def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
                  str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,dflash:3:adaptive,hf,hf-lookup:3", "--concurrency", "1,2",
-                 "--out", str(out), "--threads", "1", "--rounds", "2"]) == 0
+                 "--out", str(out), "--threads", "1", "--rounds", "2", "--waves", "2"]) == 0
     result = json.loads((out / "bench.json").read_text())
+    assert result["waves"] == 2 and "max(2, 2 c) requests" in (out / "bench.md").read_text()
     rows = {(r["mode"], r["k"], r["concurrency"]) for r in result["rows"]}
     assert {("none", 0, 1), ("none", 0, 2), ("dflash", 3, 2), ("hf", 0, 1), ("hf-lookup", 3, 1)} <= rows
     assert all(r["exact"] for r in result["rows"]), "every mode must reproduce plain decoding token for token"
@@ -51,3 +60,5 @@ def test_bench_flags_are_checked(capsys):
     assert "--concurrency" in capsys.readouterr().err
     assert main(["bench", "--rounds", "0"]) == 2
     assert "--rounds" in capsys.readouterr().err
+    assert main(["bench", "--waves", "0"]) == 2
+    assert "--waves" in capsys.readouterr().err
