@@ -120,9 +120,10 @@ class AdaptiveK:
             return self.draft_s[batch, width]
         if not self.draft_s:
             return self.costs.verify_s(batch, 1)  # never drafted: guess one target decode
-        # Nearest batch size observed, then nearest width: the drafter runs its whole block at any k.
+        # Nearest batch size observed, then nearest width, scaled to this one: the drafter's block has
+        # `width` rows per request (anchor and k masks).
         b, w = min(self.draft_s, key=lambda bw: (abs(bw[0] - batch), abs(bw[1] - width)))
-        return self.draft_s[b, w] * batch / b
+        return self.draft_s[b, w] * batch / b * width / w
 
     def step_seconds(self, batch: int, width: int) -> float:
         verify = self.costs.verify_s(batch, width) * (self.speed or 1.0)

@@ -65,7 +65,7 @@ class CpuDrafter:
             cfg, sel = self.cfg, self.model.candidate_selector
             block_w, (fc, *kv) = self._weights(), self._context_weights()
             context_args = (fc, self.model.hidden_norm.weight.detach(), kv)
-            block_args = (cfg.block_size, block_w, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            block_args = (block_w, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size, cfg.rms_norm_eps)
             walk_args = (cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
                          sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
@@ -115,16 +115,16 @@ class CpuDrafter:
 
     def propose(self, pending: Sequence[tuple[int, int, int, torch.Tensor]], cache, cos: torch.Tensor, sin: torch.Tensor,
                 embedding: torch.Tensor, anchors: list[int], slots: list[int], lens: list[int],
-                lm_head_panels: torch.Tensor, num_slots: int) -> torch.Tensor:
-        """A greedy proposal in one call -> tokens [R, num_slots]: first the context each request lacks
+                lm_head_panels: torch.Tensor, block: int) -> torch.Tensor:
+        """A greedy proposal in one call -> tokens [R, block - 1]: first the context each request lacks
         (`pending`: slot, start, end, its tap features [len, n_taps * H]), then per request r the block
-        [anchors[r], MASK...] after lens[r] context positions of slot slots[r], the LM head over draft
-        slots 1..num_slots and the walk. The caller sets the cache lengths."""
+        [anchors[r], MASK x (block - 1)] after lens[r] context positions of slot slots[r], the LM head over
+        its draft slots and the walk. The caller sets the cache lengths."""
         _, context_args, block_args, walk_args = self._prepare()
         return _extension.get().propose(
             [f.float().contiguous() for _, _, _, f in pending], [p[0] for p in pending], [p[1] for p in pending],
             [p[2] for p in pending], cache.k, cache.v, cos, sin, *context_args, embedding.detach(),
-            self.cfg.mask_token_id, anchors, slots, lens, *block_args, lm_head_panels, num_slots, *walk_args)
+            self.cfg.mask_token_id, anchors, slots, lens, block, *block_args, lm_head_panels, block - 1, *walk_args)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""
