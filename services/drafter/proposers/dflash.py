@@ -105,12 +105,14 @@ class DFlashProposer:
         dev = self.device
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
         slot_ids, pending = self._pending([i.request_id for i in live], ctx_lens)
-        # The block is [anchor, MASK x k] for the largest k asked: a shorter block than the drafter was
-        # trained on (block_size), which changes its drafts a little (tau at k = 3: 3.04 where the whole
-        # block gives 3.06) and costs (k + 1) / block_size of it - a third of a step at concurrency 16.
+        # Greedy, the block is [anchor, MASK x k] for the largest k asked: shorter than the block the drafter
+        # was trained on (block_size), which changes its drafts a little (tau at k = 3: 3.04 where the whole
+        # block gives 3.06; 3.77 and 3.75 at k = 5) and costs (k + 1) / block_size of it - a third of a step at
+        # concurrency 16. Sampled proposals keep the whole block: their q moved more (rejection sampling at
+        # T = 0.7, k = 5: tau 1.65 against 1.73).
         slots_used = max(i.k for i in live)
-        B = min(self.cfg.block_size, slots_used + 1)
         greedy = all(i.sampling.greedy for i in live)
+        B = min(self.cfg.block_size, slots_used + 1) if greedy else self.cfg.block_size
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
         if panels is not None:  # the whole proposal in one C++ call
