@@ -101,15 +101,16 @@ def enabled() -> bool:
     return _kernels.get() is not None
 
 
-def packed(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """cat(weights) [O, I] packed as [O / 64, I, 64] for the kernel: a copy, made once per set of weights
-    (again if one is modified in place). None once the process's budget of copies is spent: a model too
-    big to hold twice keeps torch's linear."""
-    key = tuple(id(w) for w in weights)
+def packed(weights: tuple[torch.Tensor, ...], bf16: bool = False) -> torch.Tensor | None:
+    """cat(weights) [O, I] packed as [O / 64, I, 64] for the kernel (bf16: rounded to bfloat16 and packed
+    as [O / 64, I / 2, 64, 2], the layout of the drafter's bf16 kernel): a copy, made once per set of
+    weights (again if one is modified in place). None once the process's budget of copies is spent: a
+    model too big to hold twice keeps torch's linear."""
+    key = (bf16, *(id(w) for w in weights))
     entry = _packs.get(key)
     if (entry is None or any(ref() is not w for ref, w in zip(entry[0], weights))
             or entry[1] != tuple(w._version for w in weights)):
-        size = sum(w.numel() * w.element_size() for w in weights)
+        size = sum(w.numel() * (2 if bf16 else w.element_size()) for w in weights)
         with _lock:
             if entry is not None:
                 _budget["left"] += entry[2].numel() * entry[2].element_size()
@@ -123,13 +124,15 @@ def packed(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
                 _budget["left"] += size
 
         entry = (tuple(weakref.ref(w, drop) for w in weights), tuple(w._version for w in weights),
-                 _pack(torch.cat([w.detach() for w in weights])))
+                 _pack(torch.cat([w.detach() for w in weights]), bf16))
         _packs[key] = entry
     return entry[2]
 
 
-def _pack(w: torch.Tensor) -> torch.Tensor:
+def _pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     out_features, in_features = w.shape
+    if bf16:
+        return w.to(torch.bfloat16).reshape(out_features // 64, 64, in_features // 2, 2).transpose(1, 2).contiguous()
     return w.reshape(out_features // 64, 64, in_features).transpose(1, 2).contiguous()
 
 

@@ -1,12 +1,93 @@
 // The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_shared.cpp
 // (v16, load16, linear_into, attend_head).
 #include <cmath>
+#include <cstring>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
-// A projection: packed [O / 64, I, 64] through the kernel, or (an output count that is not whole panels)
-// the plain weight [O, I] row by row. I % 16 == 0.
+// bf16 weights (the drafter's option, see cpu_block.py): panels [O / 64, I / 2, 64, 2] with
+// panel[j][c][t] = w[64 p + c][2 j + t], so one 512-bit load holds two inputs of 16 features and
+// `vdpbf16ps` adds both products into fp32. x is rounded to bf16 (to nearest even, as torch rounds) and
+// every sum is fp32, in input order. Only where the compiler targets AVX512-BF16 (`bf16_supported`).
+static inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+#if defined(__AVX512BF16__)
+template <int RN>
+static inline void tile_bf16(const uint32_t* xb, const uint16_t* panel, float* yp, int64_t J, int64_t O, int64_t o,
+                             int64_t n) {
+  __m512 acc[4][RN];
+  for (int r = 0; r < 4; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < J; ++j) {
+    __m512bh wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 32 * r);
+    for (int c = 0; c < RN; ++c) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(xb[(n + c) * J + j]));
+      for (int r = 0; r < 4; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < RN; ++c) _mm512_storeu_ps(yp + (n + c) * O + o + 16 * r, acc[r][c]);
+}
+
+static void panel_bf16(const uint32_t* xb, const uint16_t* pp, float* yp, int64_t N, int64_t J, int64_t O, int64_t o) {
+  int64_t n = 0;
+  for (; N - n >= 8; n += 8) tile_bf16<8>(xb, pp, yp, J, O, o, n);
+  switch (N - n) {
+    case 1: tile_bf16<1>(xb, pp, yp, J, O, o, n); break;
+    case 2: tile_bf16<2>(xb, pp, yp, J, O, o, n); break;
+    case 3: tile_bf16<3>(xb, pp, yp, J, O, o, n); break;
+    case 4: tile_bf16<4>(xb, pp, yp, J, O, o, n); break;
+    case 5: tile_bf16<5>(xb, pp, yp, J, O, o, n); break;
+    case 6: tile_bf16<6>(xb, pp, yp, J, O, o, n); break;
+    case 7: tile_bf16<7>(xb, pp, yp, J, O, o, n); break;
+    default: break;
+  }
+}
+#endif
+
+static bool bf16_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [N, O] = x [N, I] @ w.T for bf16 panels (above).
+static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
+  const int64_t P = packed.size(0), J = packed.size(1), O = P * 64;
+  TORCH_CHECK(bf16_supported(), "bf16 panels need a CPU with AVX512-BF16");
+  TORCH_CHECK(J * 2 == I && packed.size(2) == 64 && packed.size(3) == 2, "bf16 weight not packed for this input");
+  std::vector<uint32_t> xb(N * J);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < J; ++j)
+      xb[n * J + j] = bf16_bits(xp[n * I + 2 * j]) | (bf16_bits(xp[n * I + 2 * j + 1]) << 16);
+#if defined(__AVX512BF16__)
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) panel_bf16(xb.data(), wp + p * J * 128, yp, N, J, O, p * 64);
+  });
+#endif
+}
+
+// The bf16 product by itself (tests compare it with torch).
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
+  auto y = torch::empty({x.size(0), packed.size(0) * 64});
+  linear_bf16_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
+  return y;
+}
+
+// A projection: packed [O / 64, I, 64] (fp32) or [O / 64, I / 2, 64, 2] (bf16) through a kernel, or (an
+// output count that is not whole panels) the plain weight [O, I] row by row. I % 16 == 0.
 static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w, float* y) {
   if (w.dim() == 3) { linear_into(x, N, I, w, y); return; }
+  if (w.dim() == 4) { linear_bf16_into(x, N, I, w, y); return; }
   const int64_t O = w.size(0);
   const float* wp = w.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
@@ -89,7 +170,7 @@ static void block_rows(float* x, int64_t R, int64_t B, int64_t H, const torch::T
                        int64_t conv_taps, int64_t group, double eps_d) {
   const int64_t N = R * B;
   const int64_t L = (int64_t(w.size()) - 1) / 12;
-  const int64_t QKV = (heads + 2 * kv_heads) * hd, I = (w[6].dim() == 3 ? w[6].size(0) * 64 : w[6].size(0)) / 2;
+  const int64_t QKV = (heads + 2 * kv_heads) * hd, I = (w[6].dim() >= 3 ? w[6].size(0) * 64 : w[6].size(0)) / 2;
   const float eps = float(eps_d);
   const float* cos = cos_t.data_ptr<float>();
   const float* sin = sin_t.data_ptr<float>();
@@ -256,7 +337,7 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
                  hidden_norm, kv_w, kv_heads, hd, eps);
   }
   const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
-  const int64_t V = lm_head.dim() == 3 ? lm_head.size(0) * 64 : lm_head.size(0);
+  const int64_t V = lm_head.dim() >= 3 ? lm_head.size(0) * 64 : lm_head.size(0);  // panels or [V, H]
   const float* emb = embedding.data_ptr<float>();
   std::vector<float> x(R * B * H);
   for (int64_t r = 0; r < R; ++r)
@@ -280,4 +361,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("context", &context);
   m.def("walk", &walk);
   m.def("propose", &propose);
+  m.def("linear_bf16", &linear_bf16);
+  m.def("bf16_supported", &bf16_supported);
 }

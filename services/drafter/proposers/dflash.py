@@ -4,6 +4,7 @@ conditioned on the target's tap features of the committed tokens."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -12,7 +13,7 @@ from blockspec.common import cpu_kernels
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
-from blockspec.services.drafter.dflash.cpu_block import CpuDrafter
+from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 
@@ -50,7 +51,8 @@ class DFlashProposer:
                                  self.device)
         self._cos, self._sin = (t.to(self.device, embedding.dtype) for t in rope_table(cfg, max_len + cfg.block_size))
         self._slots: dict[str, int] = {}
-        fast = CpuDrafter(drafter, self.use_dynamic_conv) if self.device.type == "cpu" else None
+        bf16 = os.environ.get(ENV_BF16, "1") != "0"
+        fast = CpuDrafter(drafter, self.use_dynamic_conv, bf16) if self.device.type == "cpu" else None
         self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
 
     def release(self, request_id: str) -> None:

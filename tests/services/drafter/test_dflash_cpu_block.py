@@ -11,7 +11,8 @@ from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.build.tiny import build_tiny_drafter
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
-from blockspec.services.drafter.dflash.cpu_block import CpuDrafter
+from blockspec.services.drafter.dflash import cpu_block
+from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DrafterContext
 from blockspec.services.drafter.proposer import ProposeInput
 from blockspec.services.engine import Engine
@@ -82,8 +83,9 @@ def test_greedy_walk_matches_the_module(drafter):
             assert torch.equal(fast.walk(hidden, logits, anchor), sel.walk(hidden, logits, anchor))
 
 
-def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts):
+def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch):
     """Whole proposals, incremental context included, on a distilled drafter: the same tokens."""
+    monkeypatch.setenv(ENV_BF16, "0")  # fp32 weights: the module's arithmetic
     engines = [Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
                for _ in range(2)]
     assert engines[0].proposer._cpu is not None
@@ -103,3 +105,52 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts):
         assert [d.token_ids for d in engines[0].proposer.propose(inputs)] == fused
     finally:
         cpu_kernels.set_enabled(True)
+
+
+needs_bf16 = pytest.mark.skipif(not cpu_block._extension.get().bf16_supported(),
+                                reason="this CPU lacks AVX512-BF16: the drafter keeps fp32 weights")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_bf16_projection_is_the_product_of_bf16_rounded_operands(rows):
+    """fp32 sums of bf16(x) * bf16(w): what torch gives on the rounded operands, up to summation order."""
+    torch.manual_seed(rows)
+    w = torch.nn.Parameter(torch.randn(192, 96) * 0.1)
+    x = torch.randn(rows, 96)
+    got = cpu_block._extension.get().linear_bf16(x, cpu_kernels.packed((w,), bf16=True))
+    want = x.bfloat16().float() @ w.detach().bfloat16().float().T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - x @ w.detach().T).abs().max() > 1e-5  # really rounded: not the fp32 product
+
+
+@needs_bf16
+def test_bf16_drafter_stays_near_the_fp32_module(drafter, tiny_models, dflash_drafters, prompts, monkeypatch):
+    """bf16 weights move the block's hidden states by bf16 rounding only, and on a distilled drafter the
+    proposals are mostly the fp32 ones (they differ only where candidates nearly tie)."""
+    cfg, lens = drafter.cfg, [5, 0, 11]
+    cache, cos, sin, taps, slots = _context(drafter, lens)
+    rows = torch.tensor([s for s, n in zip(slots, lens) for _ in range(n)])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    embeds, lens_t, slots_t = torch.randn(len(lens), cfg.block_size, cfg.hidden_size), torch.tensor(lens), torch.tensor(slots)
+    out = {}
+    with torch.inference_mode():
+        for bf16 in (False, True):
+            fast = CpuDrafter(drafter, True, bf16)
+            assert fast.bf16 == bf16
+            fast.context(taps, cache, rows, positions, cos, sin)
+            out[bf16] = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
+    assert not torch.equal(out[True], out[False])
+    torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05)
+    drafts = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(ENV_BF16, flag)
+        engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
+        assert engine.proposer._cpu.bf16 == (flag == "1")
+        for i, p in enumerate(prompts[:3]):
+            engine.verifier.add(str(i), p)
+        engine.verifier.prefill([str(i) for i in range(3)])
+        inputs = [ProposeInput(str(i), engine.verifier.committed(str(i)), 7) for i in range(3)]
+        drafts[flag] = [t for d in engine.proposer.propose(inputs) for t in d.token_ids]
+    same = sum(a == b for a, b in zip(drafts["0"], drafts["1"]))
+    assert same >= 0.8 * len(drafts["0"])
