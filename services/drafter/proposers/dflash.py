@@ -156,10 +156,10 @@ class DFlashProposer:
         """One Draft per input: row r of tokens [R, k] for live request r (with the q it sampled from,
         if any), nothing for the others."""
         drafts = {}
-        for r, i in enumerate(live):
+        for r, (i, row) in enumerate(zip(live, tokens.tolist())):  # one tolist for the batch
             q = q_rows[r][: i.k]
             dist = DraftDist(torch.stack([c for c, _ in q]), torch.stack([p for _, p in q])) if q else None
-            drafts[i.request_id] = Draft(tuple(tokens[r, : i.k].tolist()), dist)
+            drafts[i.request_id] = Draft(tuple(row[: i.k]), dist)
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
 
     def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
