@@ -8,12 +8,14 @@ towards those while it is not drafting.
 Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1] + overhead(B).
 * verify comes from a table the verifier measured before serving (`Verifier.measure_step_costs`), scaled
   by an EWMA of observed / table time (how fast the machine runs now against calibration);
-* draft is an EWMA of the drafter's observed time per (batch size, width);
+* draft is an EWMA of the drafter's observed time per (batch size, width), leaving out the first
+  drafting step after plain decoding (its time includes catching up the context the drafter skipped);
 * overhead is an EWMA of the rest of a step (the loop, the commit, the caller).
 
 The verify forward pads every request to the widest one, so a step has one width: the chooser tries
-W = 1 .. max + 1 and gives each request min(W - 1, its own k). A width above 1 must beat plain
-decoding's estimated rate by DRAFT_MARGIN, a hedge against the estimates' error. W = 1 is plain decoding: no drafter
+W = 1 .. max + 1 and gives each request min(W - 1, its own k). From plain decoding, a width above 1
+must beat plain decoding's estimated rate by DRAFT_MARGIN, a hedge against the estimates' error; a
+batch already drafting keeps drafting while it is estimated at least as fast (STAY_MARGIN). W = 1 is plain decoding: no drafter
 call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh,
 unless drafting is estimated far from paying (a probe step costs a drafter call and its catch-up).
 """
@@ -32,7 +34,9 @@ WARMUP_STEPS = 32  # steps at the requested k before choosing: acceptance and dr
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed for a position never drafted
 PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior) ...
 PROBE_MARGIN = 0.8  # ... when drafting is estimated to give at least this share of plain decoding's rate
-DRAFT_MARGIN = 1.15  # a step drafts only when that is estimated this much faster than plain decoding
+DRAFT_MARGIN = 1.15  # a batch at plain decoding starts drafting only when that is estimated this much faster ...
+STAY_MARGIN = 1.0  # ... and a drafting batch keeps drafting while it is estimated at least this fast (hysteresis:
+# each return to drafting makes the drafter catch up the context it skipped)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -99,6 +103,7 @@ class AdaptiveK:
         self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
         self.steps_at_one = 0  # consecutive steps at width 1
         self.last_width = 0
+        self.observed_width = 0  # the width of the last step observed
         self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # every request's observations, slowly
 
     def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
@@ -110,8 +115,9 @@ class AdaptiveK:
         """One finished step: `width` is the widest row verified; overhead None when unknown (first step)."""
         self.steps += 1
         self.speed = _ewma(self.speed, verify_s / max(self.costs.verify_s(batch, width), 1e-9))
-        if width > 1:
+        if width > 1 and self.observed_width != 1:  # after a plain step the drafter caught up: not its usual time
             self.draft_s[batch, width] = _ewma(self.draft_s.get((batch, width)), draft_s)
+        self.observed_width = width
         if overhead_s is not None:
             self.overhead_s[batch] = _ewma(self.overhead_s.get(batch), max(overhead_s, 0.0))
 
@@ -139,7 +145,8 @@ class AdaptiveK:
         batch = len(requests)
         plain_rate = batch / self.step_seconds(batch, 1)
         # Drafting must beat plain decoding by a margin: the estimates are off by 10-20% on a noisy machine.
-        best, best_rate, drafting_rate = 1, plain_rate * DRAFT_MARGIN, 0.0
+        margin = STAY_MARGIN if self.last_width > 1 else DRAFT_MARGIN
+        best, best_rate, drafting_rate = 1, plain_rate * margin, 0.0
         expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
         for width in range(2, k_max + 2):
             tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from blockspec.services.router.adaptive_k import (
-    ALPHA, PRIOR_ACCEPTANCE, PROBE_EVERY, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
+    ALPHA, DRAFT_MARGIN, PRIOR_ACCEPTANCE, PROBE_EVERY, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
 from blockspec.services.verifier.verifier import StepCosts
 
 
@@ -104,7 +104,7 @@ def test_requested_k_until_warm_and_a_probe_after_many_zero_steps():
     ak = AdaptiveK(table(0.004, 0.0001))
     assert ak.choose([(trace_with([0.0]), 5)]) == [5]  # warming up: the requested k
     ak = warmed(table(0.004, 0.0001), draft_s=0.0005)
-    t = trace_with([0.1] * 5)  # drafting nearly pays: worth a probe now and then
+    t = trace_with([0.05] * 5)  # drafting nearly pays: worth a probe now and then
     picks = [ak.choose([(t, 5)])[0] for _ in range(3 * PROBE_EVERY)]
     assert picks.count(0) > 2 * PROBE_EVERY and 1 in picks
 
@@ -113,3 +113,30 @@ def test_no_probe_where_drafting_is_far_from_paying():
     ak = warmed(table(0.004, 0.0001), draft_s=0.02)  # the drafter costs five plain steps
     t = trace_with([0.5] * 5)
     assert [ak.choose([(t, 5)])[0] for _ in range(3 * PROBE_EVERY)] == [0] * (3 * PROBE_EVERY)
+
+
+def test_drafting_continues_on_a_smaller_gain_than_it_starts_on():
+    """Hysteresis: drafting estimated 1.08x plain decoding keeps a drafting batch drafting, but does not
+    start a batch at plain decoding (each return costs the drafter a context catch-up)."""
+    costs = table(0.004, 0.0)  # every width costs the same verify: the rate is tokens / (verify + draft)
+    gain = 1.08
+    assert gain < DRAFT_MARGIN
+    draft_s = 0.004 * (1.5 / gain - 1)  # one draft at acceptance 0.5: 1.5 tokens a step
+    ak = warmed(costs, draft_s)
+    ak.observe_step(1, 2, costs.verify_s(1, 2), draft_s, 0.0)
+    t = [(trace_with([0.5]), 1)]
+    ak.last_width = 2  # the batch is drafting
+    assert ak.choose(t) == [1]
+    ak.last_width = 1  # the batch is at plain decoding
+    assert ak.choose(t) == [0]
+
+
+def test_the_drafters_catch_up_after_plain_steps_is_not_its_usual_time():
+    costs = table(0.004, 0.0001)
+    ak = warmed(costs, draft_s=0.001)
+    before = ak.draft_s[1, 8]
+    ak.observe_step(1, 1, costs.verify_s(1, 1), 0.0, 0.0)  # a plain step: the drafter falls behind
+    ak.observe_step(1, 8, costs.verify_s(1, 8), 0.05, 0.0)  # drafting again: 50 ms of catch-up
+    assert ak.draft_s[1, 8] == before
+    ak.observe_step(1, 8, costs.verify_s(1, 8), 0.002, 0.0)  # the next one counts
+    assert ak.draft_s[1, 8] == pytest.approx((1 - ALPHA) * before + ALPHA * 0.002)
