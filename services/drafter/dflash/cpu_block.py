@@ -55,10 +55,9 @@ class CpuDrafter:
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         self.use_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
-        self._params = list(model.parameters())
         ext = _extension.get()
         self.usable = (
-            ext is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self._params)
+            ext is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
             and cfg.head_dim in (16, 32, 64, 128, 256) and cfg.hidden_size % 16 == 0
             and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.intermediate_size % 16 == 0
         )
@@ -66,16 +65,19 @@ class CpuDrafter:
         # asked for and the CPU has AVX512-BF16. Every projection input (hidden, intermediate, taps) is even.
         self.bf16 = bool(bf16 and self.usable and ext.bf16_supported())
         self._prepared_for: tuple | None = None
+        self._copied: list[torch.Tensor] = []  # the weights the prepared lists hold copies of
         self._prepared: tuple[list[torch.Tensor], tuple, tuple, tuple] = ([], (), (), ())
 
     def _prepare(self) -> tuple[list[torch.Tensor], tuple, tuple, tuple]:
         """The weight lists of `block` and `context` and the fixed arguments of `propose` around the block
-        (context, then LM head and walk), made again only after a parameter changed in place (e.g.
-        load_state_dict): gathering them (module attributes, detach) costs more than a small proposal's
-        arithmetic."""
-        versions = tuple(p._version for p in self._params)
-        if versions != self._prepared_for:
+        (context, then LM head and walk), made again only after a weight they copy (the projections,
+        packed) changed in place (e.g. load_state_dict); the other weights go as views, which see such
+        changes. Gathering them (module attributes, detach) costs more than a small proposal's arithmetic,
+        and so does checking every parameter's version in the loop (about 20 us, its objects out of cache)."""
+        versions = tuple(p._version for p in self._copied)
+        if not versions or versions != self._prepared_for:
             cfg, sel = self.cfg, self.model.candidate_selector
+            self._copied = []
             block_w, (fc, *kv) = self._weights(), self._context_weights()
             context_args = (fc, self.model.hidden_norm.weight.detach(), kv)
             block_args = (block_w, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -84,8 +86,12 @@ class CpuDrafter:
                          sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
                          sel.successor_codebook.detach(), sel.top_k)
             self._prepared = (block_w, context_args, block_args, walk_args)
-            self._prepared_for = versions
+            self._prepared_for = tuple(p._version for p in self._copied)
         return self._prepared
+
+    def _projection(self, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self._copied += weights
+        return _projection(weights, self.bf16)
 
     def _weights(self) -> list[torch.Tensor]:
         """The weights in the order `block` reads them, projections as `_projection` gives them."""
@@ -98,15 +104,15 @@ class CpuDrafter:
             if self.use_conv:
                 items += [layer.attention_conv.base_kernel, (layer.attention_conv.kernel_projection.weight,),
                           layer.mlp_conv.base_kernel, (layer.mlp_conv.kernel_projection.weight,)]
-            out += [_projection(item, self.bf16) if isinstance(item, tuple) else item.detach() for item in items]
+            out += [self._projection(item) if isinstance(item, tuple) else item.detach() for item in items]
             out += [torch.empty(0)] * (12 - len(items))
         return out + [self.model.norm.weight.detach()]
 
     def _context_weights(self) -> list[torch.Tensor]:
-        out = [_projection((self.model.fc.weight,), self.bf16)]
+        out = [self._projection((self.model.fc.weight,))]
         for layer in self.model.layers:
             att = layer.self_attn
-            out += [_projection((att.k_proj.weight, att.v_proj.weight), self.bf16), att.k_norm.weight.detach()]
+            out += [self._projection((att.k_proj.weight, att.v_proj.weight)), att.k_norm.weight.detach()]
         return out
 
     def block(self, block_embeds: torch.Tensor, cache, slots: torch.Tensor, lens: torch.Tensor,

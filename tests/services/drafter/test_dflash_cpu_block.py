@@ -73,6 +73,32 @@ def test_block_matches_the_module(drafter, use_conv):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_weights_changed_in_place_are_seen(tiny_models, tmp_path):
+    """A projection (held as a packed copy) and a norm weight (held as a view) modified in place after the
+    first call: the next block follows the module again."""
+    model = load_drafter(build_tiny_drafter(tmp_path / "d", tiny_models["qwen3"]["target"], num_layers=1))
+    cfg, lens = model.cfg, [4]
+    cache, cos, sin, taps, slots = _context(model, lens)
+    fast = CpuDrafter(model, True)
+    embeds, lens_t, slots_t = torch.randn(1, cfg.block_size, cfg.hidden_size), torch.tensor(lens), torch.tensor(slots)
+    with torch.inference_mode():
+        fast.context(taps, cache, torch.tensor(slots * 4), torch.arange(4), cos, sin)
+        before = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
+    for weight in (model.layers[0].mlp.down_proj.weight, model.layers[0].post_attention_layernorm.weight):
+        with torch.no_grad():
+            weight.mul_(1.5)
+        with torch.inference_mode():
+            after = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
+            key_len = max(lens)
+            block_pos = lens_t[:, None] + torch.arange(cfg.block_size)
+            ctx = DrafterContext([cache.read(0, slots_t, key_len)], torch.arange(key_len)[None] < lens_t[:, None],
+                                 (cos[block_pos][:, None], sin[block_pos][:, None]))
+            want = model(embeds, ctx, True)
+        assert not torch.allclose(after, before)
+        torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-4)
+        before = after
+
+
 def test_greedy_walk_matches_the_module(drafter):
     torch.manual_seed(1)
     fast, sel, V = CpuDrafter(drafter, True), drafter.candidate_selector, drafter.cfg.vocab_size
