@@ -37,6 +37,7 @@ class ForwardResult:
     tap_rows: torch.Tensor | None = None
     row_slots: torch.Tensor | None = None
     row_positions: torch.Tensor | None = None
+    starts: tuple[int, ...] = ()  # per segment: the cache position of its first token
 
 
 def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
@@ -153,4 +154,4 @@ class Runner:
         for seg, start, n in zip(segments, starts, lengths):
             self.cache.set_length(seg.slot, start + n)
         per_segment = list(tap_rows.split(lengths)) if taps else []
-        return ForwardResult(logits, per_segment, tap_rows, batch.store_slots, batch.store_pos)
+        return ForwardResult(logits, per_segment, tap_rows, batch.store_slots, batch.store_pos, tuple(starts))

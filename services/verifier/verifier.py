@@ -185,7 +185,12 @@ class Verifier:
 
     def _forward(self, segments: list[Segment]):
         out = self.runner.forward(segments)
-        if self.tap_buffer is not None:  # one scatter, where the forward stored the K/V of the same tokens
+        if self.tap_buffer is None:
+            return out
+        if len(segments) == 1:  # one request: its rows are one slice of its slot (no index tensors to work out)
+            start = out.starts[0]
+            self.tap_buffer[segments[0].slot, start : start + out.tap_rows.shape[0]] = out.tap_rows
+        else:  # one scatter, where the forward stored the K/V of the same tokens
             self.tap_buffer[out.row_slots, out.row_positions] = out.tap_rows
         return out
 
