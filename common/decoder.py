@@ -134,11 +134,14 @@ class AttentionBatch:
         real: torch.Tensor,  # [B, T] bool: False for padding rows (computed, never stored or returned)
         key_len: int,  # keys read per slot: positions [0, key_len)
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        host_slots: list[int],  # slots as ints, and whether every row is real: known on the host,
-        all_real: bool,  # so no device value is read back
+        host_slots: list[int],  # slots as ints, whether every row is real and the first position of
+        all_real: bool,  # each row: known on the host, so no device value is read back
+        host_starts: list[int],
     ) -> None:
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
+        # One row of real tokens: its K/V go to one slice of its slot (no index tensors per layer).
+        self.span0 = (host_slots[0], host_starts[0]) if len(host_slots) == 1 and all_real else None
         self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
         self.sin = cos_sin[1][positions].unsqueeze(1)
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
@@ -161,6 +164,12 @@ class AttentionBatch:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache."""
+        if self.span0 is not None:
+            slot, start = self.span0
+            end = start + k.shape[2]
+            self.cache.k[layer][slot, :, start:end] = k[0]
+            self.cache.v[layer][slot, :, start:end] = v[0]
+            return
         for cache, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             cache[self.store_slots, :, self.store_pos] = self.real_rows(new.transpose(1, 2))  # [N, kv_heads, hd]
 
