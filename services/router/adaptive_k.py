@@ -15,9 +15,10 @@ Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1
 The verify forward pads every request to the widest one, so a step has one width: the chooser tries
 W = 1 .. max + 1 and gives each request min(W - 1, its own k). From plain decoding, a width above 1
 must beat plain decoding's estimated rate by DRAFT_MARGIN, a hedge against the estimates' error; a
-batch already drafting keeps drafting while it is estimated at least as fast (STAY_MARGIN). W = 1 is plain decoding: no drafter
-call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to keep the shared rates fresh,
-unless drafting is estimated far from paying (a probe step costs a drafter call and its catch-up).
+batch already drafting keeps drafting while it is estimated at least as fast (STAY_MARGIN). W = 1 is
+plain decoding: no drafter call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to
+keep the shared rates fresh, unless drafting is estimated far from paying (a probe step costs a
+drafter call and its catch-up).
 """
 
 from __future__ import annotations
