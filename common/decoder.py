@@ -140,7 +140,7 @@ class AttentionBatch:
     ) -> None:
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
-        # One row of real tokens: its K/V go to one slice of its slot (no index tensors per layer).
+        # One row of real tokens: what `store` puts (K/V, tap features) is one slice of its slot.
         self.span0 = (host_slots[0], host_starts[0]) if len(host_slots) == 1 and all_real else None
         self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
         self.sin = cos_sin[1][positions].unsqueeze(1)
@@ -162,8 +162,18 @@ class AttentionBatch:
         """x [B, T, ...] -> the real tokens' rows [N, ...], in the order of store_slots / store_pos."""
         return x.reshape(-1, *x.shape[2:]) if self.all_real else x[self.rows]
 
+    def store(self, dest: torch.Tensor, rows: torch.Tensor) -> None:
+        """The real tokens' rows [N, ...] into dest [slots, positions, ...] at their (slot, position): one
+        slice of the slot for a single row of real tokens, else one scatter."""
+        if self.span0 is not None:
+            slot, start = self.span0
+            dest[slot, start : start + rows.shape[0]] = rows
+        else:
+            dest[self.store_slots, self.store_pos] = rows
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache."""
+        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache ([slots, kv_heads, positions, hd]:
+        `store` with the layout's own indexing, which saves four view ops a layer on the hot path)."""
         if self.span0 is not None:
             slot, start = self.span0
             end = start + k.shape[2]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +32,11 @@ class Segment:
 class ForwardResult:
     logits: list[torch.Tensor]  # per segment: [n, vocab] fp32, or [1, vocab] when last_only
     taps: list[torch.Tensor]  # per segment: [n, n_taps * hidden], outputs of the tap layers; [] if none
-    # The same rows as one tensor [N, n_taps * hidden] (segments in order, padding left out) and the
-    # (slot, position) [N] of each: where the forward stored their K/V.
+    # The same rows as one tensor [N, n_taps * hidden] (segments in order, padding left out), and
+    # `store(dest, rows)`, which puts such rows into dest [slots, positions, ...] where the forward stored
+    # their K/V (AttentionBatch.store).
     tap_rows: torch.Tensor | None = None
-    row_slots: torch.Tensor | None = None
-    row_positions: torch.Tensor | None = None
-    starts: tuple[int, ...] = ()  # per segment: the cache position of its first token
+    store: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
 
 def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
@@ -155,4 +154,4 @@ class Runner:
         for seg, start, n in zip(segments, starts, lengths):
             self.cache.set_length(seg.slot, start + n)
         per_segment = list(tap_rows.split(lengths)) if taps else []
-        return ForwardResult(logits, per_segment, tap_rows, batch.store_slots, batch.store_pos, tuple(starts))
+        return ForwardResult(logits, per_segment, tap_rows, batch.store)

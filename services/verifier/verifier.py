@@ -185,13 +185,8 @@ class Verifier:
 
     def _forward(self, segments: list[Segment]):
         out = self.runner.forward(segments)
-        if self.tap_buffer is None:
-            return out
-        if len(segments) == 1:  # one request: its rows are one slice of its slot (no index tensors to work out)
-            start = out.starts[0]
-            self.tap_buffer[segments[0].slot, start : start + out.tap_rows.shape[0]] = out.tap_rows
-        else:  # one scatter, where the forward stored the K/V of the same tokens
-            self.tap_buffer[out.row_slots, out.row_positions] = out.tap_rows
+        if self.tap_buffer is not None:  # where the forward stored the K/V of the same tokens
+            out.store(self.tap_buffer, out.tap_rows)
         return out
 
     def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
