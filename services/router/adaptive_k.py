@@ -103,8 +103,8 @@ class AdaptiveK:
         self.draft_s: dict[tuple[int, int], float] = {}  # (batch, width) -> drafter seconds (EWMA)
         self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
         self.steps_at_one = 0  # consecutive steps at width 1
-        self.last_width = 0
-        self.observed_width = 0  # the width of the last step observed
+        self.last_width = 0  # the width this chooser last picked (0 before its first choice, after warm-up)
+        self.observed_width = 0  # the width of the last step run, warm-up steps included
         self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # every request's observations, slowly
 
     def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
