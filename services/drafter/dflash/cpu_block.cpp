@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -121,11 +121,15 @@ struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sub
       for (int64_t t = 0; t < B; ++t) {
         const int64_t n = r * B + t;
         const float* d = dyn + n * 2 * K * G + s * K * G;
-        for (int64_t h = 0; h < H; ++h) {
-          float acc = (base[(s * K) * H + h] + d[h / group]) * x[n * H + h];
-          for (int64_t j = 1; j < K && j <= t; ++j)
-            acc += (base[(s * K + j) * H + h] + d[j * G + h / group]) * x[(n - j) * H + h];
-          y[n * H + h] = acc;
+        float* yn = y + n * H;
+        for (int64_t j = 0; j < K && j <= t; ++j) {  // tap by tap, a group's coefficient at a time (vectorised)
+          const float* b = base + (s * K + j) * H;
+          const float* xj = x + (n - j) * H;
+          for (int64_t g = 0; g < G; ++g) {
+            const float c = d[j * G + g];
+            for (int64_t h = g * group; h < (g + 1) * group; ++h)
+              yn[h] = j ? yn[h] + (b[h] + c) * xj[h] : (b[h] + c) * xj[h];
+          }
         }
       }
   }
@@ -279,12 +283,22 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
     for (int64_t t = 0; t < S; ++t) {
       const float* lg = lp + (r * S + t) * V;
       int64_t n = 0;
-      for (int64_t v = 0; v < V; ++v) {
-        if (n == top_k && !(lg[v] > val[n - 1])) continue;
+      auto offer = [&](int64_t v) {
+        if (n == top_k && !(lg[v] > val[n - 1])) return;
         int64_t at = n < top_k ? n++ : n - 1;
         while (at > 0 && lg[v] > val[at - 1]) { val[at] = val[at - 1]; idx[at] = idx[at - 1]; --at; }
         val[at] = lg[v]; idx[at] = v;
+      };
+      int64_t v = 0;
+      for (; v < V && n < top_k; ++v) offer(v);
+      // Once full, a run of 16 logits is offered only where one beats the current last (one vector compare).
+      for (; v + 16 <= V; v += 16) {
+#if defined(__AVX512F__)
+        if (!_mm512_cmp_ps_mask(_mm512_loadu_ps(lg + v), _mm512_set1_ps(val[n - 1]), _CMP_GT_OQ)) continue;
+#endif
+        for (int64_t i = 0; i < 16; ++i) offer(v + i);
       }
+      for (; v < V; ++v) offer(v);
       const float* h = hp + (r * S + t) * H;
       for (int64_t j = 0; j < rank; ++j) q[j] = ap[prev * rank + j] * dot16(h, pw + j * H, H);
       int64_t best = 0;

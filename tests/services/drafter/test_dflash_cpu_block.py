@@ -107,6 +107,11 @@ def test_greedy_walk_matches_the_module(drafter):
             hidden, logits = torch.randn(R, 5, drafter.cfg.hidden_size) * 3, torch.randn(R, 5, V) * 2
             anchor = torch.randint(0, V, (R,))
             assert torch.equal(fast.walk(hidden, logits, anchor), sel.walk(hidden, logits, anchor))
+        # Widths that are not whole runs of 16, and logits rising with the token id (every run of 16 beats
+        # the current top-k): the C++ offers logits 16 at a time once its top-k is full.
+        hidden, anchor = torch.randn(2, 5, drafter.cfg.hidden_size), torch.randint(0, V, (2,))
+        for logits in (torch.randn(2, 5, V - 5), torch.randn(2, 5, 21), torch.linspace(0, 9, V) + torch.rand(2, 5, V)):
+            assert torch.equal(fast.walk(hidden, logits, anchor), sel.walk(hidden, logits, anchor))
 
 
 def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch):
