@@ -74,12 +74,15 @@ def timed(fn: Callable[[], object], repeats: int, device: str = "cpu", warm_up: 
     return statistics.median(samples)
 
 
-def interleaved(fns: dict, repeats: int, device: str = "cpu") -> dict:
+def interleaved(fns: dict, repeats: int, device: str = "cpu", before: dict | None = None) -> dict:
     """Median seconds per call of each fn: one untimed round first, then `repeats` rounds that each time
-    every fn once, so a machine that speeds up or slows down meanwhile shifts all of them alike."""
+    every fn once, so a machine that speeds up or slows down meanwhile shifts all of them alike.
+    before[key], where given, runs untimed just before its fn (the state the fn should meet)."""
     samples: dict = {key: [] for key in fns}
     for round_ in range(repeats + 1):
         for key, fn in fns.items():
+            if before and key in before:
+                timed(before[key], 1, device, warm_up=False)  # waited for, not counted
             seconds = timed(fn, 1, device, warm_up=False)
             if round_:
                 samples[key].append(seconds)
