@@ -3,7 +3,7 @@
 from blockspec.services.verifier.verifier import interleaved
 
 
-def test_interleaved_runs_each_setup_just_before_its_fn_and_times_only_the_fn():
+def test_interleaved_runs_each_setup_just_before_its_fn():
     calls = []
     fns = {k: (lambda k=k: calls.append(("fn", k))) for k in (1, 2, 3)}
     before = {2: lambda: calls.append(("before", 2))}
