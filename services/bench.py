@@ -95,7 +95,8 @@ def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: in
 
 def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int,
                   concurrency: int) -> Callable[[], tuple[Row, list]]:
-    """A warmed-up engine for `mode`; each call of the result is one timed pass over the prompts."""
+    """A warmed-up engine for `mode` (`drafter`: the DFlash drafter, or for draft_model the assistant); each call of
+    the result is one timed pass over the prompts."""
     from blockspec.services.engine import Engine
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
@@ -171,8 +172,6 @@ def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Pat
     if mode.name == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = mode.k
     elif mode.name.startswith("hf-assisted"):
-        if assistant is None:
-            raise InvalidArgument("--assistant", f"mode {mode.name} needs an assistant (draft) model directory")
         helper = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
         kwargs["assistant_model"] = helper
         helper.generation_config.num_assistant_tokens = mode.k
@@ -309,9 +308,13 @@ def plots(rows: list[Row], out: Path) -> list[Path]:
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
               max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
               waves: int = 4) -> dict:
-    """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each,
+    """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each (draft_model
+    and the hf-assisted modes with `assistant` as their draft model),
     interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
     exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`."""
+    needs = sorted({m.label for m in modes if m.name == "draft_model" or m.name.startswith("hf-assisted")})
+    if needs and assistant is None:
+        raise InvalidArgument("--assistant", f"modes {', '.join(needs)} need an assistant (draft model) directory")
     out.mkdir(parents=True, exist_ok=True)
     if not any(m.name == "none" for m in modes):
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
@@ -320,8 +323,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
         for c, ms in plan:
             work = workload(prompts, c, waves)
-            runners = {m: engine_runner(target, drafter, m, work, max_tokens, c) if m.name in ENGINE_METHODS
-                       else hf_runner(target, m, work, max_tokens, assistant) for m in ms}
+            runners = {m: engine_runner(target, assistant if m.name == "draft_model" else drafter, m, work, max_tokens, c)
+                       if m.name in ENGINE_METHODS else hf_runner(target, m, work, max_tokens, assistant) for m in ms}
             samples: dict[Mode, list[Row]] = {m: [] for m in ms}
             for r in range(rounds):  # interleaved, each round in another order: drift hits every mode alike
                 for m in ms[r % len(ms):] + ms[: r % len(ms)]:

@@ -251,6 +251,21 @@ def cmd_build_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_assistant(args: argparse.Namespace) -> int:
+    from blockspec.services.build.assistant import AssistantConfig
+    from blockspec.services.build.default_pair import PairPaths, build_assistant, default_home
+
+    paths = PairPaths((Path(args.home) if args.home else default_home()) / "base")
+    if not paths.built():
+        raise InvalidArgument("--home", f"{paths.root}: no built base pair (run build-default first)")
+    if not (Path(args.work) / "data" / "train.npy").is_file():
+        raise InvalidArgument("--work", f"{args.work}: no training data of the base pair (data/train.npy)")
+    card = build_assistant(paths, Path(args.work), AssistantConfig(**({"steps": args.steps} if args.steps else {})), args.threads)
+    print(f"assistant: {paths.assistant}\ntau (draft_model): " +
+          ", ".join(f"k={r['k']} {r['tau']}" for r in card["assistant_tau"]))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from blockspec.services.build.card import describe
 
@@ -365,6 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--threads", type=int, default=2)
     bd.add_argument("--json", action="store_true", help='last line: {"target": DIR, "drafter": DIR}')
     bd.set_defaults(func=cmd_build_default)
+    ba = sub.add_parser("build-assistant", help="train the base pair's small causal draft model (draft_model, "
+                        "transformers assisted generation) on the target's greedy continuations")
+    ba.add_argument("--home", help="where pairs live (default: $BLOCKSPEC_HOME or the repository's models/)")
+    ba.add_argument("--work", default=".cache/default-pair/base", help="the base pair's training directory (its data; "
+                    "the assistant's checkpoint goes there: a rerun resumes)")
+    ba.add_argument("--steps", type=int, help="training steps (default: the shipped assistant's 4000, ~40 min on one core)")
+    ba.add_argument("--threads", type=int, default=1)
+    ba.set_defaults(func=cmd_build_assistant)
     info = sub.add_parser("info", help="model card of a pair directory (or of a target or drafter checkpoint)")
     info.add_argument("path")
     info.set_defaults(func=cmd_info)

@@ -8,6 +8,10 @@ from pathlib import Path
 from blockspec.common.errors import InvalidArgument
 
 
+DEFAULT_MODES = "none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,hf,hf-lookup:3,hf-lookup:5"
+ASSISTANT_MODES = "draft_model:3,hf-assisted:3,hf-assisted-default:3"  # the assistant's best fixed k (card: tau at 3 and 5)
+
+
 def add_perf_commands(sub) -> None:
     """Register `bench` and `gpu-check` on the CLI's subparsers."""
     from blockspec.services.build.default_pair import default_home
@@ -19,12 +23,14 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--prompts-file", default=str(home / "heldout_prompts.jsonl"), help="default: held-out prompts")
     bn.add_argument("--num-prompts", type=int, help="use the first N prompts")
     bn.add_argument("--max-tokens", type=int, default=128)
-    bn.add_argument("--modes", default="none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,hf,hf-lookup:3,hf-lookup:5",
-                    help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive k up to K), "
-                         "hf, hf-lookup:K, hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' "
-                         "default schedule; both need --assistant)")
+    bn.add_argument("--modes", help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive "
+                    "k up to K), hf, hf-lookup:K, hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' "
+                    f"schedule from K; draft_model and hf-assisted need --assistant). Default: {DEFAULT_MODES}, and with "
+                    f"an assistant {ASSISTANT_MODES}")
     bn.add_argument("--concurrency", default="1,2,4,8,16", help="comma list (transformers modes run at 1)")
-    bn.add_argument("--assistant", help="draft model directory for the hf-assisted modes")
+    bn.add_argument("--assistant", default=str(home / "assistant") if (home / "assistant" / "config.json").is_file()
+                    else None, help="draft model directory for draft_model and the hf-assisted modes (default: the "
+                    "shipped pair's assistant)")
     bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
     bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
@@ -78,7 +84,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = Path(args.target)
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
-    result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(args.modes),
+    modes = args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else "")
+    result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(modes),
                              concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
                              rounds=rounds, waves=waves)
     print(result["markdown"])

@@ -36,6 +36,9 @@ def describe(path: Path) -> str:
             *(f"| {a['dynamic_conv']} | {a['path_selector']} | {a['tau']:.2f} | {a['acceptance_rate']} |"
               for a in c.get("ablation_k5", [])),
         ]
+        if c.get("assistant_tau"):
+            lines += [f"assistant (a separate causal LM, {c['assistant_parameters']:,} parameters; method draft_model, "
+                      "transformers assisted generation):", *_table(c["assistant_tau"])]
         return "\n".join(lines)
     if not (path / "config.json").is_file():
         raise InvalidArgument("path", f"{path} holds neither card.json nor config.json")

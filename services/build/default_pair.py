@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from blockspec.services.build.assistant import AssistantConfig, train_assistant
 from blockspec.services.drafter.dflash.train import DistillConfig, greedy_continuations, train_drafter
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,12 @@ class PairPaths:
     @property
     def drafter(self) -> Path:
         return self.root / "drafter"
+
+    @property
+    def assistant(self) -> Path:
+        """An optional small causal LM (`build-assistant`): the `draft_model` method and transformers' assisted
+        generation run with it."""
+        return self.root / "assistant"
 
     @property
     def card(self) -> Path:
@@ -82,13 +89,20 @@ def distill(target: Path, out: Path, token_ids, n_prompts: int, prompt_len: int,
             cfg: DistillConfig, progress: bool = True, prompt_seeds: tuple[int, ...] | None = None) -> None:
     """Prompts = random windows of `token_ids` (n_prompts per seed in `prompt_seeds`, default the config's
     seed); supervision = the target's greedy continuations."""
+    sequences = supervision(target, token_ids, n_prompts, prompt_len, new_tokens, prompt_seeds or (cfg.seed,), progress)
+    train_drafter(target, out, sequences, [prompt_len] * len(sequences), cfg, progress)
+
+
+def supervision(target: Path, token_ids, n_prompts: int, prompt_len: int, new_tokens: int,
+                prompt_seeds: tuple[int, ...], progress: bool = True) -> list[list[int]]:
+    """n_prompts random windows of `token_ids` per seed, each followed by the target's greedy continuation."""
     sequences = []
-    for seed in prompt_seeds or (cfg.seed,):
+    for seed in prompt_seeds:
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, len(token_ids) - prompt_len, size=n_prompts)
         prompts = [[int(t) for t in token_ids[s : s + prompt_len]] for s in starts]
         sequences += cached_continuations(target, prompts, new_tokens, progress)
-    train_drafter(target, out, sequences, [prompt_len] * len(sequences), cfg, progress)
+    return sequences
 
 
 def cached_continuations(target: Path, prompts: list[list[int]], new_tokens: int, progress: bool = True) -> list[list[int]]:
@@ -125,7 +139,7 @@ BASE_STAGE3 = replace(BASE_REFINE, lr=5e-4, seed=2)
 
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
-    """Train (or resume) the target in `work`, export it, distil the drafter, write the card."""
+    """Train (or resume) the target in `work`, export it, distil the drafter, write the card, train the assistant."""
     from blockspec.services.build import corpus, train_target
 
     train_target.main(["--out", str(work), "--minutes", str(minutes), "--threads", str(threads)])
@@ -145,6 +159,26 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     prompts = corpus.heldout_prompts(16)
     (paths.root / "heldout_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     write_card(paths, [tok.encode(p) for p in prompts], max_tokens=128)
+    build_assistant(paths, work, AssistantConfig(), threads)
+
+
+def build_assistant(paths: PairPaths, work: Path, cfg: AssistantConfig, threads: int, progress: bool = True) -> dict:
+    """The base pair's assistant, trained on the drafter's supervision (prompt seeds 0-3: computed once,
+    cached), its tau with the `draft_model` method added to the card (the card must exist)."""
+    torch.set_num_threads(threads)
+    train_ids = np.load(work / "data" / "train.npy", mmap_mode="r")
+    sequences = supervision(paths.target, train_ids, BASE_SUPERVISION, 64, 128, (0, 1, 2, 3), progress)
+    report = train_assistant(paths.target, paths.assistant, sequences, 64, cfg, work, progress)
+    from blockspec.common.models import load_checkpoint
+
+    tok = load_checkpoint(paths.target, with_weights=False).tokenizer
+    prompts = [tok.encode(p) for p in (json.loads(line) for line in (paths.root / "heldout_prompts.jsonl").open())]
+    card = json.loads(paths.card.read_text())
+    card["assistant_parameters"] = report["parameters"]
+    card["assistant_tau"] = [{k: v for k, v in measure(paths.target, paths.assistant, "draft_model", prompts, k, 128).items()
+                              if k != "outputs"} for k in (3, 5)]
+    paths.card.write_text(json.dumps(card, indent=2))
+    return card
 
 
 def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[int]], k: int | None, max_tokens: int,
