@@ -41,3 +41,17 @@ def test_dflash_on_the_shipped_pair_equals_the_target_alone():
             for i in batch:
                 assert list(done[str(i)].token_ids) == expected[i], f"k={k} prompt {i}"
                 assert done[str(i)].stats.drafted > 0
+
+
+@pytest.mark.skipif(not (PAIR / "assistant" / "config.json").is_file(), reason="no shipped assistant (build-assistant)")
+def test_draft_model_with_the_shipped_assistant_equals_the_target_alone():
+    card = json.loads((PAIR / "card.json").read_text())
+    assert card["assistant_parameters"] <= 0.25 * card["target_parameters"]
+    engine = Engine(PAIR / "target", PAIR / "assistant", "draft_model", max_batch=2)
+    prompts = heldout_prompts(engine.tokenizer, 2)
+    expected = [hf_greedy(PAIR / "target", p, 64) for p in prompts]
+    done = {e.request_id: e for e in engine.generate([engine.request(str(i), p, 64, 3) for i, p in enumerate(prompts)])
+            if isinstance(e, FinishEvent)}
+    for i in range(len(prompts)):
+        assert list(done[str(i)].token_ids) == expected[i], f"prompt {i}"
+    assert sum(done[str(i)].stats.accepted for i in range(len(prompts))) > 0
