@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from blockspec.services.build.train_target import TrainConfig, lr_factor, save_checkpoint
+from blockspec.services.build.train_target import TrainConfig, export_hf, lr_factor, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,7 @@ def train_assistant(target: Path, out: Path, sequences: list[list[int]], prompt_
               "wall_time_s": round(time.perf_counter() - started, 1),
               **_heldout(model, inputs[n_train:], labels[n_train:], prompt_len),
               "config": asdict(cfg)}
-    tok = AutoTokenizer.from_pretrained(str(target))
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id, do_sample=False)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    (out / "training.json").write_text(json.dumps(report, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export_hf(out, model, AutoTokenizer.from_pretrained(str(target)), report)
     log.info("assistant: %s", json.dumps({k: v for k, v in report.items() if k != "config"}))
     return report

@@ -191,9 +191,10 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def export_hf(out: Path, model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, report: dict) -> None:
-    """Write `out/target` (safetensors, tokenizer, generation config, training.json) via a swap of dirs."""
-    target, tmp, old = out / "target", out / "target.tmp", out / "target.old"
+def export_hf(target: Path, model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, report: dict) -> None:
+    """Write the HF checkpoint dir `target` (safetensors, tokenizer, greedy generation config, training.json)
+    via a swap of dirs: a reader never sees half of it."""
+    tmp, old = target.with_name(target.name + ".tmp"), target.with_name(target.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id, do_sample=False)
@@ -288,7 +289,7 @@ class Trainer:
         self.tick()
         row |= {"elapsed_s": round(self.elapsed, 1), "eval_s": round(self.eval_s, 1)}
         self.history.append(row)
-        export_hf(self.out, self.model, self.tok, self.report())
+        export_hf(self.out / "target", self.model, self.tok, self.report())
         logger.info(json.dumps({"event": "eval", **row}))
 
     def plan(self, step_s: float) -> None:
