@@ -245,24 +245,29 @@ def machine() -> str:
 
 
 def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
-    lines = [header, "", "| mode | concurrency | tokens/s | vs plain | tau | acceptance | accepted per position | exact |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | tau | acceptance | accepted per position "
+             "| exact |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {fmt(r.speedup, '.2f')}x | "
+        spread = f"{min(r.rounds):.0f}-{max(r.rounds):.0f}" if r.rounds else "-"
+        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {fmt(r.speedup, '.2f')}x | "
                      f"{fmt(r.tau, '.2f')} | {fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
                      f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
     if costs is not None:
         lines += ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms.", "",
-                  "| k | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| k | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling "
+                  "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
+        plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)
         for r in rows:
             if r.concurrency != 1 or r.mode != "dflash" or r.tau is None or r.k not in costs.r:
                 continue
             ceiling = r.tau / costs.r[r.k]
             with_drafter = r.tau / (costs.r[r.k] + costs.c_d.get(r.k, 0.0))
+            # Each round's pass against the same round's plain pass: how far the machine's drift moves the share.
+            per_round = [a / b / ceiling for a, b in zip(r.rounds, plain.rounds)] if plain and plain.rounds else []
+            spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
             lines.append(f"| {r.k} | {costs.r[r.k]:.2f} | {costs.c_d.get(r.k, 0.0):.2f} | {r.tau:.2f} | {ceiling:.2f} | "
-                         f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} |")
+                         f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {spread} |")
     split = [r for r in rows if r.step_ms]
     if split:
         lines += ["", "Inside the step loop at concurrency 1 (ms per step; the rest is prefill, the drafter-free part of a",

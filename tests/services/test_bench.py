@@ -50,6 +50,14 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert result["costs"]["r"]["3"] > 0 and result["costs"]["c_d"]["3"] > 0
     report = (out / "bench.md").read_text()
     assert "ceiling tau / r(k+1)" in report and "| dflash k=3 | 2 |" in report and "Inside the step loop" in report
+    # The spread of the passes, and each round's share of the ceiling (against the same round's plain pass)
+    cells = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | 1 |")).split(" | ")
+    low, high = map(float, cells[3].split("-"))
+    assert low == pytest.approx(min(dflash["rounds"]), abs=0.5) and high == pytest.approx(max(dflash["rounds"]), abs=0.5)
+    ceiling_row = next(line for line in report.splitlines() if line.startswith("| 3 | ")).strip(" |").split(" | ")
+    plain = next(r for r in result["rows"] if r["mode"] == "none" and r["concurrency"] == 1)
+    per_round = [a / b / (dflash["tau"] / result["costs"]["r"]["3"]) for a, b in zip(dflash["rounds"], plain["rounds"])]
+    assert [float(x) for x in ceiling_row[-1].split("-")] == pytest.approx([min(per_round), max(per_round)], abs=0.006)
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out
