@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 ENGINE_METHODS = ("none", "ngram", "draft_model", "dflash")
 HF_MODES = ("hf", "hf-lookup", "hf-assisted", "hf-assisted-default")
+COST_REPEATS = 20  # timed rounds of the cost model in each slice (one slice per round of the concurrency-1 passes)
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,8 @@ class CostModel:
     decode_ms: float  # target forward over 1 token
     r: dict[int, float]  # k -> r(k + 1): target forward over k + 1 tokens / over 1 token
     c_d: dict[int, float]  # k -> drafter proposal of k tokens / one target decode
+    # Each slice's r (CostSampler): the figures above are their medians.
+    r_slices: dict[int, list[float]] = field(default_factory=dict)
 
 
 def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats: int, device: str = "cpu"):
@@ -228,15 +232,30 @@ def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats:
     return seconds[0], {k: seconds[k] / seconds[0] for k in ks}, c_d
 
 
-def measure_costs(target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128, repeats: int = 50) -> CostModel:
-    """r(k+1) and c_d from the engine's own verifier and dflash proposer on one request."""
-    from blockspec.services.engine import Engine
+class CostSampler:
+    """r(k+1) and c_d from the engine's own verifier and dflash proposer on one prefilled request, measured in
+    slices (`sample`, each one `cost_ratios`) between the rounds of the passes they are compared with: a
+    cost model timed once, after a run of many minutes, met another state of a drifting machine than
+    the passes did. Each slice pairs its own forwards; `model()` takes the median over the slices."""
 
-    engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32)
-    engine.verifier.add("x", list(range(16, 16 + context)))
-    engine.verifier.prefill(["x"])
-    decode, r, c_d = cost_ratios(engine.verifier, engine.proposer if drafter else None, "x", ks, repeats)
-    return CostModel(context, decode * 1e3, r, c_d)
+    def __init__(self, target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128) -> None:
+        from blockspec.services.engine import Engine
+
+        self.engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32)
+        self.engine.verifier.add("x", list(range(16, 16 + context)))
+        self.engine.verifier.prefill(["x"])
+        self.context, self.ks, self.with_drafter = context, list(ks), drafter is not None
+        self.slices: list[tuple[float, dict[int, float], dict[int, float]]] = []
+
+    def sample(self, repeats: int) -> None:
+        proposer = self.engine.proposer if self.with_drafter else None
+        self.slices.append(cost_ratios(self.engine.verifier, proposer, "x", self.ks, repeats))
+
+    def model(self) -> CostModel:
+        decode = statistics.median(s[0] for s in self.slices)
+        r_slices = {k: [s[1][k] for s in self.slices] for k in self.ks}
+        c_d = {k: statistics.median(s[2][k] for s in self.slices) for k in self.slices[0][2]}
+        return CostModel(self.context, decode * 1e3, {k: statistics.median(v) for k, v in r_slices.items()}, c_d, r_slices)
 
 
 def machine() -> str:
@@ -254,7 +273,10 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
                      f"{fmt(r.tau, '.2f')} | {fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
                      f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
     if costs is not None:
-        lines += ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms.", "",
+        spread = "; ".join(f"r({k + 1}) {min(v):.2f}-{max(v):.2f}" for k, v in costs.r_slices.items() if v)
+        slices = len(next(iter(costs.r_slices.values()), [None]))
+        lines += ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms; the median of "
+                  f"{slices} slice{'s' if slices > 1 else ''} ({spread}).", "",
                   "| k | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling "
                   "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
         plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)
@@ -263,8 +285,11 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
                 continue
             ceiling = r.tau / costs.r[r.k]
             with_drafter = r.tau / (costs.r[r.k] + costs.c_d.get(r.k, 0.0))
-            # Each round's pass against the same round's plain pass: how far the machine's drift moves the share.
-            per_round = [a / b / ceiling for a, b in zip(r.rounds, plain.rounds)] if plain and plain.rounds else []
+            # Each round's pass against the same round's plain pass and, where there is one slice per round, that
+            # round's own r: how far the machine's drift moves the share.
+            round_r = costs.r_slices.get(r.k, [])
+            round_r = round_r if len(round_r) == len(r.rounds) else [costs.r[r.k]] * len(r.rounds)
+            per_round = [a / b / (r.tau / rr) for a, b, rr in zip(r.rounds, plain.rounds, round_r)] if plain else []
             spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
             lines.append(f"| {r.k} | {costs.r[r.k]:.2f} | {costs.c_d.get(r.k, 0.0):.2f} | {r.tau:.2f} | {ceiling:.2f} | "
                          f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {spread} |")
@@ -324,6 +349,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     if not any(m.name == "none" for m in modes):
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
     plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
+    ks = sorted({m.k for m in modes if m.name == "dflash"})
+    sampler = CostSampler(target, drafter, ks) if drafter and ks else None
     rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
     with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
         for c, ms in plan:
@@ -337,6 +364,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
                     first.setdefault((m, c), outputs)
                     samples[m].append(row)
                     bar.update()
+                if sampler is not None and c == 1:  # the ceiling's costs, timed among the passes it is compared with
+                    sampler.sample(COST_REPEATS)
             del runners
             for m in ms:
                 passes = sorted(samples[m], key=lambda row: row.tokens_per_s)
@@ -347,11 +376,14 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     for row in rows:
         plain = next(r for r in rows if r.mode == "none" and r.concurrency == row.concurrency)
         row.speedup = row.tokens_per_s / plain.tokens_per_s
-    ks = sorted({m.k for m in modes if m.name == "dflash"})
-    costs = measure_costs(target, drafter, ks) if drafter and ks else None
+    if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
+        sampler.sample(COST_REPEATS * rounds)
+    costs = sampler.model() if sampler is not None else None
     header = (f"Machine: {machine()}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
               f"greedy; a pass at concurrency c serves max({len(prompts)}, {waves} c) requests (the prompts cycled), c "
-              f"at a time. Each figure is the median of {rounds} interleaved passes.")
+              f"at a time. Each figure is the median of {rounds} interleaved passes." +
+              (" The cost model is timed in slices, one after each round of the concurrency-1 passes." if 1 in concurrency
+               else ""))
     report = markdown(rows, costs, header)
     (out / "bench.md").write_text(report)
     result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,

@@ -55,8 +55,13 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     low, high = map(float, cells[3].split("-"))
     assert low == pytest.approx(min(dflash["rounds"]), abs=0.5) and high == pytest.approx(max(dflash["rounds"]), abs=0.5)
     ceiling_row = next(line for line in report.splitlines() if line.startswith("| 3 | ")).strip(" |").split(" | ")
+    # The cost model was timed in one slice after each round at concurrency 1; r is the slices' median, and each
+    # round's share uses its own slice.
+    r_slices = result["costs"]["r_slices"]["3"]
+    assert len(r_slices) == 2 and result["costs"]["r"]["3"] == pytest.approx(sorted(r_slices)[0] / 2 + sorted(r_slices)[1] / 2)
+    assert "one after each round of the concurrency-1 passes" in report and "median of 2 slices" in report
     plain = next(r for r in result["rows"] if r["mode"] == "none" and r["concurrency"] == 1)
-    per_round = [a / b / (dflash["tau"] / result["costs"]["r"]["3"]) for a, b in zip(dflash["rounds"], plain["rounds"])]
+    per_round = [a / b / (dflash["tau"] / r) for a, b, r in zip(dflash["rounds"], plain["rounds"], r_slices)]
     assert [float(x) for x in ceiling_row[-1].split("-")] == pytest.approx([min(per_round), max(per_round)], abs=0.006)
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
