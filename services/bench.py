@@ -279,17 +279,15 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
                   f"{slices} slice{'s' if slices > 1 else ''} ({spread}).", "",
                   "| k | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling "
                   "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
-        plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)
+        plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
         for r in rows:
             if r.concurrency != 1 or r.mode != "dflash" or r.tau is None or r.k not in costs.r:
                 continue
             ceiling = r.tau / costs.r[r.k]
             with_drafter = r.tau / (costs.r[r.k] + costs.c_d.get(r.k, 0.0))
-            # Each round's pass against the same round's plain pass and, where there is one slice per round, that
-            # round's own r: how far the machine's drift moves the share.
-            round_r = costs.r_slices.get(r.k, [])
-            round_r = round_r if len(round_r) == len(r.rounds) else [costs.r[r.k]] * len(r.rounds)
-            per_round = [a / b / (r.tau / rr) for a, b, rr in zip(r.rounds, plain.rounds, round_r)] if plain else []
+            # Each round's pass against the same round's plain pass and that round's own cost slice (one slice
+            # follows each round at concurrency 1): how far the machine's drift moves the share.
+            per_round = [a / b / (r.tau / rr) for a, b, rr in zip(r.rounds, plain.rounds, costs.r_slices[r.k])]
             spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
             lines.append(f"| {r.k} | {costs.r[r.k]:.2f} | {costs.c_d.get(r.k, 0.0):.2f} | {r.tau:.2f} | {ceiling:.2f} | "
                          f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {spread} |")
@@ -382,8 +380,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     header = (f"Machine: {machine()}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
               f"greedy; a pass at concurrency c serves max({len(prompts)}, {waves} c) requests (the prompts cycled), c "
               f"at a time. Each figure is the median of {rounds} interleaved passes." +
-              (" The cost model is timed in slices, one after each round of the concurrency-1 passes." if 1 in concurrency
-               else ""))
+              (" The cost model is timed in slices, one after each round of the concurrency-1 passes."
+               if sampler is not None and 1 in concurrency else ""))
     report = markdown(rows, costs, header)
     (out / "bench.md").write_text(report)
     result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,
