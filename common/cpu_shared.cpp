@@ -30,6 +30,7 @@ static inline void tile(const float* xp, const float* panel, float* yp, int64_t 
     for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + 16 * r, &acc[r][c], sizeof(v16));
 }
 
+#if defined(__AVX512F__)
 // One panel, whole (4 blocks of 16 features) for up to 8 rows at a time: the panel streams through once
 // per 8 rows, contiguously (half-panel tiles read every 256-byte row in two strided passes and ran
 // 15-40% slower at 6-16 rows when the weights come from L3). 8 rows use 32 accumulators (some spill).
@@ -48,6 +49,40 @@ static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_
   }
 }
 
+#else
+// Without AVX-512 (AVX2: 16 vector registers of 8 floats) the tiles above spill most of their
+// accumulators (8 rows x 64 features ran 10x slower than MKL). Here a tile is RB vectors of 8 features
+// (a slice of the panel) x RN rows, so that its accumulators stay in the 16 registers.
+typedef float v8w __attribute__((vector_size(32)));
+static inline v8w load8w(const float* p) { v8w v; __builtin_memcpy(&v, p, sizeof v); return v; }
+
+template <int RB, int RN>
+static inline void tile8(const float* xp, const float* panel, float* yp, int64_t I, int64_t O, int64_t o, int64_t n) {
+  v8w acc[RB][RN];
+  for (int r = 0; r < RB; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = v8w{};
+  for (int64_t i = 0; i < I; ++i) {
+    v8w wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = load8w(panel + i * 64 + 8 * r);
+    for (int c = 0; c < RN; ++c) {
+      const float xs = xp[(n + c) * I + i];
+      for (int r = 0; r < RB; ++r) acc[r][c] += wv[r] * xs;
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + 8 * r, &acc[r][c], sizeof(v8w));
+}
+
+static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
+  constexpr int RB = 4, RN = 3;  // of the shapes tried (4 x 3, 2 x 6, 4 x 2, 8 x 1), the fastest at 8 rows
+  for (int64_t s = 0; s < 64; s += 8 * RB) {
+    int64_t n = 0;
+    for (; N - n >= RN; n += RN) tile8<RB, RN>(xp, pp + s, yp, I, O, o + s, n);
+    if (N - n == 2) tile8<RB, 2>(xp, pp + s, yp, I, O, o + s, n);
+    else if (N - n == 1) tile8<RB, 1>(xp, pp + s, yp, I, O, o + s, n);
+  }
+}
+#endif
+
 // y[n, o] = sum_i x[n, i] * w[o, i] for n < N; x [N, I] fp32 rows, packed [O / 64, I, 64] (see above), y [N, O].
 static void linear_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
   const int64_t P = packed.size(0), O = P * 64;
@@ -62,22 +97,26 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 
 // exp(x) for a vector of x <= 0 (scores less their maximum): x = k ln 2 + r with |r| <= ln 2 / 2, e^r
 // from its degree-7 Taylor polynomial (relative error below 3e-7 on that range), times 2^k put into the
-// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0.
-static inline v16 exp16(v16 x) {
-  const v16 floor = v16{} - 87.f;
-  const v16 xc = x < floor ? floor : x;  // keeps the int conversion below in range (-inf included)
-  const v16 k = xc * 1.44269504088896341f;
-  vi16 ki = __builtin_convertvector(k - 0.5f, vi16);  // round to nearest (k <= 0: truncation moves up)
-  const v16 kf = __builtin_convertvector(ki, v16);
-  const v16 r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
-  v16 p = r * (1.f / 5040.f) + 1.f / 720.f;
+// exponent bits. Below -87 (e^x under fp32's normal range) the result is taken as 0. V: a float vector,
+// VI: the int32 vector of its width.
+template <typename V, typename VI>
+static inline V exp_neg(V x) {
+  const V floor = V{} - 87.f;
+  const V xc = x < floor ? floor : x;  // keeps the int conversion below in range (-inf included)
+  const V k = xc * 1.44269504088896341f;
+  VI ki = __builtin_convertvector(k - 0.5f, VI);  // round to nearest (k <= 0: truncation moves up)
+  const V kf = __builtin_convertvector(ki, V);
+  const V r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;  // ln 2 split in two: r exact to fp32
+  V p = r * (1.f / 5040.f) + 1.f / 720.f;
   p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
-  vi16 scale = (ki + 127) << 23;
-  v16 two_k;
+  VI scale = (ki + 127) << 23;
+  V two_k;
   __builtin_memcpy(&two_k, &scale, sizeof two_k);
-  return x < floor ? v16{} : p * two_k;
+  return x < floor ? V{} : p * two_k;
 }
+
+static inline v16 exp16(v16 x) { return exp_neg<v16, vi16>(x); }
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -94,8 +133,28 @@ static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 1
   return hsum16(acc);
 }
 
+// The attention's vector: the CPU's own width (GCC splits a wider vector into several registers, and its
+// loops over arrays of them then spill: 16-float vectors ran 3-10x slower on an AVX2 machine).
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vif __attribute__((vector_size(VW * 4)));
+static inline vf loadf(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+
+static inline float hsumf(vf v) {  // halves added pairwise: a fixed order
+#if defined(__AVX512F__)
+  return hsum16(v);
+#else
+  const v4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#endif
+}
+
 // Attention of nq queries sharing one KV head: q(i) the vector of query i, key(j) / value(j) the rows of
-// key j (hd = 16 BLK floats each), query i seeing keys 0..n[i] - 1, out(i) where its result goes.
+// key j (hd = BLK vectors of VW floats each), query i seeing keys 0..n[i] - 1, out(i) where its result goes.
 // Scores, then each query's softmax, then the weighted values, in chunks of queries that read each key
 // or value row once for the chunk. The arithmetic of a query (its dot products, softmax and weighted
 // sum, in key order) is the same whatever the others: a row's result does not depend on its batch.
@@ -103,7 +162,7 @@ static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 1
 template <int BLK, typename Query, typename Key, typename Value, typename Out>
 static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n, int64_t nq, float* scores,
                         int64_t row, float scale) {
-  constexpr int QC = BLK >= 16 ? 1 : 16 / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
+  constexpr int QC = BLK >= VW ? 1 : VW / BLK;  // queries per chunk: QC x BLK accumulators fit the registers
   for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // scores: 4 queries at a time
     const int64_t count = std::min<int64_t>(4, nq - i0);
     int64_t reach = 0;
@@ -112,47 +171,47 @@ static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n
     for (int64_t i = 0; i < 4; ++i) qs[i] = q(i0 + std::min(i, count - 1));
     for (int64_t j = 0; j < reach; ++j) {  // past a query's own n: computed, never read
       const float* k = key(j);
-      v16 acc[4] = {v16{}, v16{}, v16{}, v16{}};
+      vf acc[4] = {vf{}, vf{}, vf{}, vf{}};
       for (int c = 0; c < BLK; ++c) {
-        const v16 kv = load16(k + 16 * c);
-        for (int i = 0; i < 4; ++i) acc[i] += load16(qs[i] + 16 * c) * kv;
+        const vf kv = loadf(k + VW * c);
+        for (int i = 0; i < 4; ++i) acc[i] += loadf(qs[i] + VW * c) * kv;
       }
-      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsum16(acc[i]) * scale;
+      for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsumf(acc[i]) * scale;
     }
   }
   for (int64_t i = 0; i < nq; ++i) {  // softmax numerators in place, each query's own
     float* s = scores + i * row;
     float m = s[0];
     for (int64_t j = 1; j < n[i]; ++j) m = s[j] > m ? s[j] : m;
-    for (int64_t j = n[i]; j < (n[i] + 15) / 16 * 16; ++j) s[j] = -INFINITY;
-    v16 total = v16{};
-    for (int64_t j = 0; j < n[i]; j += 16) {
-      const v16 e = exp16(load16(s + j) - m);
+    for (int64_t j = n[i]; j < (n[i] + VW - 1) / VW * VW; ++j) s[j] = -INFINITY;
+    vf total = vf{};
+    for (int64_t j = 0; j < n[i]; j += VW) {
+      const vf e = exp_neg<vf, vif>(loadf(s + j) - m);
       __builtin_memcpy(s + j, &e, sizeof e);
       total += e;
     }
-    s[row - 1] = 1.f / hsum16(total);  // past every key: the normaliser
+    s[row - 1] = 1.f / hsumf(total);  // past every key: the normaliser
   }
   for (int64_t i0 = 0; i0 < nq; i0 += QC) {  // weighted values
     const int64_t count = std::min<int64_t>(QC, nq - i0);
     int64_t reach = 0;
     for (int64_t i = i0; i < i0 + count; ++i) reach = std::max(reach, n[i]);
-    v16 acc[QC][BLK];
-    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = v16{};
+    vf acc[QC][BLK];
+    for (int i = 0; i < QC; ++i) for (int c = 0; c < BLK; ++c) acc[i][c] = vf{};
     for (int64_t j = 0; j < reach; ++j) {
       const float* v = value(j);
       for (int i = 0; i < QC; ++i) {
         if (i >= count || j >= n[i0 + i]) continue;
         const float w = scores[(i0 + i) * row + j];
-        for (int c = 0; c < BLK; ++c) acc[i][c] += load16(v + 16 * c) * w;
+        for (int c = 0; c < BLK; ++c) acc[i][c] += loadf(v + VW * c) * w;
       }
     }
     for (int64_t i = 0; i < count; ++i) {
       const float inv = scores[(i0 + i) * row + row - 1];
       float* o = out(i0 + i);
       for (int c = 0; c < BLK; ++c) {
-        const v16 y = acc[i][c] * inv;
-        __builtin_memcpy(o + 16 * c, &y, sizeof y);
+        const vf y = acc[i][c] * inv;
+        __builtin_memcpy(o + VW * c, &y, sizeof y);
       }
     }
   }
@@ -162,11 +221,11 @@ static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n
 template <typename... A>
 static void attend_head_hd(int64_t hd, A&&... a) {
   switch (hd) {
-    case 16: attend_head<1>(a...); break;
-    case 32: attend_head<2>(a...); break;
-    case 64: attend_head<4>(a...); break;
-    case 128: attend_head<8>(a...); break;
-    default: TORCH_CHECK(hd == 256, "attention: head size ", hd, " unsupported"); attend_head<16>(a...);
+    case 16: attend_head<16 / VW>(a...); break;
+    case 32: attend_head<32 / VW>(a...); break;
+    case 64: attend_head<64 / VW>(a...); break;
+    case 128: attend_head<128 / VW>(a...); break;
+    default: TORCH_CHECK(hd == 256, "attention: head size ", hd, " unsupported"); attend_head<256 / VW>(a...);
   }
 }
 
