@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -298,6 +298,10 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
       for (; v + 16 <= V; v += 16) {
 #if defined(__AVX512F__)
         if (!_mm512_cmp_ps_mask(_mm512_loadu_ps(lg + v), _mm512_set1_ps(val[n - 1]), _CMP_GT_OQ)) continue;
+#elif defined(__AVX2__)
+        const __m256 last = _mm256_set1_ps(val[n - 1]);
+        if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(lg + v), last, _CMP_GT_OQ),
+                                             _mm256_cmp_ps(_mm256_loadu_ps(lg + v + 8), last, _CMP_GT_OQ)))) continue;
 #endif
         for (int64_t i = 0; i < 16; ++i) offer(v + i);
       }
