@@ -259,8 +259,9 @@ class CostSampler:
 
 
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, " \
-           f"{torch.get_num_threads()} threads"
+    # The vector extension decides the CPU kernels' speed (the same VM type came with AVX-512 and with AVX2 only).
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), " \
+           f"torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:

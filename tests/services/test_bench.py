@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.bench import Mode, parse_modes, workload
@@ -49,6 +50,8 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert all(not r["step_ms"] for r in result["rows"] if r["concurrency"] == 2 or r["mode"].startswith("hf"))
     assert result["costs"]["r"]["3"] > 0 and result["costs"]["c_d"]["3"] > 0
     report = (out / "bench.md").read_text()
+    # The machine line names the CPU's vector extension (the kernels' speed depends on it).
+    assert f"({torch.backends.cpu.get_cpu_capability()})" in result["machine"] and result["machine"] in report
     assert "ceiling tau / r(k+1)" in report and "| dflash k=3 | 2 |" in report and "Inside the step loop" in report
     # The spread of the passes, and each round's share of the ceiling (against the same round's plain pass)
     cells = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | 1 |")).split(" | ")
