@@ -7,27 +7,30 @@
 
 typedef float v16 __attribute__((vector_size(64)));  // lowered to what the CPU has (AVX-512, AVX2, SSE)
 
-static inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+template <typename V>
+static inline V loadv(const float* p) { V v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline v16 load16(const float* p) { return loadv<v16>(p); }
 
 // The weight comes packed in panels of 64 output features: panel[i][c] = w[64 p + c][i], so a panel
 // streams through memory contiguously.
 //
-// RB blocks of 16 features x RN rows of x. Every output element is the sum over i = 0..I-1 in order,
-// one fused multiply-add per step, whatever the tile: a row's result does not depend on the others.
-template <int RB, int RN>
+// RB vectors V (16 or 8 features each) x RN rows of x. Every output element is the sum over i = 0..I-1
+// in order, one fused multiply-add per step, whatever the tile: a row's result does not depend on the others.
+template <typename V, int RB, int RN>
 static inline void tile(const float* xp, const float* panel, float* yp, int64_t I, int64_t O, int64_t o, int64_t n) {
-  v16 acc[RB][RN];
-  for (int r = 0; r < RB; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = v16{};
+  constexpr int W = sizeof(V) / sizeof(float);
+  V acc[RB][RN];
+  for (int r = 0; r < RB; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = V{};
   for (int64_t i = 0; i < I; ++i) {
-    v16 wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load16(panel + i * 64 + 16 * r);
+    V wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = loadv<V>(panel + i * 64 + W * r);
     for (int c = 0; c < RN; ++c) {
       const float xs = xp[(n + c) * I + i];
       for (int r = 0; r < RB; ++r) acc[r][c] += wv[r] * xs;
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + 16 * r, &acc[r][c], sizeof(v16));
+    for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + W * r, &acc[r][c], sizeof(V));
 }
 
 #if defined(__AVX512F__)
@@ -36,15 +39,15 @@ static inline void tile(const float* xp, const float* panel, float* yp, int64_t 
 // 15-40% slower at 6-16 rows when the weights come from L3). 8 rows use 32 accumulators (some spill).
 static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
   int64_t n = 0;
-  for (; N - n >= 8; n += 8) tile<4, 8>(xp, pp, yp, I, O, o, n);
+  for (; N - n >= 8; n += 8) tile<v16, 4, 8>(xp, pp, yp, I, O, o, n);
   switch (N - n) {
-    case 1: tile<4, 1>(xp, pp, yp, I, O, o, n); break;
-    case 2: tile<4, 2>(xp, pp, yp, I, O, o, n); break;
-    case 3: tile<4, 3>(xp, pp, yp, I, O, o, n); break;
-    case 4: tile<4, 4>(xp, pp, yp, I, O, o, n); break;
-    case 5: tile<4, 5>(xp, pp, yp, I, O, o, n); break;
-    case 6: tile<4, 6>(xp, pp, yp, I, O, o, n); break;
-    case 7: tile<4, 7>(xp, pp, yp, I, O, o, n); break;
+    case 1: tile<v16, 4, 1>(xp, pp, yp, I, O, o, n); break;
+    case 2: tile<v16, 4, 2>(xp, pp, yp, I, O, o, n); break;
+    case 3: tile<v16, 4, 3>(xp, pp, yp, I, O, o, n); break;
+    case 4: tile<v16, 4, 4>(xp, pp, yp, I, O, o, n); break;
+    case 5: tile<v16, 4, 5>(xp, pp, yp, I, O, o, n); break;
+    case 6: tile<v16, 4, 6>(xp, pp, yp, I, O, o, n); break;
+    case 7: tile<v16, 4, 7>(xp, pp, yp, I, O, o, n); break;
     default: break;
   }
 }
@@ -54,31 +57,14 @@ static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_
 // accumulators (8 rows x 64 features ran 10x slower than MKL). Here a tile is RB vectors of 8 features
 // (a slice of the panel) x RN rows, so that its accumulators stay in the 16 registers.
 typedef float v8w __attribute__((vector_size(32)));
-static inline v8w load8w(const float* p) { v8w v; __builtin_memcpy(&v, p, sizeof v); return v; }
-
-template <int RB, int RN>
-static inline void tile8(const float* xp, const float* panel, float* yp, int64_t I, int64_t O, int64_t o, int64_t n) {
-  v8w acc[RB][RN];
-  for (int r = 0; r < RB; ++r) for (int c = 0; c < RN; ++c) acc[r][c] = v8w{};
-  for (int64_t i = 0; i < I; ++i) {
-    v8w wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load8w(panel + i * 64 + 8 * r);
-    for (int c = 0; c < RN; ++c) {
-      const float xs = xp[(n + c) * I + i];
-      for (int r = 0; r < RB; ++r) acc[r][c] += wv[r] * xs;
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < RN; ++c) __builtin_memcpy(yp + (n + c) * O + o + 8 * r, &acc[r][c], sizeof(v8w));
-}
 
 static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
   constexpr int RB = 4, RN = 3;  // of the shapes tried (4 x 3, 2 x 6, 4 x 2, 8 x 1), the fastest at 8 rows
   for (int64_t s = 0; s < 64; s += 8 * RB) {
     int64_t n = 0;
-    for (; N - n >= RN; n += RN) tile8<RB, RN>(xp, pp + s, yp, I, O, o + s, n);
-    if (N - n == 2) tile8<RB, 2>(xp, pp + s, yp, I, O, o + s, n);
-    else if (N - n == 1) tile8<RB, 1>(xp, pp + s, yp, I, O, o + s, n);
+    for (; N - n >= RN; n += RN) tile<v8w, RB, RN>(xp, pp + s, yp, I, O, o + s, n);
+    if (N - n == 2) tile<v8w, RB, 2>(xp, pp + s, yp, I, O, o + s, n);
+    else if (N - n == 1) tile<v8w, RB, 1>(xp, pp + s, yp, I, O, o + s, n);
   }
 }
 #endif
@@ -142,7 +128,6 @@ constexpr int VW = 8;
 #endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vif __attribute__((vector_size(VW * 4)));
-static inline vf loadf(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 
 static inline float hsumf(vf v) {  // halves added pairwise: a fixed order
 #if defined(__AVX512F__)
@@ -173,8 +158,8 @@ static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n
       const float* k = key(j);
       vf acc[4] = {vf{}, vf{}, vf{}, vf{}};
       for (int c = 0; c < BLK; ++c) {
-        const vf kv = loadf(k + VW * c);
-        for (int i = 0; i < 4; ++i) acc[i] += loadf(qs[i] + VW * c) * kv;
+        const vf kv = loadv<vf>(k + VW * c);
+        for (int i = 0; i < 4; ++i) acc[i] += loadv<vf>(qs[i] + VW * c) * kv;
       }
       for (int64_t i = 0; i < count; ++i) scores[(i0 + i) * row + j] = hsumf(acc[i]) * scale;
     }
@@ -186,7 +171,7 @@ static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n
     for (int64_t j = n[i]; j < (n[i] + VW - 1) / VW * VW; ++j) s[j] = -INFINITY;
     vf total = vf{};
     for (int64_t j = 0; j < n[i]; j += VW) {
-      const vf e = exp_neg<vf, vif>(loadf(s + j) - m);
+      const vf e = exp_neg<vf, vif>(loadv<vf>(s + j) - m);
       __builtin_memcpy(s + j, &e, sizeof e);
       total += e;
     }
@@ -203,7 +188,7 @@ static void attend_head(Query q, Key key, Value value, Out out, const int64_t* n
       for (int i = 0; i < QC; ++i) {
         if (i >= count || j >= n[i0 + i]) continue;
         const float w = scores[(i0 + i) * row + j];
-        for (int c = 0; c < BLK; ++c) acc[i][c] += loadf(v + VW * c) * w;
+        for (int c = 0; c < BLK; ++c) acc[i][c] += loadv<vf>(v + VW * c) * w;
       }
     }
     for (int64_t i = 0; i < count; ++i) {
