@@ -6,6 +6,8 @@
 #include <vector>
 
 typedef float v16 __attribute__((vector_size(64)));  // lowered to what the CPU has (AVX-512, AVX2, SSE)
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 
 template <typename V>
 static inline V loadv(const float* p) { V v; __builtin_memcpy(&v, p, sizeof v); return v; }
@@ -56,15 +58,13 @@ static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_
 // Without AVX-512 (AVX2: 16 vector registers of 8 floats) the tiles above spill most of their
 // accumulators (8 rows x 64 features ran 10x slower than MKL). Here a tile is RB vectors of 8 features
 // (a slice of the panel) x RN rows, so that its accumulators stay in the 16 registers.
-typedef float v8w __attribute__((vector_size(32)));
-
 static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
   constexpr int RB = 4, RN = 3;  // of the shapes tried (4 x 3, 2 x 6, 4 x 2, 8 x 1), the fastest at 8 rows
   for (int64_t s = 0; s < 64; s += 8 * RB) {
     int64_t n = 0;
-    for (; N - n >= RN; n += RN) tile<v8w, RB, RN>(xp, pp + s, yp, I, O, o + s, n);
-    if (N - n == 2) tile<v8w, RB, 2>(xp, pp + s, yp, I, O, o + s, n);
-    else if (N - n == 1) tile<v8w, RB, 1>(xp, pp + s, yp, I, O, o + s, n);
+    for (; N - n >= RN; n += RN) tile<v8, RB, RN>(xp, pp + s, yp, I, O, o + s, n);
+    if (N - n == 2) tile<v8, RB, 2>(xp, pp + s, yp, I, O, o + s, n);
+    else if (N - n == 1) tile<v8, RB, 1>(xp, pp + s, yp, I, O, o + s, n);
   }
 }
 #endif
@@ -104,13 +104,13 @@ static inline V exp_neg(V x) {
 
 static inline v16 exp16(v16 x) { return exp_neg<v16, vi16>(x); }
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline float hsum16(v16 v) {  // halves added pairwise: a fixed order
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+static inline float hsum8(v8 a) {  // halves added pairwise: a fixed order
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float hsum16(v16 v) {
+  return hsum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 16 == 0
@@ -129,14 +129,11 @@ constexpr int VW = 8;
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vif __attribute__((vector_size(VW * 4)));
 
-static inline float hsumf(vf v) {  // halves added pairwise: a fixed order
 #if defined(__AVX512F__)
-  return hsum16(v);
+static inline float hsumf(vf v) { return hsum16(v); }
 #else
-  const v4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+static inline float hsumf(vf v) { return hsum8(v); }
 #endif
-}
 
 // Attention of nq queries sharing one KV head: q(i) the vector of query i, key(j) / value(j) the rows of
 // key j (hd = BLK vectors of VW floats each), query i seeing keys 0..n[i] - 1, out(i) where its result goes.
