@@ -25,11 +25,12 @@ of 16. Projections whose output count is not whole panels of 64 run as plain dot
 runs the torch module; `tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
 
 bf16 weights (`bf16=True`; the proposer asks for them unless BLOCKSPEC_DRAFTER_BF16=0): the
-projections and the LM head read bfloat16 copies and multiply bf16-rounded activations with
-AVX512-BF16 (`vdpbf16ps`), summing in fp32; norms, attention, the convolutions and the walk stay fp32.
-Half the bytes and twice the products per instruction: a proposal at concurrency 1 and k = 7 costs
-less, on drafts that differ from the fp32 ones only where two candidates nearly tie (tau in the README).
-Where the CPU lacks the instructions the weights stay fp32.
+projections and the LM head read bfloat16 copies and multiply bf16-rounded activations, summing in
+fp32: with AVX512-BF16 (`vdpbf16ps`), or on AVX2 by widening each weight to fp32 in registers (exact)
+and adding the exact products with FMA. Norms, attention, the convolutions and the walk stay fp32.
+Half the bytes (and with AVX512-BF16 twice the products per instruction): a proposal at concurrency 1
+and k = 7 costs less, on drafts that differ from the fp32 ones only where two candidates nearly tie
+(tau in the README). Where the CPU has neither, the weights stay fp32.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class CpuDrafter:
             and cfg.num_heads % cfg.num_kv_heads == 0 and cfg.intermediate_size % 16 == 0
         )
         # bf16 weights (projections and LM head; activations, norms, attention and sums stay fp32) where
-        # asked for and the CPU has AVX512-BF16. Every projection input (hidden, intermediate, taps) is even.
+        # asked for and the CPU has AVX512-BF16 or AVX2. Every projection input (hidden, intermediate, taps) is even.
         self.bf16 = bool(bf16 and self.usable and ext.bf16_supported())
         self._prepared_for: tuple | None = None
         self._copied: list[torch.Tensor] = []  # the weights the prepared lists hold copies of

@@ -139,7 +139,7 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, m
 
 
 needs_bf16 = pytest.mark.skipif(not cpu_block._extension.get().bf16_supported(),
-                                reason="this CPU lacks AVX512-BF16: the drafter keeps fp32 weights")
+                                reason="this CPU has neither AVX512-BF16 nor AVX2: the drafter keeps fp32 weights")
 
 
 @needs_bf16
