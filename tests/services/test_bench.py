@@ -66,6 +66,11 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     plain = next(r for r in result["rows"] if r["mode"] == "none" and r["concurrency"] == 1)
     per_round = [a / b / (dflash["tau"] / r) for a, b, r in zip(dflash["rounds"], plain["rounds"], r_slices)]
     assert [float(x) for x in ceiling_row[-1].split("-")] == pytest.approx([min(per_round), max(per_round)], abs=0.006)
+    # The loop's own split: the part of a step in the verify, and that against plain decoding's (both within a pass).
+    split_row = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | ") and line.count("|") == 8)
+    fraction, against_plain = map(float, split_row.strip(" |").split(" | ")[-2:])
+    assert fraction == pytest.approx(verify / step, abs=0.006)
+    assert against_plain == pytest.approx(verify / step / (plain["step_ms"][1] / plain["step_ms"][0]), abs=0.006)
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out
