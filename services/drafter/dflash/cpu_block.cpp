@@ -20,6 +20,7 @@ static inline uint32_t bf16_bits(float f) {
 }
 
 #if defined(__AVX512BF16__)
+#define BF16_KERNEL 1
 template <int RN>
 static inline void tile_bf16(const uint32_t* xb, const uint16_t* panel, float* yp, int64_t J, int64_t O, int64_t o,
                              int64_t n) {
@@ -54,6 +55,7 @@ static void panel_bf16(const uint32_t* xb, const uint16_t* pp, float* yp, int64_
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+#define BF16_KERNEL 1
 typedef uint32_t vu8 __attribute__((vector_size(32)));
 
 // RN rows x 32 features (4 vectors of 8): one 256-bit load holds both inputs of a pair for 8 features,
@@ -91,15 +93,11 @@ static void panel_bf16(const float* xr, const uint16_t* pp, float* yp, int64_t N
     if (N - n == 1) tile_bf16<1>(xr, pp + 2 * s, yp, J, O, o + s, n);
   }
 }
+#else
+#define BF16_KERNEL 0
 #endif
 
-static bool bf16_supported() {
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
-  return true;
-#else
-  return false;
-#endif
-}
+static bool bf16_supported() { return BF16_KERNEL; }
 
 // y [N, O] = x [N, I] @ w.T for bf16 panels (above).
 static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
@@ -119,7 +117,7 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
     std::memcpy(&xs[i], &bits, 4);
   }
 #endif
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#if BF16_KERNEL
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) panel_bf16(xs.data(), wp + p * J * 128, yp, N, J, O, p * 64);
   });
