@@ -279,19 +279,46 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from blockspec.services.drafter.dflash.train import DistillConfig
 
     tokenizer = load_checkpoint(args.target).tokenizer
-    texts = []
-    for name in args.text_file:
-        path = Path(name)
-        files = sorted(path.rglob("*.py")) + sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-        if not path.exists() or not files:
-            raise InvalidArgument("--text-file", f"{path} is not a text file or a directory holding .py/.txt files")
-        texts += [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    ids = tokenizer.encode("\n".join(texts))
+    ids = tokenizer.encode("\n".join(_read_texts(args.text_file)))
     if len(ids) < args.prompt_len + 1:
         raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")
     cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed)
     distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)
     print(f"drafter: {args.out}")
+    return 0
+
+
+def _read_texts(names: list[str]) -> list[str]:
+    """--text-file: the text of each file, and of each .py / .txt file under a directory."""
+    texts = []
+    for name in names:
+        path = Path(name)
+        files = sorted(path.rglob("*.py")) + sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not path.exists() or not files:
+            raise InvalidArgument("--text-file", f"{path} is not a text file or a directory holding .py/.txt files")
+        texts += [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    return texts
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.drafter.dflash import draft_vocab
+    from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
+
+    target = load_checkpoint(args.target, with_weights=False)
+    drafter = load_drafter(args.drafter)
+    check_fits_target(drafter.cfg, target.config, args.drafter)
+    vocab = target.config.vocab_size
+    if args.size is not None:
+        try:
+            draft_vocab.check_size(args.size, vocab)
+        except ValueError as e:
+            raise InvalidArgument("--size", str(e)) from e
+    texts = _read_texts(args.text_file)
+    info = draft_vocab.build(args.drafter, vocab, target.config.eos_token_ids, (target.tokenizer.encode(t) for t in texts),
+                             args.size, f"{len(texts)} text files ({', '.join(args.text_file)})")
+    print(f"draft vocabulary: {info['size']} of {vocab} tokens, {info['coverage']:.1%} of the {info['corpus_tokens']} "
+          f"tokens of the text -> {Path(args.drafter) / draft_vocab.FILE}")
     return 0
 
 
@@ -403,6 +430,14 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--layers", type=int, default=1)
     td.add_argument("--seed", type=int, default=0)
     td.set_defaults(func=cmd_train_drafter)
+    dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "
+                        "(draft_vocab.json in its directory; README, Speed)")
+    dv.add_argument("--drafter", required=True, help="the DFlash drafter's directory (the file is written there)")
+    dv.add_argument("--target", required=True, help="its target (tokenizer and vocabulary)")
+    dv.add_argument("--text-file", nargs="+", required=True, help="text files or directories (.py/.txt) to count tokens in")
+    dv.add_argument("--size", type=int, help="tokens kept, a multiple of 64 (default: half the vocabulary)")
+    dv.set_defaults(func=cmd_draft_vocab)
+
     sv = sub.add_parser("serve", help="serve the gRPC API (and HTTP /health, /metrics) from a config file")
     sv.add_argument("--config", required=True, help="config.yaml (see README)")
     sv.add_argument("--host", help="bind address (default: server.host)")

@@ -3,6 +3,7 @@ target-alone reference outputs from transformers `generate`."""
 
 from __future__ import annotations
 
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from blockspec.services.build.tiny import build_tiny_checkpoint, tiny_tokenizer
 FAMILIES = ("llama", "qwen2", "qwen3")
 PROMPT_LENGTHS = (1, 3, 7, 16, 33, 64, 100, 150)  # tokens; 8 prompts of different lengths
 NEW_TOKENS = 128
+DRAFT_VOCAB_SIZE = 128  # of the tiny vocabulary's 320 tokens
 
 # Tiny models run fastest on one thread, and CI's second core may be busy.
 torch.set_num_threads(1)
@@ -67,7 +69,9 @@ def references(tiny_models, prompts) -> dict[str, list[list[int]]]:
 @pytest.fixture(scope="session")
 def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""
+    from blockspec.common.models import load_checkpoint
     from blockspec.services.build.tiny import build_tiny_drafter
+    from blockspec.services.drafter.dflash import draft_vocab
     from blockspec.services.drafter.dflash.train import DistillConfig, greedy_continuations, train_drafter
 
     root = tmp_path_factory.mktemp("dflash")
@@ -79,6 +83,12 @@ def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]
     sequences = greedy_continuations(target, prompts, 64, progress=False)
     train_drafter(target, root / "qwen3-trained", sequences, [24] * len(prompts), DistillConfig(steps=150), progress=False)
     out["qwen3-trained"] = root / "qwen3-trained"
+    # The same drafter with a draft vocabulary: the 128 most frequent tokens of its supervision, of 320.
+    out["qwen3-trained-vocab"] = root / "qwen3-trained-vocab"
+    shutil.copytree(out["qwen3-trained"], out["qwen3-trained-vocab"])
+    config = load_checkpoint(target, with_weights=False).config
+    draft_vocab.build(out["qwen3-trained-vocab"], config.vocab_size, config.eos_token_ids, sequences, DRAFT_VOCAB_SIZE,
+                      "test sequences")
     return out
 
 

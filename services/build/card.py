@@ -25,6 +25,8 @@ def describe(path: Path) -> str:
             f"target parameters:  {c['target_parameters']:,}",
             f"drafter parameters: {c['drafter_parameters']:,} ({100 * c['drafter_share_of_target']:.1f}% of the target; "
             "embedding and LM head are the target's)",
+            *([f"draft vocabulary: {v['size']:,} of {v['vocab_size']:,} tokens, {v['coverage']:.1%} of {v['source']}"]
+              if (v := c.get("draft_vocab")) else []),
             f"target training tokens: {c['training_tokens']}",
             f"target held-out loss:   {c['heldout_loss'] or 'n/a'} nats/token",
             f"loop share of greedy output on {c['eval_prompts']} held-out prompts: {c['loop_share']:.1%}",

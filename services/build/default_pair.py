@@ -153,6 +153,7 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
             replace(BASE_REFINE, init_from=str(paths.drafter)), prompt_seeds=(0, 1))
     distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128,
             replace(BASE_STAGE3, init_from=str(paths.drafter)), prompt_seeds=(0, 1, 2, 3))
+    write_base_draft_vocab(paths, train_ids)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
@@ -160,6 +161,17 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     (paths.root / "heldout_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     write_card(paths, [tok.encode(p) for p in prompts], max_tokens=128)
     build_assistant(paths, work, AssistantConfig(), threads)
+
+
+def write_base_draft_vocab(paths: PairPaths, train_ids) -> dict:
+    """The base drafter's draft vocabulary: half the target's vocabulary, the most frequent tokens of the
+    target's training tokens (README, Speed)."""
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.drafter.dflash import draft_vocab
+
+    config = load_checkpoint(paths.target, with_weights=False).config
+    return draft_vocab.build(paths.drafter, config.vocab_size, config.eos_token_ids, [train_ids], None,
+                             f"the target's {len(train_ids)} training tokens")
 
 
 def build_assistant(paths: PairPaths, work: Path, cfg: AssistantConfig, threads: int, progress: bool = True) -> dict:
@@ -232,6 +244,11 @@ def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> d
         "ablation_k5": ablation,  # modules switched off at inference on the same trained drafter
         "drafter_config": drafter.cfg.to_hf()["dflash_config"],
     }
+    if drafter.draft_vocab is not None:  # measured with it, as the engine runs the drafter
+        from blockspec.services.drafter.dflash import draft_vocab
+
+        info = json.loads((paths.drafter / draft_vocab.FILE).read_text())
+        card["draft_vocab"] = {k: info[k] for k in ("size", "vocab_size", "source", "coverage")}
     paths.card.write_text(json.dumps(card, indent=2))
     return card
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.engine import Engine
 from blockspec.services.router.adaptive_k import WARMUP_STEPS
 from blockspec.services.router.step_loop import FinishEvent
+from tests.conftest import DRAFT_VOCAB_SIZE
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 KS = (1, 3, 5, 8)
@@ -39,6 +41,23 @@ def test_greedy_output_equals_target_alone(family, name, tiny_models, dflash_dra
 def test_trained_dflash_equals_target_alone_and_accepts(tiny_models, dflash_drafters, prompts, references):
     engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=len(prompts))
     check_lossless(engine, "dflash_trained", prompts, references["qwen3"])
+
+
+def test_draft_vocabulary_keeps_output_identical(tiny_models, dflash_drafters, prompts, references, monkeypatch):
+    """A draft vocabulary (128 of the 320 tokens) narrows what the drafter proposes, never what is committed:
+    every draft token is in it, and the output equals the target alone, tokens outside it included."""
+    engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained-vocab"], "dflash", max_batch=len(prompts))
+    vocab = set(engine.proposer.vocab_ids.tolist())
+    assert len(vocab) == DRAFT_VOCAB_SIZE
+    proposed = []
+    propose = engine.proposer.propose
+    monkeypatch.setattr(engine.proposer, "propose", lambda inputs: proposed.append(propose(inputs)) or proposed[-1])
+    check_lossless(engine, "dflash_trained", prompts, references["qwen3"])
+    drafted = {t for drafts in proposed for d in drafts for t in d.token_ids}
+    assert drafted and drafted <= vocab
+    assert any(t not in vocab for ref in references["qwen3"] for t in ref), "the target never left the draft vocabulary"
+    monkeypatch.setenv(draft_vocab.ENV, "0")  # the ablation: the whole LM head
+    assert Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained-vocab"], "dflash").proposer.vocab_ids is None
 
 
 def check_lossless(engine: Engine, name: str, prompts: list[list[int]], expected: list[list[int]]) -> None:

@@ -5,6 +5,8 @@ without speculation, and greedy decoding with penalties equals transformers `gen
 from __future__ import annotations
 
 import math
+import shutil
+import sysconfig
 from collections import Counter
 from pathlib import Path
 
@@ -97,9 +99,24 @@ def pair(tiny_pair):
     return tiny_pair, prompt
 
 
-def engine_for(pair, method: str) -> Engine:
+@pytest.fixture(scope="module")
+def vocab_drafter(tiny_pair, tmp_path_factory):
+    """The tiny pair's drafter with a draft vocabulary: the 128 (of 320) most frequent tokens of a stdlib file."""
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.drafter.dflash import draft_vocab
+
+    out = tmp_path_factory.mktemp("vocab") / "drafter"
+    shutil.copytree(tiny_pair.drafter, out)
+    target = load_checkpoint(tiny_pair.target, with_weights=False)
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")
+    draft_vocab.build(out, target.config.vocab_size, target.config.eos_token_ids, [target.tokenizer.encode(text)], 128,
+                      "textwrap.py")
+    return out
+
+
+def engine_for(pair, method: str, drafter: Path | None = None) -> Engine:
     paths, prompt = pair
-    drafter = {"dflash": paths.drafter, "draft_model": paths.target, "ngram": None, "none": None}[method]
+    drafter = drafter or {"dflash": paths.drafter, "draft_model": paths.target, "ngram": None, "none": None}[method]
     return Engine(paths.target, drafter, method, max_batch=512, max_len=len(prompt) + 8)
 
 
@@ -116,12 +133,12 @@ SLOW_CASES = [
 ]
 
 
-def check_distribution(pair, method, rule, temperature, top_k, top_p, depth) -> float:
+def check_distribution(pair, method, rule, temperature, top_k, top_p, depth, drafter: Path | None = None) -> float:
     paths, prompt = pair
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, rule=rule)
     cells = exact_cells(paths.target, prompt, params, depth, SAMPLES)
     k = None if method == "none" else 2  # plain decoding takes no k
-    counts, acceptance = sample_sequences(engine_for(pair, method), prompt, params, depth, k, SAMPLES)
+    counts, acceptance = sample_sequences(engine_for(pair, method, drafter), prompt, params, depth, k, SAMPLES)
     return chi_square_p(counts, cells, SAMPLES), acceptance
 
 
@@ -131,6 +148,14 @@ def test_sampled_sequences_follow_the_target_distribution(pair, method, rule, te
     assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
     if method != "none":
         assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
+
+
+def test_a_draft_vocabulary_keeps_the_target_distribution(pair, vocab_drafter):
+    """Drafts from 128 of the 320 tokens: q is zero elsewhere, and the rejection rule must still give the
+    target's distribution (tokens outside the draft vocabulary come from the residual)."""
+    p_value, acceptance = check_distribution(pair, "dflash", "rejection", 1.0, 0, 1.0, 3, vocab_drafter)
+    assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
+    assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
 
 
 @pytest.mark.slow
@@ -157,14 +182,15 @@ def test_a_rule_that_skips_the_p_over_q_test_fails_the_same_check(pair, monkeypa
     assert p_value < P_FAIL
 
 
-def test_strict_rule_gives_the_same_text_with_and_without_speculation(pair):
+def test_strict_rule_gives_the_same_text_with_and_without_speculation(pair, vocab_drafter):
     paths, prompt = pair
     params = SamplingParams(temperature=0.8, top_p=0.95, rule="strict")
     texts, accepted = {}, Counter()
-    for method, k in (("none", 0), ("ngram", 4), ("draft_model", 3), ("dflash", 5), ("dflash", 1)):
+    drafters = {"dflash": paths.drafter, "draft_model": paths.target, "dflash-vocab": vocab_drafter}
+    for method, k in (("none", 0), ("ngram", 4), ("draft_model", 3), ("dflash", 5), ("dflash", 1), ("dflash-vocab", 5)):
         counts_by_seed = {}
-        engine = Engine(paths.target, {"dflash": paths.drafter, "draft_model": paths.target}.get(method), method,
-                        max_batch=50, max_len=len(prompt) + 40)
+        engine = Engine(paths.target, drafters.get(method), method.removesuffix("-vocab"), max_batch=50,
+                        max_len=len(prompt) + 40)
         requests = [engine.request(str(seed), prompt, 32, k, SamplingParams(**{**vars(params), "seed": seed}))
                     for seed in range(50)]
         for event in engine.generate(requests):

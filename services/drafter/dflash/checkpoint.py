@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from blockspec.common.errors import ModelLoadError
 from blockspec.common.models import ModelConfig, load_weights, read_config
+from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.config import DFlashConfig
 from blockspec.services.drafter.dflash.model import DFlashDrafter
 
@@ -29,7 +30,8 @@ def save_drafter(model: DFlashDrafter, out: str | Path, extra: dict | None = Non
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """Build the drafter from a checkpoint directory; weight names as published (`model.` prefix tolerated)."""
+    """Build the drafter from a checkpoint directory; weight names as published (`model.` prefix tolerated).
+    Its draft vocabulary (draft_vocab.py), where the directory ships one, is `model.draft_vocab`."""
     p = Path(path)
     cfg = DFlashConfig.from_hf(read_config(p), str(p))
     model = DFlashDrafter(cfg)
@@ -43,6 +45,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlash
         if tuple(weights[name].shape) != tuple(param.shape):
             raise ModelLoadError(str(p), f"tensor {name} has shape {tuple(weights[name].shape)}, config implies {tuple(param.shape)}")
     model.load_state_dict(weights, strict=True)
+    model.draft_vocab = draft_vocab.load(p, cfg.vocab_size)
     return model.to(dtype).eval().requires_grad_(False)
 
 

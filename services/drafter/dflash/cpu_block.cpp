@@ -317,10 +317,11 @@ void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tens
 
 // The selector's greedy walk: per slot the top_k logits (highest first, the lower token id first among
 // equals), then the candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)>; the choice is the next
-// slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [V, rank] -> [R, S].
+// slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [vocab, rank] -> [R, S].
+// ids (or null): the token id of each logit column, increasing (a draft vocabulary: V < vocab columns).
 static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, int64_t V, int64_t H,
                       const torch::Tensor& proj, const torch::Tensor& A, const torch::Tensor& Bc,
-                      const int64_t* anchor, int64_t top_k, int64_t* tokens) {
+                      const int64_t* anchor, int64_t top_k, const int64_t* ids, int64_t* tokens) {
   const int64_t rank = proj.size(0);
   const float* pw = proj.data_ptr<float>();
   const float* ap = A.data_ptr<float>();
@@ -352,6 +353,7 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
         for (int64_t i = 0; i < 16; ++i) offer(v + i);
       }
       for (; v < V; ++v) offer(v);
+      if (ids) for (int64_t b = 0; b < n; ++b) idx[b] = ids[idx[b]];  // logit columns -> token ids
       const float* h = hp + (r * S + t) * H;
       for (int64_t j = 0; j < rank; ++j) q[j] = ap[prev * rank + j] * dot16(h, pw + j * H, H);
       int64_t best = 0;
@@ -368,12 +370,16 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
   }
 }
 
+static const int64_t* column_ids(const torch::Tensor& ids) {
+  return ids.numel() ? ids.data_ptr<int64_t>() : nullptr;
+}
+
 torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
-                   torch::Tensor anchor, int64_t top_k) {
+                   torch::Tensor anchor, int64_t top_k, torch::Tensor ids) {
   const int64_t R = logits.size(0), S = logits.size(1);
   auto out = torch::empty({R, S}, anchor.options());
   walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
-            anchor.data_ptr<int64_t>(), top_k, out.data_ptr<int64_t>());
+            anchor.data_ptr<int64_t>(), top_k, column_ids(ids), out.data_ptr<int64_t>());
   return out;
 }
 
@@ -381,7 +387,8 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
 // * context: rows [start, end) of each features[i] ([len, n_taps * H]) become context K/V of slot ctx_slots[i];
 // * the block of request r, [anchors[r], MASK...] embedded from `embedding`, through `block_rows` at slot
 //   slots[r] after its lens[r] context positions;
-// * the LM head over draft slots 1..S (then the optional scale and soft cap of the draft logits);
+// * the LM head over draft slots 1..S (then the optional scale and soft cap of the draft logits); its rows are
+//   the draft vocabulary `ids` where that is not empty;
 // * the selector's walk -> tokens [R, S].
 torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> ctx_slots, std::vector<int64_t> starts,
                       std::vector<int64_t> ends, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
@@ -390,7 +397,7 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
                       std::vector<int64_t> lens, int64_t B, std::vector<torch::Tensor> w, int64_t heads,
                       int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps, torch::Tensor lm_head,
                       int64_t S, double scale, double softcap, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
-                      int64_t top_k) {
+                      int64_t top_k, torch::Tensor ids) {
   if (!features.empty()) {
     const int64_t T = features[0].size(1);
     std::vector<float> taps;
@@ -419,7 +426,7 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
   if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
   auto out = torch::empty({R, S}, torch::kLong);
   walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
-            out.data_ptr<int64_t>());
+            column_ids(ids), out.data_ptr<int64_t>());
   return out;
 }
 

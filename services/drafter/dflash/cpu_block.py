@@ -135,29 +135,35 @@ class CpuDrafter:
 
     def propose(self, pending: Sequence[tuple[int, int, int, torch.Tensor]], cache, cos: torch.Tensor, sin: torch.Tensor,
                 embedding: torch.Tensor, anchors: list[int], slots: list[int], lens: list[int],
-                lm_head_panels: torch.Tensor, block: int) -> torch.Tensor:
+                lm_head_panels: torch.Tensor, block: int, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A greedy proposal in one call -> tokens [R, block - 1]: first the context each request lacks
         (`pending`: slot, start, end, its tap features [len, n_taps * H]), then per request r the block
         [anchors[r], MASK x (block - 1)] after lens[r] context positions of slot slots[r], the LM head over
-        its draft slots and the walk. The caller sets the cache lengths."""
+        its draft slots and the walk. vocab_ids: the token id of each LM head row (a draft vocabulary), None
+        where row v is token v. The caller sets the cache lengths."""
         _, context_args, block_args, walk_args = self._prepare()
         return _extension.get().propose(
             [f.float().contiguous() for _, _, _, f in pending], [p[0] for p in pending], [p[1] for p in pending],
             [p[2] for p in pending], cache.k, cache.v, cos, sin, *context_args, embedding.detach(),
-            self.cfg.mask_token_id, anchors, slots, lens, block, *block_args, lm_head_panels, block - 1, *walk_args)
+            self.cfg.mask_token_id, anchors, slots, lens, block, *block_args, lm_head_panels, block - 1, *walk_args,
+            _no_ids if vocab_ids is None else vocab_ids)
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+             vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""
         sel = self.model.candidate_selector
         return _extension.get().walk(hidden.contiguous(), logits.contiguous(), sel.hidden_projection.weight.detach(),
                                      sel.predecessor_codebook.detach(), sel.successor_codebook.detach(), anchor,
-                                     min(sel.top_k, logits.shape[-1]))
+                                     min(sel.top_k, logits.shape[-1]), _no_ids if vocab_ids is None else vocab_ids)
 
     def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Context K/V of tap rows taps [N, n_taps * H], each written at its (slot, position)."""
         _extension.get().context(taps.float().contiguous(), cache.k, cache.v, slots, positions, cos, sin,
                                  *self._prepare()[1], self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps)
+
+
+_no_ids = torch.empty(0, dtype=torch.int64)  # walk / propose: logit column v is token v
 
 
 def _projection(weights: tuple[torch.Tensor, ...], bf16: bool = False) -> torch.Tensor:

@@ -139,13 +139,17 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook[prev] * self.hidden_projection(hidden)  # [..., r]
         return unary + (self.successor_codebook[candidates] * query.unsqueeze(-2)).sum(-1)
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, pick: "Pick | None" = None) -> torch.Tensor:
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, pick: "Pick | None" = None,
+             ids: torch.Tensor | None = None) -> torch.Tensor:
         """Left-to-right walk from the anchor. hidden [R, S, H], logits [R, S, V], anchor [R] -> tokens [R, S].
+        ids: the token id of each logit column (a draft vocabulary), None where column v is token v.
 
         At slot t, `pick(t, scores [R, top_k], candidates [R, top_k])` chooses a candidate index per row
         (default: the best score, the greedy walk); the chosen token is the next slot's predecessor.
         """
         unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [R, S, top_k]
+        if ids is not None:
+            candidates = ids[candidates]
         R, S, K = unary.shape
         # Every slot's scores for every predecessor it can have, in a few batched ops: slot 0 follows the
         # anchor (K copies of it), slot t one of slot t - 1's candidates. table[r, t, a, b] = S_t(a, b).
@@ -176,6 +180,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.selector_rank:
             self.candidate_selector = CandidateSelector(cfg)
+        self.draft_vocab: torch.Tensor | None = None  # token ids of the LM head rows it drafts from (None: all)
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Concatenated tap features [..., n_taps * H] -> fused context hidden states [..., H]."""

@@ -13,6 +13,7 @@ from blockspec.common import cpu_kernels
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
+from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.drafter.proposer import Draft, ProposeInput
@@ -51,6 +52,11 @@ class DFlashProposer:
                                  self.device)
         self._cos, self._sin = (t.to(self.device, embedding.dtype) for t in rope_table(cfg, max_len + cfg.block_size))
         self._slots: dict[str, int] = {}
+        # A draft vocabulary (dflash/draft_vocab.py): the drafter scores only those rows of the LM head, a copy.
+        self.vocab_ids = drafter.draft_vocab if draft_vocab.enabled() else None
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(self.device)
+            self.lm_head = torch.nn.Parameter(lm_head.detach()[self.vocab_ids], requires_grad=False)
         bf16 = os.environ.get(ENV_BF16, "1") != "0"
         fast = CpuDrafter(drafter, self.use_dynamic_conv, bf16) if self.device.type == "cpu" else None
         self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
@@ -119,7 +125,7 @@ class DFlashProposer:
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
         if panels is not None:  # the whole proposal in one C++ call
             tokens = cpu.propose(pending, self.cache, self._cos, self._sin, self.embedding,
-                                 [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B)
+                                 [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B, self.vocab_ids)
             self._advance(pending)
             return self._drafts(inputs, live, tokens, [[] for _ in live])
         self._extend(pending, cpu)
@@ -141,11 +147,12 @@ class DFlashProposer:
         q_rows: list[list] = [[] for _ in live]
         pick = None if greedy else self._sampler(live, q_rows)
         if self.use_path_selector and pick is None and cpu is not None:
-            tokens = cpu.walk(hidden, logits, anchors)  # [R, k]
+            tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
         elif self.use_path_selector:
-            tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick)  # [R, k]
+            tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick, self.vocab_ids)  # [R, k]
         else:  # per-slot choice among the slot's own top tokens
             unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, k, m]
+            candidates = candidates if self.vocab_ids is None else self.vocab_ids[candidates]
             tokens = torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
                                   pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(slots_used)], 1)
         return self._drafts(inputs, live, tokens, q_rows)
@@ -165,7 +172,7 @@ class DFlashProposer:
     def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
         """A walk `pick` following each request's sampling (common/sampling.draft_pick); greedy rows take
         the best score. Rejection rows record the q they sampled from in q_rows."""
-        vocab = self.lm_head.shape[0]
+        vocab = self.embedding.shape[0]  # the target's vocabulary (the noise is drawn over all of it)
 
         def pick(t: int, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
             index = scores.argmax(-1)

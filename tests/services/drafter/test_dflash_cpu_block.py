@@ -114,14 +114,29 @@ def test_greedy_walk_matches_the_module(drafter):
             assert torch.equal(fast.walk(hidden, logits, anchor), sel.walk(hidden, logits, anchor))
 
 
-def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch):
-    """Whole proposals, incremental context included, on a distilled drafter: the same tokens."""
+def test_greedy_walk_over_a_draft_vocabulary_matches_the_module(drafter):
+    """Logit columns that are a subset of the tokens (ids increasing): both walks return token ids."""
+    torch.manual_seed(2)
+    fast, sel, V = CpuDrafter(drafter, True), drafter.candidate_selector, drafter.cfg.vocab_size
+    ids = torch.randperm(V)[:64].sort().values
+    with torch.inference_mode():
+        for R in (1, 3):
+            hidden, logits = torch.randn(R, 5, drafter.cfg.hidden_size) * 3, torch.randn(R, 5, 64) * 2
+            anchor = torch.randint(0, V, (R,))
+            got = fast.walk(hidden, logits, anchor, ids)
+            assert torch.equal(got, sel.walk(hidden, logits, anchor, ids=ids))
+            assert set(got.flatten().tolist()) <= set(ids.tolist())
+
+
+@pytest.mark.parametrize("name", ["qwen3-trained", "qwen3-trained-vocab"])
+def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch, name):
+    """Whole proposals, incremental context included, on a distilled drafter (with and without a draft
+    vocabulary): the same tokens."""
     monkeypatch.setenv(ENV_BF16, "0")  # fp32 weights: the module's arithmetic
-    engines = [Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
-               for _ in range(2)]
+    engines = [Engine(tiny_models["qwen3"]["target"], dflash_drafters[name], "dflash", max_batch=3) for _ in range(2)]
     assert engines[0].proposer._cpu is not None
     engines[1].proposer._cpu = None  # the torch module
-    engines.append(Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3))
+    engines.append(Engine(tiny_models["qwen3"]["target"], dflash_drafters[name], "dflash", max_batch=3))
     engines[2].proposer._cpu.lm_head_panels = lambda lm_head: None  # block, LM head and walk apart (a shared LM head)
     for engine in engines:
         for i, p in enumerate(prompts[:3]):
@@ -131,6 +146,8 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, m
         inputs = [ProposeInput(str(i), engines[0].verifier.committed(str(i)), k) for i in range(3)]
         fused, ref, apart = ([d.token_ids for d in e.proposer.propose(inputs)] for e in engines)
         assert fused == ref == apart
+        if engines[0].proposer.vocab_ids is not None:
+            assert {t for row in fused for t in row} <= set(engines[0].proposer.vocab_ids.tolist())
     cpu_kernels.set_enabled(False)  # switched off at run time: the torch module, the same drafts
     try:
         assert [d.token_ids for d in engines[0].proposer.propose(inputs)] == fused
