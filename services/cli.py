@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--seed", type=int, default=0)
     td.set_defaults(func=cmd_train_drafter)
     dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "
-                        "(draft_vocab.json in its directory; README, Speed)")
+                        "(draft_vocab.json in its directory; README, 'The DFlash-2 block drafter')")
     dv.add_argument("--drafter", required=True, help="the DFlash drafter's directory (the file is written there)")
     dv.add_argument("--target", required=True, help="its target (tokenizer and vocabulary)")
     dv.add_argument("--text-file", nargs="+", required=True, help="text files or directories (.py/.txt) to count tokens in")
