@@ -301,13 +301,14 @@ def _read_texts(names: list[str]) -> list[str]:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models import load_checkpoint, read_config
     from blockspec.services.drafter.dflash import draft_vocab
-    from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
+    from blockspec.services.drafter.dflash.checkpoint import check_fits_target
+    from blockspec.services.drafter.dflash.config import DFlashConfig
 
     target = load_checkpoint(args.target, with_weights=False)
-    drafter = load_drafter(args.drafter)
-    check_fits_target(drafter.cfg, target.config, args.drafter)
+    # The config only: neither the weights nor a draft vocabulary already there (this rewrites it) are read.
+    check_fits_target(DFlashConfig.from_hf(read_config(args.drafter), args.drafter), target.config, args.drafter)
     vocab = target.config.vocab_size
     if args.size is not None:
         try:

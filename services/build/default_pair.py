@@ -244,11 +244,11 @@ def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> d
         "ablation_k5": ablation,  # modules switched off at inference on the same trained drafter
         "drafter_config": drafter.cfg.to_hf()["dflash_config"],
     }
-    if drafter.draft_vocab is not None:  # measured with it, as the engine runs the drafter
-        from blockspec.services.drafter.dflash import draft_vocab
+    from blockspec.services.drafter.dflash import draft_vocab
 
-        info = json.loads((paths.drafter / draft_vocab.FILE).read_text())
-        card["draft_vocab"] = {k: info[k] for k in ("size", "vocab_size", "source", "coverage")}
+    if drafter.draft_vocab is not None and draft_vocab.enabled():  # measured with it, as the engine runs the drafter
+        info = draft_vocab.read(paths.drafter)
+        card["draft_vocab"] = {k: info.get(k) for k in ("size", "vocab_size", "source", "coverage")}
     paths.card.write_text(json.dumps(card, indent=2))
     return card
 

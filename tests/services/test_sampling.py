@@ -153,6 +153,7 @@ def test_sampled_sequences_follow_the_target_distribution(pair, method, rule, te
 def test_a_draft_vocabulary_keeps_the_target_distribution(pair, vocab_drafter):
     """Drafts from 128 of the 320 tokens: q is zero elsewhere, and the rejection rule must still give the
     target's distribution (tokens outside the draft vocabulary come from the residual)."""
+    assert engine_for(pair, "dflash", vocab_drafter).proposer.vocab_ids.numel() == 128
     p_value, acceptance = check_distribution(pair, "dflash", "rejection", 1.0, 0, 1.0, 3, vocab_drafter)
     assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
     assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
@@ -191,6 +192,7 @@ def test_strict_rule_gives_the_same_text_with_and_without_speculation(pair, voca
         counts_by_seed = {}
         engine = Engine(paths.target, drafters.get(method), method.removesuffix("-vocab"), max_batch=50,
                         max_len=len(prompt) + 40)
+        assert (getattr(engine.proposer, "vocab_ids", None) is not None) == method.endswith("-vocab")
         requests = [engine.request(str(seed), prompt, 32, k, SamplingParams(**{**vars(params), "seed": seed}))
                     for seed in range(50)]
         for event in engine.generate(requests):

@@ -370,8 +370,11 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
   }
 }
 
-static const int64_t* column_ids(const torch::Tensor& ids) {
-  return ids.numel() ? ids.data_ptr<int64_t>() : nullptr;
+static const int64_t* column_ids(const torch::Tensor& ids, int64_t columns) {
+  if (!ids.numel()) return nullptr;
+  TORCH_CHECK(ids.numel() == columns && ids.scalar_type() == torch::kLong && ids.is_contiguous(),
+              "draft vocabulary: one int64 token id per logit column");
+  return ids.data_ptr<int64_t>();
 }
 
 torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
@@ -379,7 +382,7 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
   const int64_t R = logits.size(0), S = logits.size(1);
   auto out = torch::empty({R, S}, anchor.options());
   walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
-            anchor.data_ptr<int64_t>(), top_k, column_ids(ids), out.data_ptr<int64_t>());
+            anchor.data_ptr<int64_t>(), top_k, column_ids(ids, logits.size(2)), out.data_ptr<int64_t>());
   return out;
 }
 
@@ -426,7 +429,7 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
   if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
   auto out = torch::empty({R, S}, torch::kLong);
   walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
-            column_ids(ids), out.data_ptr<int64_t>());
+            column_ids(ids, V), out.data_ptr<int64_t>());
   return out;
 }
 

@@ -146,7 +146,7 @@ class CpuDrafter:
             [f.float().contiguous() for _, _, _, f in pending], [p[0] for p in pending], [p[1] for p in pending],
             [p[2] for p in pending], cache.k, cache.v, cos, sin, *context_args, embedding.detach(),
             self.cfg.mask_token_id, anchors, slots, lens, block, *block_args, lm_head_panels, block - 1, *walk_args,
-            _no_ids if vocab_ids is None else vocab_ids)
+            _column_ids(vocab_ids))
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
              vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,7 +154,7 @@ class CpuDrafter:
         sel = self.model.candidate_selector
         return _extension.get().walk(hidden.contiguous(), logits.contiguous(), sel.hidden_projection.weight.detach(),
                                      sel.predecessor_codebook.detach(), sel.successor_codebook.detach(), anchor,
-                                     min(sel.top_k, logits.shape[-1]), _no_ids if vocab_ids is None else vocab_ids)
+                                     min(sel.top_k, logits.shape[-1]), _column_ids(vocab_ids))
 
     def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -164,6 +164,10 @@ class CpuDrafter:
 
 
 _no_ids = torch.empty(0, dtype=torch.int64)  # walk / propose: logit column v is token v
+
+
+def _column_ids(vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    return _no_ids if vocab_ids is None else vocab_ids
 
 
 def _projection(weights: tuple[torch.Tensor, ...], bf16: bool = False) -> torch.Tensor:

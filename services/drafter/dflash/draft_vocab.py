@@ -78,19 +78,34 @@ def build(drafter_dir: str | Path, vocab_size: int, eos_ids: Sequence[int], toke
     return {"size": len(ids), **info}
 
 
-def load(drafter_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
-    """The drafter's draft vocabulary (int64 token ids, increasing), or None where it ships none."""
+def read(drafter_dir: str | Path) -> dict | None:
+    """The drafter's draft_vocab.json as written (ids and how they were chosen), None where it has none."""
     path = Path(drafter_dir) / FILE
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-        ids = torch.tensor(data["token_ids"], dtype=torch.int64)
-    except (ValueError, KeyError, TypeError) as e:
+    except ValueError as e:
         raise ModelLoadError(str(path), f"unreadable draft vocabulary: {e}") from e
-    ok = (ids.dim() == 1 and 0 < ids.numel() <= vocab_size and ids.numel() % ROWS_MULTIPLE == 0
-          and bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < vocab_size)
-    if not ok:
-        raise ModelLoadError(str(path), f"draft vocabulary must be increasing token ids in 0..{vocab_size - 1}, "
-                                        f"a multiple of {ROWS_MULTIPLE} of them")
+    if not isinstance(data, dict):
+        raise ModelLoadError(str(path), "unreadable draft vocabulary: not a JSON object")
+    return data
+
+
+def load(drafter_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """The drafter's draft vocabulary (int64 token ids, increasing), or None where it ships none."""
+    data = read(drafter_dir)
+    if data is None:
+        return None
+    token_ids = data.get("token_ids")
+    ok = isinstance(token_ids, list) and all(type(t) is int for t in token_ids)
+    if ok:
+        try:
+            check_size(len(token_ids), vocab_size)
+        except ValueError:
+            ok = False
+    ids = torch.tensor(token_ids, dtype=torch.int64) if ok else None
+    if ids is None or not (bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < vocab_size):
+        raise ModelLoadError(str(Path(drafter_dir) / FILE), f"a draft vocabulary must be increasing integer token "
+                             f"ids in 0..{vocab_size - 1}, a multiple of {ROWS_MULTIPLE} of them")
     return ids

@@ -28,10 +28,16 @@ def test_card_keeps_the_size_promises():
 
     with safe_open(str(PAIR / "drafter" / "model.safetensors"), framework="pt") as f:
         assert not any("embed" in k or "lm_head" in k for k in f.keys())
+    # The card was measured with the drafter's draft vocabulary: half the vocabulary, end-of-sequence in it.
+    from blockspec.services.drafter.dflash import draft_vocab
+
+    ids = draft_vocab.load(PAIR / "drafter", card["draft_vocab"]["vocab_size"])
+    assert len(ids) == card["draft_vocab"]["size"] == card["draft_vocab"]["vocab_size"] // 2 and int(ids[0]) == 0
 
 
 def test_dflash_on_the_shipped_pair_equals_the_target_alone():
     engine = Engine(PAIR / "target", PAIR / "drafter", "dflash", max_batch=4)
+    assert engine.proposer.vocab_ids is not None  # the shipped draft vocabulary is in use
     prompts = heldout_prompts(engine.tokenizer)
     expected = [hf_greedy(PAIR / "target", p, 64) for p in prompts]
     for k in (3, 5, 7):

@@ -115,17 +115,23 @@ def test_greedy_walk_matches_the_module(drafter):
 
 
 def test_greedy_walk_over_a_draft_vocabulary_matches_the_module(drafter):
-    """Logit columns that are a subset of the tokens (ids increasing): both walks return token ids."""
+    """Logit columns that are a subset of the tokens (ids increasing): both walks choose what the walk over
+    the whole vocabulary chooses when every other token's logit is -inf (codebooks read by token id)."""
     torch.manual_seed(2)
     fast, sel, V = CpuDrafter(drafter, True), drafter.candidate_selector, drafter.cfg.vocab_size
     ids = torch.randperm(V)[:64].sort().values
     with torch.inference_mode():
         for R in (1, 3):
-            hidden, logits = torch.randn(R, 5, drafter.cfg.hidden_size) * 3, torch.randn(R, 5, 64) * 2
+            hidden, full = torch.randn(R, 5, drafter.cfg.hidden_size) * 3, torch.full((R, 5, V), -torch.inf)
+            full[..., ids] = torch.randn(R, 5, 64) * 2
             anchor = torch.randint(0, V, (R,))
-            got = fast.walk(hidden, logits, anchor, ids)
-            assert torch.equal(got, sel.walk(hidden, logits, anchor, ids=ids))
-            assert set(got.flatten().tolist()) <= set(ids.tolist())
+            want = sel.walk(hidden, full, anchor)
+            assert set(want.flatten().tolist()) <= set(ids.tolist())
+            assert torch.equal(fast.walk(hidden, full, anchor), want)
+            assert torch.equal(fast.walk(hidden, full[..., ids], anchor, ids), want)
+            assert torch.equal(sel.walk(hidden, full[..., ids], anchor, ids=ids), want)
+        with pytest.raises(RuntimeError, match="one int64 token id per logit column"):
+            fast.walk(hidden, full[..., ids[:32]], anchor, ids)
 
 
 @pytest.mark.parametrize("name", ["qwen3-trained", "qwen3-trained-vocab"])

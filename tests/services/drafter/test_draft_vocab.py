@@ -51,7 +51,8 @@ def test_written_vocabulary_loads_with_its_drafter(tiny_models, tmp_path):
     assert draft_vocab.build(path, 320, [], [[1]], None, "default size")["size"] == 128  # half, rounded to panels
 
 
-@pytest.mark.parametrize("ids", [[3, 2] + list(range(4, 66)), list(range(63)), list(range(257, 321)), "x"])
+@pytest.mark.parametrize("ids", [[3, 2] + list(range(4, 66)), list(range(63)), list(range(257, 321)), "x",
+                                 [0.5] + list(range(1, 64))])
 def test_a_bad_file_is_refused_naming_it(tiny_models, tmp_path, ids):
     from blockspec.services.build.tiny import build_tiny_drafter
 
@@ -71,6 +72,9 @@ def test_cli_writes_the_vocabulary_and_names_a_bad_size(capsys, tiny_models, dfl
     assert main(args + ["--size", "64"]) == 0
     assert "64 of 320 tokens, 100.0% of the" in capsys.readouterr().out
     assert len(load_drafter(drafter).draft_vocab) == 64
+    (drafter / draft_vocab.FILE).write_text("{broken")  # a bad file is replaced, not read
+    assert main(args + ["--size", "128"]) == 0
+    assert len(load_drafter(drafter).draft_vocab) == 128
     assert main(args + ["--size", "100"]) == 2
     assert "--size" in capsys.readouterr().err
     assert main(["draft-vocab", "--drafter", str(drafter), "--target", target, "--text-file", str(tmp_path / "no")]) == 2
