@@ -1,4 +1,5 @@
-"""The `blockspec` command line: generate (and, later, serve / bench / build-default / train-drafter)."""
+"""The `blockspec` command line: generate, serve and the roles; the model and performance commands are
+registered from cli_models.py and cli_perf.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from blockspec.common.sampling import RULES, SamplingParams
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
+from blockspec.services.cli_models import add_model_commands
 from blockspec.services.cli_perf import add_perf_commands
 
 log = logging.getLogger(__name__)
@@ -240,89 +242,6 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_build_default(args: argparse.Namespace) -> int:
-    from blockspec.services.build.default_pair import build_default
-
-    paths = build_default(args.profile, Path(args.home) if args.home else None, Path(args.work), args.minutes, args.threads)
-    if args.json:
-        print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter)}))
-    else:
-        print(f"target:  {paths.target}\ndrafter: {paths.drafter}\ncard:    {paths.card}")
-    return 0
-
-
-def cmd_build_assistant(args: argparse.Namespace) -> int:
-    from blockspec.services.build.assistant import AssistantConfig
-    from blockspec.services.build.default_pair import PairPaths, build_assistant, default_home
-
-    paths = PairPaths((Path(args.home) if args.home else default_home()) / "base")
-    if not paths.built():
-        raise InvalidArgument("--home", f"{paths.root}: no built base pair (run build-default first)")
-    if not (Path(args.work) / "data" / "train.npy").is_file():
-        raise InvalidArgument("--work", f"{args.work}: no training data of the base pair (data/train.npy)")
-    card = build_assistant(paths, Path(args.work), AssistantConfig(**({"steps": args.steps} if args.steps else {})), args.threads)
-    print(f"assistant: {paths.assistant}\ntau (draft_model): " +
-          ", ".join(f"k={r['k']} {r['tau']}" for r in card["assistant_tau"]))
-    return 0
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from blockspec.services.build.card import describe
-
-    print(describe(Path(args.path)))
-    return 0
-
-
-def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from blockspec.common.models import load_checkpoint
-    from blockspec.services.build.default_pair import distill
-    from blockspec.services.drafter.dflash.train import DistillConfig
-
-    tokenizer = load_checkpoint(args.target).tokenizer
-    ids = tokenizer.encode("\n".join(_read_texts(args.text_file)))
-    if len(ids) < args.prompt_len + 1:
-        raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")
-    cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed)
-    distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)
-    print(f"drafter: {args.out}")
-    return 0
-
-
-def _read_texts(names: list[str]) -> list[str]:
-    """--text-file: the text of each file, and of each .py / .txt file under a directory."""
-    texts = []
-    for name in names:
-        path = Path(name)
-        files = sorted(path.rglob("*.py")) + sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-        if not path.exists() or not files:
-            raise InvalidArgument("--text-file", f"{path} is not a text file or a directory holding .py/.txt files")
-        texts += [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    return texts
-
-
-def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    from blockspec.common.models import load_checkpoint, read_config
-    from blockspec.services.drafter.dflash import draft_vocab
-    from blockspec.services.drafter.dflash.checkpoint import check_fits_target
-    from blockspec.services.drafter.dflash.config import DFlashConfig
-
-    target = load_checkpoint(args.target, with_weights=False)
-    # The config only: neither the weights nor a draft vocabulary already there (this rewrites it) are read.
-    check_fits_target(DFlashConfig.from_hf(read_config(args.drafter), args.drafter), target.config, args.drafter)
-    vocab = target.config.vocab_size
-    if args.size is not None:
-        try:
-            draft_vocab.check_size(args.size, vocab)
-        except ValueError as e:
-            raise InvalidArgument("--size", str(e)) from e
-    texts = _read_texts(args.text_file)
-    info = draft_vocab.build(args.drafter, vocab, target.config.eos_token_ids, (target.tokenizer.encode(t) for t in texts),
-                             args.size, f"{len(texts)} text files ({', '.join(args.text_file)})")
-    print(f"draft vocabulary: {info['size']} of {vocab} tokens, {info['coverage']:.1%} of the {info['corpus_tokens']} "
-          f"tokens of the text -> {Path(args.drafter) / draft_vocab.FILE}")
-    return 0
-
-
 def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
     from blockspec.services import launch
@@ -400,45 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.set_defaults(func=cmd_generate)
-    bd = sub.add_parser("build-default", help="build (or find) the default target/drafter pair")
-    bd.add_argument("--profile", choices=("tiny", "base"), default="base", help="tiny: <1 min, tests; base: hours")
-    bd.add_argument("--home", help="where pairs live (default: $BLOCKSPEC_HOME or the repository's models/)")
-    bd.add_argument("--work", default=".cache/default-pair/base", help="base: resumable training directory")
-    bd.add_argument("--minutes", type=float, default=125, help="base: target training budget")
-    bd.add_argument("--threads", type=int, default=2)
-    bd.add_argument("--json", action="store_true", help='last line: {"target": DIR, "drafter": DIR}')
-    bd.set_defaults(func=cmd_build_default)
-    ba = sub.add_parser("build-assistant", help="train the base pair's small causal draft model (draft_model, "
-                        "transformers assisted generation) on the target's greedy continuations")
-    ba.add_argument("--home", help="where pairs live (default: $BLOCKSPEC_HOME or the repository's models/)")
-    ba.add_argument("--work", default=".cache/default-pair/base", help="the base pair's training directory (its data; "
-                    "the assistant's checkpoint goes there: a rerun resumes)")
-    ba.add_argument("--steps", type=int, help="training steps (default: the shipped assistant's 4000, ~40 min on one core)")
-    ba.add_argument("--threads", type=int, default=1)
-    ba.set_defaults(func=cmd_build_assistant)
-    info = sub.add_parser("info", help="model card of a pair directory (or of a target or drafter checkpoint)")
-    info.add_argument("path")
-    info.set_defaults(func=cmd_info)
-    td = sub.add_parser("train-drafter", help="distil a DFlash-2 drafter from a target")
-    td.add_argument("--target", required=True)
-    td.add_argument("--out", required=True)
-    td.add_argument("--text-file", nargs="+", required=True, help="text files or directories: prompt source")
-    td.add_argument("--prompts", type=int, default=512, help="prompts whose greedy continuations supervise")
-    td.add_argument("--prompt-len", type=int, default=64)
-    td.add_argument("--new-tokens", type=int, default=128)
-    td.add_argument("--steps", type=int, default=2000)
-    td.add_argument("--block-size", type=int, default=8)
-    td.add_argument("--layers", type=int, default=1)
-    td.add_argument("--seed", type=int, default=0)
-    td.set_defaults(func=cmd_train_drafter)
-    dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "
-                        "(draft_vocab.json in its directory; README, 'The DFlash-2 block drafter')")
-    dv.add_argument("--drafter", required=True, help="the DFlash drafter's directory (the file is written there)")
-    dv.add_argument("--target", required=True, help="its target (tokenizer and vocabulary)")
-    dv.add_argument("--text-file", nargs="+", required=True, help="text files or directories (.py/.txt) to count tokens in")
-    dv.add_argument("--size", type=int, help="tokens kept, a multiple of 64 (default: half the vocabulary)")
-    dv.set_defaults(func=cmd_draft_vocab)
-
+    add_model_commands(sub)
     sv = sub.add_parser("serve", help="serve the gRPC API (and HTTP /health, /metrics) from a config file")
     sv.add_argument("--config", required=True, help="config.yaml (see README)")
     sv.add_argument("--host", help="bind address (default: server.host)")
