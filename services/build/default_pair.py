@@ -248,7 +248,8 @@ def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> d
 
     if drafter.draft_vocab is not None and draft_vocab.enabled():  # measured with it, as the engine runs the drafter
         info = draft_vocab.read(paths.drafter)
-        card["draft_vocab"] = {k: info.get(k) for k in ("size", "vocab_size", "source", "coverage")}
+        card["draft_vocab"] = {"size": len(drafter.draft_vocab), "vocab_size": drafter.cfg.vocab_size,
+                               **{k: info.get(k) for k in ("source", "coverage")}}
     paths.card.write_text(json.dumps(card, indent=2))
     return card
 

@@ -61,9 +61,10 @@ def choose(token_streams: Iterable[Sequence[int]], size: int, vocab_size: int,
     return ids, stats
 
 
-def write(drafter_dir: str | Path, ids: Sequence[int], vocab_size: int, source: dict) -> Path:
+def write(drafter_dir: str | Path, ids: Sequence[int], source: dict) -> Path:
+    """draft_vocab.json: how the ids were chosen (`source`), then the ids."""
     path = Path(drafter_dir) / FILE
-    path.write_text(json.dumps({"size": len(ids), "vocab_size": vocab_size, **source, "token_ids": list(ids)}) + "\n")
+    path.write_text(json.dumps({**source, "token_ids": list(ids)}) + "\n")
     return path
 
 
@@ -74,7 +75,7 @@ def build(drafter_dir: str | Path, vocab_size: int, eos_ids: Sequence[int], toke
     size = size if size is not None else max(ROWS_MULTIPLE, vocab_size // 2 // ROWS_MULTIPLE * ROWS_MULTIPLE)
     ids, stats = choose(token_streams, size, vocab_size, eos_ids)
     info = {"source": source, **stats}
-    write(drafter_dir, ids, vocab_size, info)
+    write(drafter_dir, ids, info)
     return {"size": len(ids), **info}
 
 
