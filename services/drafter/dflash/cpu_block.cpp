@@ -13,6 +13,8 @@
 // every sum is fp32, in input order. Where the compiler targets AVX512-BF16, or else AVX2 with FMA
 // (`bf16_supported`), which has no bf16 product: there a weight widens to fp32 exactly (a bf16 is the
 // top half of an fp32) and each product, exact in fp32, is added with an FMA.
+typedef uint32_t vu8 __attribute__((vector_size(32)));  // 8 fp32 bit patterns (the AVX2 path)
+
 static inline uint32_t bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -56,7 +58,6 @@ static void panel_bf16(const uint32_t* xb, const uint16_t* pp, float* yp, int64_
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BF16_KERNEL 1
-typedef uint32_t vu8 __attribute__((vector_size(32)));
 
 // RN rows x 32 features (4 vectors of 8): one 256-bit load holds both inputs of a pair for 8 features,
 // the even input in each lane's low half. xr: x rounded to bf16, as fp32 [N, 2 J].
@@ -111,10 +112,12 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
     for (int64_t j = 0; j < J; ++j)
       xs[n * J + j] = bf16_bits(xp[n * I + 2 * j]) | (bf16_bits(xp[n * I + 2 * j + 1]) << 16);
 #else
-  std::vector<float> xs(N * I);  // bf16 values as fp32
-  for (int64_t i = 0; i < N * I; ++i) {
-    const uint32_t bits = bf16_bits(xp[i]) << 16;
-    std::memcpy(&xs[i], &bits, 4);
+  std::vector<float> xs(N * I);  // bf16 values as fp32: bf16_bits, 8 at a time (I % 16 == 0)
+  for (int64_t i = 0; i < N * I; i += 8) {
+    vu8 u;
+    __builtin_memcpy(&u, xp + i, sizeof u);
+    const vu8 bits = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    __builtin_memcpy(xs.data() + i, &bits, sizeof bits);
   }
 #endif
 #if BF16_KERNEL
@@ -341,16 +344,19 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
       };
       int64_t v = 0;
       for (; v < V && n < top_k; ++v) offer(v);
-      // Once full, a run of 16 logits is offered only where one beats the current last (one vector compare).
+      // Once full, of a run of 16 logits only those that beat the current last are offered (one vector
+      // compare), in column order; the others could not enter, as the last only rises.
       for (; v + 16 <= V; v += 16) {
 #if defined(__AVX512F__)
-        if (!_mm512_cmp_ps_mask(_mm512_loadu_ps(lg + v), _mm512_set1_ps(val[n - 1]), _CMP_GT_OQ)) continue;
+        uint32_t beats = _mm512_cmp_ps_mask(_mm512_loadu_ps(lg + v), _mm512_set1_ps(val[n - 1]), _CMP_GT_OQ);
 #elif defined(__AVX2__)
         const __m256 last = _mm256_set1_ps(val[n - 1]);
-        if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(lg + v), last, _CMP_GT_OQ),
-                                             _mm256_cmp_ps(_mm256_loadu_ps(lg + v + 8), last, _CMP_GT_OQ)))) continue;
+        uint32_t beats = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(lg + v), last, _CMP_GT_OQ)) |
+                         _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(lg + v + 8), last, _CMP_GT_OQ)) << 8;
+#else
+        uint32_t beats = 0xFFFFu;
 #endif
-        for (int64_t i = 0; i < 16; ++i) offer(v + i);
+        for (; beats; beats &= beats - 1) offer(v + __builtin_ctz(beats));
       }
       for (; v < V; ++v) offer(v);
       if (ids) for (int64_t b = 0; b < n; ++b) idx[b] = ids[idx[b]];  // logit columns -> token ids

@@ -108,10 +108,15 @@ def test_greedy_walk_matches_the_module(drafter):
             anchor = torch.randint(0, V, (R,))
             assert torch.equal(fast.walk(hidden, logits, anchor), sel.walk(hidden, logits, anchor))
         # Widths that are not whole runs of 16, and logits rising with the token id (every run of 16 beats
-        # the current top-k): the C++ offers logits 16 at a time once its top-k is full.
+        # the current top-k): once its top-k is full, the C++ offers only the logits of a run of 16 that
+        # beat the current last.
         hidden, anchor = torch.randn(2, 5, drafter.cfg.hidden_size), torch.randint(0, V, (2,))
         for logits in (torch.randn(2, 5, V - 5), torch.randn(2, 5, 21), torch.linspace(0, 9, V) + torch.rand(2, 5, V)):
             assert torch.equal(fast.walk(hidden, logits, anchor), sel.walk(hidden, logits, anchor))
+        # Logits of three values, mostly ties: the C++ takes the lower token id first among equals (torch's
+        # topk has no such rule), as the module does once a tiny margin falling with the id orders them.
+        ties = torch.randint(0, 3, (2, 5, V)).float()
+        assert torch.equal(fast.walk(hidden, ties, anchor), sel.walk(hidden, ties - torch.arange(V) * 1e-7, anchor))
 
 
 def test_greedy_walk_over_a_draft_vocabulary_matches_the_module(drafter):
