@@ -15,10 +15,14 @@
 // top half of an fp32) and each product, exact in fp32, is added with an FMA.
 typedef uint32_t vu8 __attribute__((vector_size(32)));  // 8 fp32 bit patterns (the AVX2 path)
 
+// fp32 bit patterns (a uint32_t or a vu8) rounded to the nearest bf16, ties to even, kept as fp32 bits.
+template <typename U>
+static inline U bf16_rounded(U u) { return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; }
+
 static inline uint32_t bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return bf16_rounded(u) >> 16;
 }
 
 #if defined(__AVX512BF16__)
@@ -112,11 +116,11 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
     for (int64_t j = 0; j < J; ++j)
       xs[n * J + j] = bf16_bits(xp[n * I + 2 * j]) | (bf16_bits(xp[n * I + 2 * j + 1]) << 16);
 #else
-  std::vector<float> xs(N * I);  // bf16 values as fp32: bf16_bits, 8 at a time (I % 16 == 0)
+  std::vector<float> xs(N * I);  // bf16 values as fp32, 8 at a time (I % 16 == 0)
   for (int64_t i = 0; i < N * I; i += 8) {
     vu8 u;
     __builtin_memcpy(&u, xp + i, sizeof u);
-    const vu8 bits = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    const vu8 bits = bf16_rounded(u);
     __builtin_memcpy(xs.data() + i, &bits, sizeof bits);
   }
 #endif
