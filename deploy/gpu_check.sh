@@ -2,7 +2,27 @@
 # One command on a GPU machine (< 8 minutes on one H200): random-weight Qwen3-shaped targets of about
 # 1B, 8B and 27B parameters (bf16) with matching DFlash drafters -> r(k+1), c_d, step-loop overhead,
 # CUDA IPC sharing between two processes, bf16 verify-vs-decode exactness (default and invariant).
+#
+# It runs under the GPU machine's own Python and CUDA build of torch: the pins in pyproject.toml name
+# the CPU build, and such machines are often offline. PYTHON picks the interpreter (default: the first
+# of .venv's and python3 whose torch sees a GPU, else .venv's). Where blockspec is not installed for
+# it, this checkout is put on its path as the package; besides torch it needs numpy, safetensors, tqdm
+# and opentelemetry-api.
+# SIZES (default 1b,8b,27b) and OUT (default gpu-check-out) are passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make setup >/dev/null
-exec .venv/bin/blockspec gpu-check --device cuda --sizes "${SIZES:-1b,8b,27b}" --out "${OUT:-gpu-check-out}"
+sees_gpu() { "$1" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
+if [ -z "${PYTHON:-}" ]; then
+  for candidate in .venv/bin/python python3; do
+    if command -v "$candidate" >/dev/null && sees_gpu "$candidate"; then PYTHON=$candidate; break; fi
+  done
+  [ -n "${PYTHON:-}" ] || { [ -x .venv/bin/python ] && PYTHON=.venv/bin/python; } || PYTHON=python3
+fi
+if ! "$PYTHON" -c "import blockspec.services.cli" 2>/dev/null; then
+  shim=$(mktemp -d)
+  mkdir "$shim/blockspec"
+  for part in common protos services; do ln -s "$PWD/$part" "$shim/blockspec/$part"; done
+  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+fi
+exec "$PYTHON" -m blockspec.services.cli gpu-check --device "${DEVICE:-cuda}" --sizes "${SIZES:-1b,8b,27b}" \
+  --out "${OUT:-gpu-check-out}"

@@ -1,6 +1,7 @@
 """`blockspec gpu-check`: random-weight Qwen3-shaped targets up to the reference size (~27B, bf16) and a
 matching DFlash drafter on one GPU: r(k+1), c_d, orchestration overhead, CUDA IPC sharing between two
-processes, and greedy exactness of verify vs decode (default and invariant mode). Prints a table.
+processes, greedy exactness of verify vs decode and of a speculative stream vs plain decoding (default
+and invariant mode), and what those streams cost per token. Prints a table.
 
 `--device cpu --sizes tiny` runs the same code on the CPU in seconds (what the tests run)."""
 
@@ -14,14 +15,16 @@ from pathlib import Path
 import torch
 
 from blockspec.common.models import Checkpoint, parse_config
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.runner import Runner
 
-# name -> (layers, hidden, heads, kv heads, intermediate, vocab); "27b" is the reference target's shape.
+# name -> (layers, hidden, heads, kv heads, intermediate, vocab), untied LM head: 0.75B, 8.2B and 26.7B
+# parameters. "27b" has the reference target's size (~54 GB bf16); its drafter 2.2B. (The
+# first H200 run, BENCHMARKS.md, had intermediate 17408 there: 22.7B.)
 SIZES = {
     "tiny": (2, 64, 4, 2, 128, 512),
     "1b": (28, 1024, 16, 8, 3072, 151936),
     "8b": (36, 4096, 32, 8, 12288, 151936),
-    "27b": (64, 5120, 40, 8, 17408, 151936),
+    "27b": (64, 5120, 40, 8, 21504, 151936),
 }
 DRAFTER_LAYERS = {"tiny": 1, "1b": 1, "8b": 3, "27b": 5}
 KS = (1, 3, 5, 7, 15)
@@ -57,44 +60,77 @@ class SizeReport:
     exact_invariant: int  # invariant mode
     max_diff_default: float
     positions: int
+    stream_default: int  # tokens of a k=5 step-loop stream equal to plain decoding's before they part
+    stream_invariant: int  # the same in invariant mode (query width 16)
+    stream_tokens: int
+    stream_plain_ms: float  # per token of those streams, default mode (see stream_check)
+    stream_spec_ms: float
 
 
 def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20) -> SizeReport:
-    from blockspec.services.drafter.dflash.config import DFlashConfig
-    from blockspec.services.drafter.dflash.model import DFlashDrafter
     from blockspec.services.bench import cost_ratios
-    from blockspec.services.drafter.proposers.dflash import DFlashProposer
-    from blockspec.services.router.step_loop import Request, StepLoop
-    from blockspec.services.verifier.invariance import verify_vs_decode
-    from blockspec.services.verifier.verifier import Verifier
 
     target = random_target(size, device, dtype)
-    cfg = target.config
     context = min(context, 256) if size == "tiny" else context
     params = sum(w.numel() for w in target.weights.values()) / 1e9
-    taps = tuple(sorted({0, cfg.num_layers // 2, cfg.num_layers - 1}))
-    verifier = Verifier(target, num_slots=2, max_len=context + 64, tap_layers=taps,
-                        dtype=dtype, device=device)
-    prompt = torch.randint(0, cfg.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(0, target.config.vocab_size - 1, (context,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    drafter = random_drafter(size, target.config, device, dtype)
+    verifier, proposer = roles(target, drafter, None, context + 64, dtype, device)
     verifier.add("x", prompt)
     verifier.prefill(["x"])
-    dcfg = DFlashConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=DRAFTER_LAYERS[size],
-                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
-                        num_target_layers=cfg.num_layers, target_layer_ids=verifier.runner.tap_layers, block_size=16,
-                        mask_token_id=0, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, conv_kernel_size=2,
-                        conv_group_size=16, selector_rank=256 if size != "tiny" else 8, selector_top_k=16)
-    drafter = DFlashDrafter(dcfg).to(device, dtype).eval().requires_grad_(False)
-    proposer = DFlashProposer(drafter, verifier.runner.embedding, verifier.runner.lm_head, verifier.features, 2,
-                              verifier.max_len)
     decode, r, c_d = cost_ratios(verifier, proposer, "x", KS, repeats, device)
-    # Orchestration: a whole step loop step vs the drafter and verifier calls it makes.
-    loop = StepLoop(verifier, proposer, max_batch=2)
     verifier.release("x")
     proposer.release("x")
+    overhead = loop_overhead(verifier, proposer, prompt, repeats, device)
+    mismatches, max_diff, positions = verify_vs_decode_flips(target, prompt, context, dtype, device)
+    default = stream_check(verifier, proposer, prompt[:128], 5, STREAM_TOKENS, device)
+    del verifier, proposer
+    invariant = stream_check(*roles(target, drafter, 16, context + 64, dtype, device), prompt[:128], 5, STREAM_TOKENS, device)
+    del drafter, target
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return SizeReport(size, round(params, 3), decode * 1e3, r, c_d, overhead, mismatches[False], mismatches[True],
+                      max_diff, positions, default[0], invariant[0], STREAM_TOKENS, default[1], default[2])
+
+
+STREAM_TOKENS = 48
+
+
+def random_drafter(size: str, cfg, device: str, dtype: torch.dtype):
+    """A DFlash drafter shaped for the target (random weights), tapping its first, middle and last layer."""
+    from blockspec.services.drafter.dflash.config import DFlashConfig
+    from blockspec.services.drafter.dflash.model import DFlashDrafter
+
+    taps = tuple(sorted({0, cfg.num_layers // 2, cfg.num_layers - 1}))
+    dcfg = DFlashConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=DRAFTER_LAYERS[size],
+                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                        num_target_layers=cfg.num_layers, target_layer_ids=taps, block_size=16,
+                        mask_token_id=0, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, conv_kernel_size=2,
+                        conv_group_size=16, selector_rank=256 if size != "tiny" else 8, selector_top_k=16)
+    return DFlashDrafter(dcfg).to(device, dtype).eval().requires_grad_(False)
+
+
+def roles(target: Checkpoint, drafter, query_width: int | None, max_len: int, dtype: torch.dtype, device: str):
+    """The verifier and the dflash proposer over it (two slots; query_width 16 = invariant mode)."""
+    from blockspec.services.drafter.proposers.dflash import DFlashProposer
+    from blockspec.services.verifier.verifier import Verifier
+
+    verifier = Verifier(target, num_slots=2, max_len=max_len, query_width=query_width,
+                        tap_layers=drafter.cfg.target_layer_ids, dtype=dtype, device=device)
+    proposer = DFlashProposer(drafter, verifier.runner.embedding, verifier.runner.lm_head, verifier.features, 2,
+                              verifier.max_len)
+    return verifier, proposer
+
+
+def loop_overhead(verifier, proposer, prompt: list[int], repeats: int, device: str) -> float:
+    """Milliseconds per step-loop step (k=5) beyond the drafter and verifier calls it makes."""
+    from blockspec.services.router.step_loop import Request, StepLoop
+
+    loop = StepLoop(verifier, proposer, max_batch=2)
     loop.submit(Request("y", tuple(prompt), 64, 5))
     loop.step()
-    steps, started = 0, time.perf_counter()
-    inner = 0.0
+    steps, inner, started = 0, 0.0, time.perf_counter()
     while not loop.idle and steps < repeats:
         loop.step()
         if device.startswith("cuda"):
@@ -102,7 +138,15 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
         inner += loop.last_report.draft_s + loop.last_report.verify_s if loop.last_report else 0.0
         steps += 1
     overhead = ((time.perf_counter() - started) - inner) / max(steps, 1) * 1e3
-    # Greedy exactness: verify vs decode logits along a random sequence, default and invariant width.
+    list(loop.run([]))  # finish the request: its slot is free again
+    return overhead
+
+
+def verify_vs_decode_flips(target: Checkpoint, prompt: list[int], context: int, dtype: torch.dtype, device: str):
+    """Greedy exactness of the math: argmax flips between verify and decode logits along the prompt, in
+    default and invariant width ({invariant: flips}, max |diff| default, positions per mode)."""
+    from blockspec.services.verifier.invariance import verify_vs_decode
+
     mismatches, max_diff, positions = {}, 0.0, 0
     for invariant in (False, True):
         runner = Runner(target, 1, context + 64, 16 if invariant else None, dtype=dtype, device=device)
@@ -115,12 +159,29 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
                 max_diff = max(max_diff, float((v - d).abs().max()))
         mismatches[invariant] = bad
         del runner
-    report = SizeReport(size, round(params, 3), decode * 1e3, r, c_d, overhead, mismatches[False], mismatches[True],
-                        max_diff, positions)
-    del verifier, proposer, drafter, target
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return report
+    return mismatches, max_diff, positions
+
+
+def stream_check(verifier, proposer, prompt: list[int], k: int, tokens: int, device: str) -> tuple[int, float, float]:
+    """Greedy exactness end to end, and what the streams cost: (how many tokens of a speculative stream (k)
+    through the step loop equal plain decoding's (k=0) on the same roles before the two part, plain ms
+    per token, speculative ms per token; each stream's prefill included). These decode as serving does,
+    the keys growing by one every step; the random drafter's drafts are nearly all rejected, so the
+    speculative figure is the price of drafting at acceptance ~0."""
+    from blockspec.services.router.step_loop import Request, StepLoop, TokenEvent
+
+    streams, cost = [], []
+    for width in (0, k):
+        loop = StepLoop(verifier, proposer, max_batch=2)
+        started = time.perf_counter()
+        events = list(loop.run([Request(f"s{width}", tuple(prompt), tokens, width)]))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        cost.append((time.perf_counter() - started) / tokens * 1e3)
+        streams.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+    plain, spec = streams
+    same = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    return same, cost[0], cost[1]
 
 
 def check_ipc(device: str) -> str:
@@ -150,28 +211,34 @@ def _child_sum(handle) -> float:
 
 def table(reports: list[SizeReport]) -> str:
     lines = ["| size | params (B) | decode ms | " + " | ".join(f"r({k + 1})" for k in KS) + " | c_d k=5 | c_d k=15 | "
-             "loop overhead ms | argmax flips default | invariant | max diff default |",
-             "|---" * (9 + len(KS)) + "|"]
+             "loop overhead ms | argmax flips default | invariant | max diff default | k=5 stream = plain, default "
+             "| invariant | stream ms/token plain | k=5 |", "|---" * (13 + len(KS)) + "|"]
     for r in reports:
         lines.append(f"| {r.size} | {r.params_b} | {r.decode_ms:.2f} | " + " | ".join(f"{r.r[k]:.2f}" for k in KS)
                      + f" | {r.c_d.get(5, float('nan')):.2f} | {r.c_d.get(15, float('nan')):.2f} | {r.overhead_ms:.2f} | "
-                     f"{r.exact_default}/{r.positions} | {r.exact_invariant}/{r.positions} | {r.max_diff_default:.2e} |")
+                     f"{r.exact_default}/{r.positions} | {r.exact_invariant}/{r.positions} | {r.max_diff_default:.2e} | "
+                     f"{r.stream_default}/{r.stream_tokens} | {r.stream_invariant}/{r.stream_tokens} | {r.stream_plain_ms:.2f} | "
+                     f"{r.stream_spec_ms:.2f} |")
     return "\n".join(lines)
 
 
 def main(sizes: list[str], device: str, out: Path | None) -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     reports = []
-    for size in sizes:
+    for size in sizes:  # the files are rewritten after each size: a run cut short keeps what it measured
         started = time.perf_counter()
         reports.append(check_size(size, device, dtype))
         print(f"{size}: done in {time.perf_counter() - started:.0f} s", flush=True)
-    ipc = check_ipc(device)
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    text = f"Device: {name}, dtype {dtype}.\n\n{table(reports)}\n\nSharing between processes: {ipc}\n"
+        _write(out, f"Device: {name}, dtype {dtype}.\n\n{table(reports)}\n", reports)
+    text = f"Device: {name}, dtype {dtype}.\n\n{table(reports)}\n\nSharing between processes: {check_ipc(device)}\n"
     print(text)
+    _write(out, text, reports)
+    return 0
+
+
+def _write(out: Path | None, text: str, reports: list[SizeReport]) -> None:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.md").write_text(text)
         (out / "gpu_check.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
-    return 0

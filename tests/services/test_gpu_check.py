@@ -17,6 +17,8 @@ def test_gpu_check_runs_on_cpu_with_the_tiny_shape(tmp_path, capsys):
     report = json.loads((tmp_path / "gpu_check.json").read_text())[0]
     assert set(report["r"]) == {"1", "3", "5", "7", "15"} and all(v > 0 for v in report["c_d"].values())
     assert report["exact_invariant"] == 0  # fp32 CPU, invariant width: bitwise equal logits
+    assert report["stream_invariant"] == report["stream_tokens"] == 48  # speculative stream = plain decoding's
+    assert report["stream_plain_ms"] > 0 and report["stream_spec_ms"] > 0
 
 
 def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
