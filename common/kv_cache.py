@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import torch
 
+# Keys a CUDA forward reads come in multiples of this (the rest masked). The attention kernel torch picks
+# first on an H200, cuDNN's, builds an execution plan for each new shape, and a decode's key length grows
+# by one every step: with spans there are at most max_len / CUDA_KEY_SPAN shapes to plan.
+CUDA_KEY_SPAN = 256
+
 
 class SlotKVCache:
     """K/V for `num_slots` requests of up to `max_len` tokens each.
@@ -27,6 +32,7 @@ class SlotKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self.key_step = CUDA_KEY_SPAN if torch.device(device).type == "cuda" else 1  # see key_span
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -60,6 +66,11 @@ class SlotKVCache:
         """Store k, v [kv_heads, n, hd] of one slot at positions [start, start + n)."""
         self.k[layer, slot, :, start : start + k.shape[1]] = k
         self.v[layer, slot, :, start : start + v.shape[1]] = v
+
+    def key_span(self, longest: int) -> int:
+        """Keys a forward over rows of up to `longest` valid keys reads: rounded up to key_step, within
+        max_len (the keys past a row's own length are masked)."""
+        return min(self.max_len, -(-longest // self.key_step) * self.key_step)
 
     def read(self, layer: int, slots: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [len(slots), kv_heads, key_len, hd]."""

@@ -134,7 +134,7 @@ class Runner:
         real = offsets[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
         positions = (torch.tensor(starts)[:, None] + offsets[None, :]).clamp(max=self.max_len - 1)  # [B, T]
         invariant = width == self.query_width
-        key_len = self.max_len if invariant else max(s + n for s, n in zip(starts, lengths))
+        key_len = self.max_len if invariant else self.cache.key_span(max(s + n for s, n in zip(starts, lengths)))
         host_slots = [s.slot for s in segments]
         slots = torch.tensor(host_slots, dtype=torch.long)
         if self.device.type != "cpu":  # index tensors are built on the host, then moved once

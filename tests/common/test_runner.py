@@ -123,3 +123,31 @@ def test_decode_and_verify_attend_in_place_and_long_prefill_chunks_use_sdpa(vari
     runner.forward([Segment(a, [5]), Segment(b, list(range(7, 15)))])  # a decode and an 8-token prefill
     runner.forward([Segment(a, [5, 6, 7, 8]), Segment(b, [9])])  # a verify and a decode
     assert not calls
+
+
+def test_keys_read_in_spans_give_the_same_logits(variant_dirs):
+    """On CUDA a forward reads the KV cache in spans of CUDA_KEY_SPAN keys, the rest masked (fewer shapes
+    for cuDNN's attention to plan). Here through SDPA on the CPU with spans of 8: a batched prefill, a
+    decode beside a verify, and two decodes give the logits of exact-length reads."""
+    from blockspec.common import cpu_kernels
+    from blockspec.common.kv_cache import SlotKVCache
+
+    ck = load_checkpoint(variant_dirs[2])
+    cpu_kernels.set_enabled(False)  # every forward through SDPA
+    try:
+        outs = []
+        for step in (1, 8):
+            runner = Runner(ck, num_slots=2, max_len=60)
+            assert runner.cache.key_step == 1  # the CPU's default
+            runner.cache.key_step = step
+            a, b = runner.cache.allocate(), runner.cache.allocate()
+            logits = runner.forward([Segment(a, list(range(3, 14))), Segment(b, list(range(20, 25)))]).logits
+            logits += runner.forward([Segment(a, [7]), Segment(b, [8, 9, 10])]).logits
+            logits += runner.forward([Segment(a, [11]), Segment(b, [12])]).logits
+            outs.append(torch.cat(logits))
+    finally:
+        cpu_kernels.set_enabled(True)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5) and torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+    cache = SlotKVCache(1, 1, 1, 60, 4)
+    cache.key_step = 8
+    assert [cache.key_span(n) for n in (1, 8, 9, 57, 60)] == [8, 8, 16, 60, 60]

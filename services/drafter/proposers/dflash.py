@@ -136,7 +136,7 @@ class DFlashProposer:
         if cpu is not None:
             hidden = cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
         else:
-            key_len = max(ctx_lens)
+            key_len = self.cache.key_span(max(ctx_lens))
             layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
             visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
             positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]

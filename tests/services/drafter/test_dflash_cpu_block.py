@@ -157,6 +157,9 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, m
         inputs = [ProposeInput(str(i), engines[0].verifier.committed(str(i)), k) for i in range(3)]
         fused, ref, apart = ([d.token_ids for d in e.proposer.propose(inputs)] for e in engines)
         assert fused == ref == apart
+        engines[1].proposer.cache.key_step = 8  # the context's keys read in spans, as on CUDA: the same drafts
+        assert [d.token_ids for d in engines[1].proposer.propose(inputs)] == fused
+        engines[1].proposer.cache.key_step = 1
         if engines[0].proposer.vocab_ids is not None:
             assert {t for row in fused for t in row} <= set(engines[0].proposer.vocab_ids.tolist())
     cpu_kernels.set_enabled(False)  # switched off at run time: the torch module, the same drafts
