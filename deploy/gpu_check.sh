@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One command on a GPU machine (< 8 minutes on one H200): random-weight Qwen3-shaped targets of about
-# 1B, 8B and 27B parameters (bf16) with matching DFlash drafters -> r(k+1), c_d, step-loop overhead,
-# CUDA IPC sharing between two processes, bf16 verify-vs-decode exactness (default and invariant).
+# One command on a GPU machine (about 2 minutes on one H200): random-weight Qwen3-shaped targets of
+# 0.75B, 8.2B and 26.7B parameters (bf16) with matching DFlash drafters -> r(k+1), c_d, step-loop
+# overhead, CUDA IPC sharing between two processes, bf16 exactness of verify vs decode and of a
+# speculative stream vs plain decoding (default and invariant mode).
 #
 # It runs under the GPU machine's own Python and CUDA build of torch: the pins in pyproject.toml name
 # the CPU build, and such machines are often offline. PYTHON picks the interpreter (default: the first
 # of .venv's and python3 whose torch sees a GPU, else .venv's). Where blockspec is not installed for
 # it, this checkout is put on its path as the package; besides torch it needs numpy, safetensors, tqdm
 # and opentelemetry-api.
-# SIZES (default 1b,8b,27b) and OUT (default gpu-check-out) are passed on.
+# SIZES (default 1b,8b,27b), OUT (default gpu-check-out) and DEVICE (default cuda) are passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sees_gpu() { "$1" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }

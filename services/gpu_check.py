@@ -28,6 +28,7 @@ SIZES = {
 }
 DRAFTER_LAYERS = {"tiny": 1, "1b": 1, "8b": 3, "27b": 5}
 KS = (1, 3, 5, 7, 15)
+STREAM_TOKENS = 48  # per stream of stream_check, after a 128-token prompt
 
 
 def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
@@ -86,15 +87,14 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     mismatches, max_diff, positions = verify_vs_decode_flips(target, prompt, context, dtype, device)
     default = stream_check(verifier, proposer, prompt[:128], 5, STREAM_TOKENS, device)
     del verifier, proposer
-    invariant = stream_check(*roles(target, drafter, 16, context + 64, dtype, device), prompt[:128], 5, STREAM_TOKENS, device)
+    verifier, proposer = roles(target, drafter, 16, context + 64, dtype, device)
+    invariant = stream_check(verifier, proposer, prompt[:128], 5, STREAM_TOKENS, device)
+    del verifier, proposer
     del drafter, target
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return SizeReport(size, round(params, 3), decode * 1e3, r, c_d, overhead, mismatches[False], mismatches[True],
                       max_diff, positions, default[0], invariant[0], STREAM_TOKENS, default[1], default[2])
-
-
-STREAM_TOKENS = 48
 
 
 def random_drafter(size: str, cfg, device: str, dtype: torch.dtype):

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,21 @@ def test_gpu_check_runs_on_cpu_with_the_tiny_shape(tmp_path, capsys):
     assert report["exact_invariant"] == 0  # fp32 CPU, invariant width: bitwise equal logits
     assert report["stream_invariant"] == report["stream_tokens"] == 48  # speculative stream = plain decoding's
     assert report["stream_plain_ms"] > 0 and report["stream_spec_ms"] > 0
+
+
+def test_gpu_check_script_puts_the_checkout_on_the_path_where_blockspec_is_not_installed(tmp_path):
+    """deploy/gpu_check.sh under an interpreter that has torch but cannot import blockspec, as a GPU
+    machine's own Python (here: ours with -S, its site-packages on PYTHONPATH, so no .pth file is read)."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": sysconfig.get_paths()["purelib"], "DEVICE": "cpu",
+           "SIZES": "tiny", "OUT": str(tmp_path / "out")}
+    assert subprocess.run([python, "-c", "import blockspec"], env=env, capture_output=True).returncode != 0
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["bash", "deploy/gpu_check.sh"], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| tiny |" in done.stdout and json.loads((tmp_path / "out" / "gpu_check.json").read_text())[0]["size"] == "tiny"
 
 
 def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
