@@ -9,7 +9,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
 // torch.argmax); x [N, V] contiguous fp32. One vector pass finds the maximum and whether the row has a
 // NaN, a second the first index holding it.
 std::vector<int64_t> argmax_rows(torch::Tensor x) {
-  const int64_t N = x.size(0), V = x.size(1), whole = V / 16 * 16;
+  const int64_t N = x.size(0), V = x.size(1), whole = V / VW * VW;
   const float* xp = x.data_ptr<float>();
   std::vector<int64_t> out(N);
   for (int64_t n = 0; n < N; ++n) {
@@ -17,14 +17,14 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
     float value = row[0];
     bool nan = false;
     if (whole) {
-      v16 mx = load16(row);
-      vi16 bad = mx != mx;
-      for (int64_t v = 16; v < whole; v += 16) {
-        const v16 a = load16(row + v);
+      vf mx = loadv<vf>(row);
+      vif bad = mx != mx;
+      for (int64_t v = VW; v < whole; v += VW) {
+        const vf a = loadv<vf>(row + v);
         bad |= a != a;
         mx = a > mx ? a : mx;
       }
-      for (int i = 0; i < 16; ++i) { nan |= bad[i] != 0; value = mx[i] > value ? mx[i] : value; }
+      for (int i = 0; i < VW; ++i) { nan |= bad[i] != 0; value = mx[i] > value ? mx[i] : value; }
     }
     for (int64_t v = whole; v < V; ++v) { nan |= row[v] != row[v]; value = row[v] > value ? row[v] : value; }
     int64_t best = 0;

@@ -267,10 +267,10 @@ static void block_rows(float* x, int64_t R, int64_t B, int64_t H, const torch::T
     project(att.data(), N, heads * hd, lw[4], a.data());
     add_sublayer_out(a.data());
     project(sublayer_in(lw[5], lw[10], lw[11]), N, H, lw[6], gu.data());  // MLP
-    for (int64_t n = 0; n < N; ++n)  // silu(gate) * up, 16 at a time: sigmoid from e^-|g| (exp16 takes x <= 0)
-      for (int64_t i = 0; i < I; i += 16) {
-        const v16 g = load16(gu.data() + n * 2 * I + i), e = exp16(g < 0 ? g : -g);
-        const v16 out = g * (g < 0 ? e : 1.0f) / (1.0f + e) * load16(gu.data() + n * 2 * I + I + i);
+    for (int64_t n = 0; n < N; ++n)  // silu(gate) * up, VW at a time: sigmoid from e^-|g| (exp_neg takes x <= 0)
+      for (int64_t i = 0; i < I; i += VW) {
+        const vf g = loadv<vf>(gu.data() + n * 2 * I + i), e = exp_neg<vf, vif>(g < 0 ? g : -g);
+        const vf out = g * (g < 0 ? e : 1.0f) / (1.0f + e) * loadv<vf>(gu.data() + n * 2 * I + I + i);
         __builtin_memcpy(hmid.data() + n * I + i, &out, sizeof out);
       }
     project(hmid.data(), N, I, lw[7], a.data());
