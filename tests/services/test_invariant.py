@@ -86,6 +86,21 @@ def check_lossless(engine: Engine, name: str, prompts: list[list[int]], expected
             assert first_accepted > steps / 10, f"first draft accepted in {first_accepted} of {steps} steps at k={k}"
 
 
+def test_keys_read_in_spans_keep_output_identical(tiny_models, dflash_drafters, prompts, references):
+    """On CUDA the target and the drafter read their KV caches in spans of keys (the rest masked). The same
+    here on the torch path (the CPU kernels off, so every attention reads key_span keys, spans of 8): the
+    trained dflash drafter's output still equals the target alone."""
+    from blockspec.common import cpu_kernels
+
+    engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=len(prompts))
+    engine.verifier.runner.cache.key_step = engine.proposer.cache.key_step = 8
+    cpu_kernels.set_enabled(False)
+    try:
+        check_lossless(engine, "dflash_trained", prompts, references["qwen3"])
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
 def test_invariant_mode_keeps_output_identical(tiny_models, prompts, references):
     """--invariant pads decode to the verify width; the output must not change."""
     engine = Engine(tiny_models["qwen2"]["target"], None, "ngram", max_batch=len(prompts), invariant=True)
