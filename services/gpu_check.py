@@ -31,16 +31,21 @@ KS = (1, 3, 5, 7, 15)
 STREAM_TOKENS = 48  # per stream of stream_check, after a 128-token prompt
 
 
+def hf_config(size: str) -> dict:
+    """The size's config.json as transformers writes it for Qwen3 (also what a transformers peer is built from)."""
+    layers, hidden, heads, kv, inter, vocab = SIZES[size]
+    return {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": 128 if hidden >= 1024 else 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+            "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+            "eos_token_id": vocab - 1}
+
+
 def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
     """A Qwen3-shaped checkpoint with random weights made directly on the device (no file, no host copy)."""
     from blockspec.common.decoder import Decoder
 
-    layers, hidden, heads, kv, inter, vocab = SIZES[size]
-    raw = {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
-           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 128 if hidden >= 1024 else 16,
-           "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-           "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "eos_token_id": vocab - 1}
-    cfg = parse_config(raw, Path(f"<random {size}>"))
+    cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Decoder(cfg).state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(0)

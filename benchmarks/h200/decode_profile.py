@@ -23,8 +23,13 @@ CONTEXT = 1024
 CUDA = torch.autograd.DeviceType.CUDA
 
 
+def waiter(device: str):
+    """A call that waits for the device's queued work (nothing to wait for on the CPU)."""
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
 def measure(label: str, step, device: str) -> None:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = waiter(device)
     for _ in range(5):
         step()
     times = []
@@ -47,22 +52,19 @@ def measure(label: str, step, device: str) -> None:
         print(f"   cpu {e.key[:50]:50s} n={e.count / 5:6.1f}/decode self {e.self_cpu_time_total / 5 / 1e3:.3f} ms/decode")
 
 
-def hf_generate_ms(target, prompt: list[int], device: str, dtype: torch.dtype) -> float:
+def hf_generate_ms(size: str, prompt: list[int], device: str, dtype: torch.dtype) -> float:
     """transformers' generate on the same shape (its own random weights): ms per decoded token."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    c = target.config
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, tie_word_embeddings=False)).to(device, dtype).eval()
-    ids = torch.tensor([prompt], device=device)
+    config = {k: v for k, v in gpu_check.hf_config(size).items() if k != "model_type"}
+    model = Qwen3ForCausalLM(Qwen3Config(**config)).to(device, dtype).eval()
+    ids, sync = torch.tensor([prompt], device=device), waiter(device)
 
     def seconds(new: int) -> float:
-        torch.cuda.synchronize() if device == "cuda" else None
+        sync()
         started = time.perf_counter()
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize() if device == "cuda" else None
+        sync()
         return time.perf_counter() - started
 
     seconds(4)
@@ -92,7 +94,7 @@ def main(device: str, sizes: list[str], hf: bool) -> None:
         torch.backends.cuda.enable_cudnn_sdp(True)
         del runner
         if hf and size in ("tiny", "1b"):
-            print(f"{size}: transformers generate {hf_generate_ms(target, prompt, device, dtype):.2f} ms per decoded token")
+            print(f"{size}: transformers generate {hf_generate_ms(size, prompt, device, dtype):.2f} ms per decoded token")
         del target
         if device == "cuda":
             torch.cuda.empty_cache()
