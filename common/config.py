@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from blockspec.common.device import check_device_name
 from blockspec.common.errors import InvalidArgument
 
 
@@ -51,6 +52,17 @@ class ModelSection(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     max_model_len: int | None = Field(None, ge=16)  # KV cache per request; default: the model's context
+    device: str = "cpu"  # both roles of a replica: cpu, cuda or cuda:N (common/device.py)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # target and drafter (the drafter reads the target's tensors)
+    invariant: bool = False  # decode with the verify query width: token-identical in bf16 too (README, Exactness)
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        try:
+            return check_device_name(value, "model.device")
+        except InvalidArgument as e:
+            raise ValueError(e.message) from None
 
     @field_validator("tensor_parallel_size")
     @classmethod

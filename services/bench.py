@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 ENGINE_METHODS = ("none", "ngram", "draft_model", "dflash")
 HF_MODES = ("hf", "hf-lookup", "hf-assisted", "hf-assisted-default")
 COST_REPEATS = 20  # timed rounds of the cost model in each slice (one slice per round of the concurrency-1 passes)
+Device = tuple[torch.device, torch.dtype]  # where the engine and transformers modes run (common/device.resolve)
+CPU: Device = (torch.device("cpu"), torch.float32)
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,14 @@ def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: in
 
 
 def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int,
-                  concurrency: int) -> Callable[[], tuple[Row, list]]:
+                  concurrency: int, device: Device = CPU) -> Callable[[], tuple[Row, list]]:
     """A warmed-up engine for `mode` (`drafter`: the DFlash drafter, or for draft_model the assistant); each call of
     the result is one timed pass over the prompts."""
     from blockspec.services.engine import Engine
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
-                    max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive)
+                    max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive,
+                    device=device[0], dtype=device[1])
     _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
 
     def run() -> tuple[Row, list]:
@@ -164,31 +167,33 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
                steps=steps), [ids for ids, _ in results]
 
 
-def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None) -> Callable[[], tuple[Row, list]]:
+def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None,
+              device: Device = CPU) -> Callable[[], tuple[Row, list]]:
     """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted. The
     models load and warm up here; each call of the result is one timed pass over the prompts."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    dev, dtype = device
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(dev).eval()
     kwargs: dict = {"do_sample": False, "max_new_tokens": max_tokens}
     if mode.name == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = mode.k
     elif mode.name.startswith("hf-assisted"):
-        helper = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
+        helper = AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype).to(dev).eval()
         kwargs["assistant_model"] = helper
         helper.generation_config.num_assistant_tokens = mode.k
         if mode.name == "hf-assisted":  # fixed k, no early stop on low confidence
             helper.generation_config.num_assistant_tokens_schedule = "constant"
             helper.generation_config.assistant_confidence_threshold = 0.0
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8})  # warm-up
+        model.generate(torch.tensor([prompts[0]], device=dev), **{**kwargs, "max_new_tokens": 8})  # warm-up
 
     def run() -> tuple[Row, list]:
         outputs = []
         with torch.inference_mode():
             started = time.perf_counter()
             for p in prompts:
-                out = model.generate(torch.tensor([p]), **kwargs)
+                out = model.generate(torch.tensor([p], device=dev), **kwargs)
                 outputs.append(out[0, len(p):].tolist())
             elapsed = time.perf_counter() - started
         tokens = sum(len(o) for o in outputs)
@@ -238,10 +243,13 @@ class CostSampler:
     cost model timed once, after a run of many minutes, met another state of a drifting machine than
     the passes did. Each slice pairs its own forwards; `model()` takes the median over the slices."""
 
-    def __init__(self, target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128) -> None:
+    def __init__(self, target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128,
+                 device: Device = CPU) -> None:
         from blockspec.services.engine import Engine
 
-        self.engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32)
+        self.engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32,
+                             device=device[0], dtype=device[1])
+        self.device = str(device[0])
         self.engine.verifier.add("x", list(range(16, 16 + context)))
         self.engine.verifier.prefill(["x"])
         self.context, self.ks, self.with_drafter = context, list(ks), drafter is not None
@@ -249,7 +257,7 @@ class CostSampler:
 
     def sample(self, repeats: int) -> None:
         proposer = self.engine.proposer if self.with_drafter else None
-        self.slices.append(cost_ratios(self.engine.verifier, proposer, "x", self.ks, repeats))
+        self.slices.append(cost_ratios(self.engine.verifier, proposer, "x", self.ks, repeats, self.device))
 
     def model(self) -> CostModel:
         decode = statistics.median(s[0] for s in self.slices)
@@ -258,10 +266,13 @@ class CostSampler:
         return CostModel(self.context, decode * 1e3, {k: statistics.median(v) for k, v in r_slices.items()}, c_d, r_slices)
 
 
-def machine() -> str:
+def machine(device: Device = CPU) -> str:
     # The vector extension decides the CPU kernels' speed (the same VM type came with AVX-512 and with AVX2 only).
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), " \
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), " \
            f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    dev, dtype = device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
+    return f"{host}; models on {where} in {str(dtype).removeprefix('torch.')}"
 
 
 def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
@@ -343,7 +354,7 @@ def plots(rows: list[Row], out: Path) -> list[Path]:
 
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
               max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
-              waves: int = 4) -> dict:
+              waves: int = 4, device: Device = CPU) -> dict:
     """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each (draft_model
     and the hf-assisted modes with `assistant` as their draft model),
     interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
@@ -356,13 +367,14 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
     plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
     ks = sorted({m.k for m in modes if m.name == "dflash"})
-    sampler = CostSampler(target, drafter, ks) if drafter and ks else None
+    sampler = CostSampler(target, drafter, ks, device=device) if drafter and ks else None
     rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
     with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
         for c, ms in plan:
             work = workload(prompts, c, waves)
-            runners = {m: engine_runner(target, assistant if m.name == "draft_model" else drafter, m, work, max_tokens, c)
-                       if m.name in ENGINE_METHODS else hf_runner(target, m, work, max_tokens, assistant) for m in ms}
+            runners = {m: engine_runner(target, assistant if m.name == "draft_model" else drafter, m, work, max_tokens, c,
+                                        device)
+                       if m.name in ENGINE_METHODS else hf_runner(target, m, work, max_tokens, assistant, device) for m in ms}
             samples: dict[Mode, list[Row]] = {m: [] for m in ms}
             for r in range(rounds):  # interleaved, each round in another order: drift hits every mode alike
                 for m in ms[r % len(ms):] + ms[: r % len(ms)]:
@@ -385,14 +397,14 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
         sampler.sample(COST_REPEATS * rounds)
     costs = sampler.model() if sampler is not None else None
-    header = (f"Machine: {machine()}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
+    header = (f"Machine: {machine(device)}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
               f"greedy; a pass at concurrency c serves max({len(prompts)}, {waves} c) requests (the prompts cycled), c "
               f"at a time. Each figure is the median of {rounds} interleaved passes." +
               (" The cost model is timed in slices, one after each round of the concurrency-1 passes."
                if sampler is not None and 1 in concurrency else ""))
     report = markdown(rows, costs, header)
     (out / "bench.md").write_text(report)
-    result = {"machine": machine(), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,
+    result = {"machine": machine(device), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,
               "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "costs": asdict(costs) if costs else None}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     result["plots"] = [str(p) for p in plots(rows, out)]

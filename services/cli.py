@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from blockspec.common.detokenize import TextStream
+from blockspec.common.device import add_device_args, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import RULES, SamplingParams
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
@@ -182,10 +183,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     method = args.method or default_method(args.drafter)
+    device, dtype = resolve_device(args.device, args.dtype)
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
                     max_len=args.max_model_len, invariant=args.invariant,
                     use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
-                    adaptive_k=args.adaptive_k)
+                    adaptive_k=args.adaptive_k, device=device, dtype=dtype)
     # Validate every prompt before anything is generated or written.
     sampling = _sampling(args)
     requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
@@ -246,16 +248,7 @@ def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
     from blockspec.services import launch
 
-    if args.role == "verifier":
-        service = launch.verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len)
-    else:
-        from blockspec.services.drafter.service import DrafterService
-
-        service = DrafterService(args.method, args.drafter, args.target, args.max_batch,
-                                 launch.context_len(args.target, args.max_model_len),
-                                 not args.no_dynamic_conv, not args.no_path_selector)
-
-    launch.run_role_process(args.role, service, args.host, args.port)
+    launch.run_role_process(args.role, launch.role_service(args), args.host, args.port)
     return 0
 
 
@@ -318,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
     gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
+    add_device_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_model_commands(sub)
     sv = sub.add_parser("serve", help="serve the gRPC API (and HTTP /health, /metrics) from a config file")
@@ -340,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--max-model-len", type=int)
     role.add_argument("--no-dynamic-conv", action="store_true")
     role.add_argument("--no-path-selector", action="store_true")
+    role.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")
+    add_device_args(role)
     role.add_argument("--host", default="127.0.0.1")
     role.add_argument("--port", type=int, default=0)
     role.set_defaults(func=cmd_role)

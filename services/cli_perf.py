@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from blockspec.common.device import add_device_args, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 
 
@@ -38,6 +39,7 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
     bn.add_argument("--waves", type=int, default=4, help="a pass at concurrency c serves at least WAVES x c requests "
                     "(the prompts cycled), c in flight: mostly steady state, not one wave's ramp and tail")
+    add_device_args(bn)
     bn.set_defaults(func=cmd_bench)
     gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
     gc.add_argument("--sizes", default="1b,8b,27b", help="comma list of tiny, 1b, 8b, 27b (the reference shape)")
@@ -87,7 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modes = args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else "")
     result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(modes),
                              concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
-                             rounds=rounds, waves=waves)
+                             rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype))
     print(result["markdown"])
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
     return 0
@@ -118,9 +120,5 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     unknown = [s for s in sizes if s not in gpu_check.SIZES]
     if not sizes or unknown:
         raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InvalidArgument("--device", "CUDA is not available on this machine (use --device cpu --sizes tiny)")
+    resolve_device(args.device)
     return gpu_check.main(sizes, args.device, Path(args.out) if args.out else None)

@@ -6,9 +6,11 @@ import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import torch
+
 from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
-from blockspec.services.drafter.proposers import MAX_K, TargetView, build_proposer, check_method
+from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
 from blockspec.services.router.validation import validate_request
 from blockspec.services.verifier.verifier import Verifier
@@ -34,23 +36,27 @@ class Engine:
         use_path_selector: bool = True,
         adaptive_k: bool = False,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        device: torch.device | str = "cpu",  # target and drafter (common/device.resolve checks user input)
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         check_method(method, drafter)
         checkpoint = load_checkpoint(target)
         max_len = max_len or min(checkpoint.config.max_position_embeddings, DEFAULT_MAX_LEN)
-        dflash_model, tap_layers, max_k = None, (), {"none": 0}.get(method, MAX_K)
+        dflash_model = None
         if method == "dflash":
             from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
 
             dflash_model = load_drafter(drafter)
             check_fits_target(dflash_model.cfg, checkpoint.config, str(drafter))
-            tap_layers, max_k = dflash_model.cfg.target_layer_ids, dflash_model.cfg.max_k
+            dflash_model = dflash_model.to(device, dtype)
+        tap_layers, max_k = verifier_needs(method, dflash_model.cfg if dflash_model is not None else None)
         # Invariant mode: decode and verify share one query width, the widest verify.
         query_width = max_k + 1 if invariant else None
-        self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers)
+        self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers, dtype=dtype,
+                                 device=device)
         view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features)
         self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,
-                                       use_dynamic_conv, use_path_selector)
+                                       use_dynamic_conv, use_path_selector, device, dtype)
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.target_path, self.drafter_path = Path(target), drafter

@@ -11,12 +11,16 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 
+import torch
+
 from blockspec.common import tracing
+from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
+from blockspec.services.drafter.proposers import verifier_needs
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.engine import DEFAULT_K, DEFAULT_MAX_LEN
 from blockspec.services.router.app import RouterServer, start_router
@@ -32,14 +36,6 @@ VERIFIER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 DRAFTER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
-def drafter_tap_layers(method: str, drafter: str | None) -> tuple[int, ...]:
-    if method != "dflash":
-        return ()
-    from blockspec.services.drafter.dflash.checkpoint import load_drafter
-
-    return load_drafter(drafter).cfg.target_layer_ids
-
-
 def context_len(target: str, max_len: int | None) -> int:
     cfg = load_checkpoint(target, with_weights=False).config
     return min(max_len or DEFAULT_MAX_LEN, cfg.max_position_embeddings)
@@ -47,15 +43,25 @@ def context_len(target: str, max_len: int | None) -> int:
 
 def role_service(args) -> VerifierService | DrafterService:
     """The service of `blockspec role verifier|drafter ...` arguments."""
+    device, dtype = resolve_device(args.device, args.dtype)
     if args.role == "verifier":
-        return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len)
+        return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,
+                                args.invariant)
     return DrafterService(args.method, args.drafter, args.target, args.max_batch, context_len(args.target, args.max_model_len),
-                          not args.no_dynamic_conv, not args.no_path_selector)
+                          not args.no_dynamic_conv, not args.no_path_selector, device, dtype)
 
 
-def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None) -> VerifierService:
-    verifier = Verifier(load_checkpoint(target), max_batch, context_len(target, max_len),
-                        tap_layers=drafter_tap_layers(method, drafter))
+def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None,
+                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                     invariant: bool = False) -> VerifierService:
+    dflash_cfg = None
+    if method == "dflash":
+        from blockspec.services.drafter.dflash.checkpoint import load_drafter
+
+        dflash_cfg = load_drafter(drafter).cfg
+    tap_layers, max_k = verifier_needs(method, dflash_cfg)
+    verifier = Verifier(load_checkpoint(target), max_batch, context_len(target, max_len), max_k + 1 if invariant else None,
+                        tap_layers=tap_layers, dtype=dtype, device=device)
     return VerifierService(verifier, str(target))
 
 

@@ -12,6 +12,7 @@ import socket
 import threading
 
 from blockspec.common.config import BlockspecConfig
+from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.serve import plan, serve_roles
 
@@ -54,10 +55,8 @@ class DrafterActor(RoleActor):
 
 
 def _gpu_shares(cfg: BlockspecConfig) -> tuple[float, float]:
-    """Fractions of one GPU for verifier and drafter; 0 on a machine without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
+    """Fractions of one GPU for verifier and drafter (model.device cuda: both on the same GPU); 0 on the CPU."""
+    if not cfg.model.device.startswith("cuda"):
         return 0.0, 0.0
     total = cfg.model.gpu_memory_utilization
     return round(total * 0.8, 3), round(total * 0.2, 3)
@@ -106,6 +105,9 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     import ray
 
     p = plan(cfg)
+    if cfg.model.device.startswith("cuda:"):  # Ray sets each actor's CUDA_VISIBLE_DEVICES: its GPU is "cuda"
+        raise InvalidArgument("model.device", f"{cfg.model.device!r}: under Ray use 'cuda' (Ray assigns the GPU), "
+                                              "or serve with --no-ray")
     cleanup_stale()
     if ray_address:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)

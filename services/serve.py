@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common import tracing
 from blockspec.common.config import BlockspecConfig
+from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
@@ -58,13 +59,15 @@ def plan(cfg: BlockspecConfig) -> Plan:
             check_method(method, drafter)
         except InvalidArgument as e:
             raise InvalidArgument("model.draft_model_path", e.message) from None
-    common = ["--target", m.target_model_path, "--max-batch", str(cfg.server.max_batch)]
+    common = ["--target", m.target_model_path, "--max-batch", str(cfg.server.max_batch), "--device", m.device,
+              "--dtype", m.dtype]
     if m.max_model_len:
         common += ["--max-model-len", str(m.max_model_len)]
-    if spec.draft_model_dtype != "float32":
-        log.warning("draft_model_dtype %s: this build runs the roles in float32 on CPU (bf16/fp16 are 5-6x "
-                    "slower without CPU support); falling back to float32", spec.draft_model_dtype)
+    if method != "none" and spec.draft_model_dtype != m.dtype:
+        log.warning("spec_decode.draft_model_dtype %s: the drafter runs in model.dtype, %s (the dflash drafter reads "
+                    "the target's embedding, LM head and tap features in place)", spec.draft_model_dtype, m.dtype)
     verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
+    verifier += ["--invariant"] if m.invariant else []
     drafter_argv = None
     if method != "none":
         drafter_argv = ["role", "drafter", *common, "--method", method]
@@ -146,6 +149,7 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     """Roles as supervised child processes (a verifier and a drafter per replica), router and HTTP here."""
     cleanup_stale()
     p = plan(cfg)
+    resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 
     def start_roles():
         return [(RoleProcess(f"verifier-{r}", p.verifier_argv),

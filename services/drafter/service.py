@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psutil
+import torch
 
 from blockspec.common import cpu_kernels, tracing
 from blockspec.common.models import load_checkpoint
@@ -29,7 +30,8 @@ def _open(pb: roles_pb2.TensorHandle):
 
 class DrafterService(roles_grpc.DrafterServicer):
     def __init__(self, method: str, drafter_path: str | None, target_path: str, num_slots: int, max_len: int,
-                 use_dynamic_conv: bool = True, use_path_selector: bool = True) -> None:
+                 use_dynamic_conv: bool = True, use_path_selector: bool = True, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         check_method(method, drafter_path)
         self.method, self.drafter_path, self.num_slots, self.max_len = method, drafter_path, num_slots, max_len
         self.modules = {"use_dynamic_conv": use_dynamic_conv, "use_path_selector": use_path_selector}
@@ -41,9 +43,12 @@ class DrafterService(roles_grpc.DrafterServicer):
 
             self.dflash_model = load_drafter(drafter_path)
             check_fits_target(self.dflash_model.cfg, self.target.config, str(drafter_path))
-            cpu_kernels.enabled()  # load the CPU kernel now (used when the target's tensors are on the CPU)
+            # The verifier's shared tensors arrive on the same device, in the same dtype (Attach).
+            self.dflash_model = self.dflash_model.to(device, dtype)
+            if torch.device(device).type == "cpu":
+                cpu_kernels.enabled()  # load the CPU kernel now, not during the first request
         else:
-            self.proposer = build_proposer(method, self.target, drafter_path, num_slots, max_len)
+            self.proposer = build_proposer(method, self.target, drafter_path, num_slots, max_len, device=device, dtype=dtype)
         self._tokens: dict[str, list[int]] = {}  # committed tokens seen per request
         self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
         self._tap_buffer = None

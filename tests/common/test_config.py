@@ -45,6 +45,8 @@ def test_the_operators_config_loads_with_our_defaults(tmp_path):
         ({"model": {"spec_decode": {"num_speculative_tokens": "5"}}}, "model.spec_decode.num_speculative_tokens: '5' is not allowed: Input should be a valid integer"),
         ({"model": {"spec_decode": {"draft_model_dtype": "int4"}}}, "model.spec_decode.draft_model_dtype: 'int4' is not allowed: Input should be 'float32', 'float16' or 'bfloat16'"),
         ({"model": {"target_model_path": None}}, "model.target_model_path: None is not allowed"),
+        ({"model": {"device": "gpu0"}}, "model.device: 'gpu0' is not allowed: 'gpu0' is not a device; use cpu, cuda or cuda:N"),
+        ({"model": {"dtype": "int8"}}, "model.dtype: 'int8' is not allowed: Input should be 'float32', 'bfloat16' or 'float16'"),
     ],
 )
 def test_errors_name_key_value_and_allowed(patch, message):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from blockspec.services.cli import main
 from tests.conftest import hf_greedy
@@ -35,6 +36,16 @@ def test_generate_json_contract(capsys, tiny_models, tokenizer):
     assert stats["drafted"] > 0 and len(stats["accepted_per_pos"]) <= 4
     assert stats["tau"] == pytest.approx(1 + stats["accepted"] / stats["steps"], abs=1e-3)
     assert sum(stats["accepted_per_pos"]) == stats["accepted"]
+
+
+def test_generate_in_bfloat16(capsys, tiny_pair):
+    """--dtype bfloat16 builds the target and the dflash drafter in bf16 and generates (README, Device and dtype)."""
+    code, out, _ = run_cli(capsys, "generate", "def split(s):", "--target", str(tiny_pair.target), "--drafter",
+                           str(tiny_pair.drafter),
+                           "-k", "5", "--max-tokens", "24", "--dtype", "bfloat16", "--invariant", "--json")
+    assert code == 0
+    obj = json.loads(out)
+    assert obj["finish_reason"] in ("length", "stop") and obj["stats"]["drafted"] > 0
 
 
 def test_generate_streams_text_then_stats(capsys, tiny_models, tokenizer):
@@ -77,6 +88,9 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["hi", "--logit-bias", "5:1"], "--logit-bias: expected TOKEN_ID=BIAS"),
         (["hi", "--logit-bias", "9999=1"], "sampling.logit_bias: token id 9999 is outside"),
         (["hi", "--repetition-penalty", "0"], "sampling.repetition_penalty"),
+        (["hi", "--method", "ngram", "--device", "tpu"], "--device: 'tpu' is not a device; use cpu, cuda or cuda:N"),
+        *([] if torch.cuda.is_available() else
+          [(["hi", "--method", "ngram", "--device", "cuda"], "--device: 'cuda': CUDA is not available on this machine")]),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(capsys, tiny_models, extra, message):

@@ -4,6 +4,7 @@ token, for every method and k, one prompt at a time and all prompts batched toge
 from __future__ import annotations
 
 import pytest
+import torch
 
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.engine import Engine
@@ -120,3 +121,19 @@ def test_adaptive_k_keeps_output_identical(method, drafter_key, tiny_models, dfl
         assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]
     # Past the warm-up: the widths were chosen, not the requested k.
     assert engine.loop.adaptive.steps > WARMUP_STEPS and engine.loop.adaptive.costs.batch_sizes[0] == 1
+
+
+@pytest.mark.parametrize(("method", "drafter_key"), [("dflash", "trained"), ("draft_model", "other")])
+def test_bfloat16_invariant_mode_equals_plain_decoding_in_bfloat16(method, drafter_key, tiny_models, dflash_drafters,
+                                                                   prompts):
+    """--dtype bfloat16 (what a GPU runs): in invariant mode a decode and a verify run the same shapes, so the
+    speculative output equals plain decoding of the same bf16 target, every k, one by one and batched. (In
+    default mode bf16 products depend on the row count: README, Exactness.)"""
+    dirs = tiny_models["qwen3"]
+    drafter = dflash_drafters["qwen3-trained"] if method == "dflash" else dirs[drafter_key]
+    plain = Engine(dirs["target"], None, "none", max_batch=len(prompts), invariant=True, dtype=torch.bfloat16)
+    assert plain.verifier.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    done = run(plain, prompts, None)
+    expected = [list(done[f"r{i}"].token_ids) for i in range(len(prompts))]
+    engine = Engine(dirs["target"], drafter, method, max_batch=len(prompts), invariant=True, dtype=torch.bfloat16)
+    check_lossless(engine, f"{method}_bf16", prompts, expected)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.drafter.service import DrafterService
@@ -30,29 +31,41 @@ class Loop:
         self.thread.join(10)
 
 
+def start_split(method: str, vsvc, dsvc, prefill_chunk: int = 32) -> dict:
+    """The two role services behind gRPC and a router over them; `stop_split` ends them."""
+    loop = Loop()
+    vserver, _, vport = loop.run(serve_verifier(vsvc))
+    dserver, _, dport = loop.run(serve_drafter(dsvc))
+    router = loop.run(start_split_router([(f"127.0.0.1:{vport}", f"127.0.0.1:{dport}")], method, max_batch=4,
+                                         prefill_chunk=prefill_chunk))
+    channel = grpc.insecure_channel(f"127.0.0.1:{router.port}")
+    return {"stub": api_grpc.GenerationStub(channel), "channel": channel, "router": router, "verifier": vsvc,
+            "drafter": dsvc, "vserver": vserver, "dserver": dserver, "loop": loop, "method": method,
+            "verifier_address": f"127.0.0.1:{vport}"}
+
+
+def stop_split(split: dict) -> None:
+    loop = split["loop"]
+    split["channel"].close()
+    loop.run(split["router"].stop(0))
+    loop.run(split["vserver"].stop(0))
+    loop.run(split["dserver"].stop(0))
+    split["verifier"].close()
+    split["drafter"].close()
+    loop.close()
+
+
 @pytest.fixture(scope="module", params=["dflash", "draft_model"])
 def split(request, tiny_models, dflash_drafters):
     method = request.param
     target = str(tiny_models["qwen3"]["target"])
     drafter = str(dflash_drafters["qwen3-trained"] if method == "dflash" else tiny_models["qwen3"]["other"])
-    loop = Loop()
     vsvc = verifier_service(target, method, drafter, max_batch=4, max_len=None)
     dsvc = DrafterService(method, drafter, target, num_slots=4, max_len=512)
-    vserver, _, vport = loop.run(serve_verifier(vsvc))
-    dserver, _, dport = loop.run(serve_drafter(dsvc))
     # A small prefill chunk: the 100- and 150-token prompts continue their prefill over several ops.
-    router = loop.run(start_split_router([(f"127.0.0.1:{vport}", f"127.0.0.1:{dport}")], method, max_batch=4,
-                                         prefill_chunk=32))
-    channel = grpc.insecure_channel(f"127.0.0.1:{router.port}")
-    yield {"stub": api_grpc.GenerationStub(channel), "router": router, "verifier": vsvc, "drafter": dsvc,
-           "dserver": dserver, "loop": loop, "method": method, "verifier_address": f"127.0.0.1:{vport}"}
-    channel.close()
-    loop.run(router.stop(0))
-    loop.run(vserver.stop(0))
-    loop.run(dserver.stop(0))
-    vsvc.close()
-    dsvc.close()
-    loop.close()
+    running = start_split(method, vsvc, dsvc)
+    yield running
+    stop_split(running)
 
 
 def test_split_streams_equal_the_target_alone(split, prompts, references):
@@ -125,3 +138,33 @@ def test_split_sampling_equals_the_in_process_engine_for_a_seed(split, tiny_mode
         accepted += finish.acceptance.accepted
     assert accepted > 0
     assert len({tuple(v) for v in local.values()}) > 1
+
+
+def test_bfloat16_roles_stream_what_the_engine_streams_in_bfloat16(tiny_models, dflash_drafters, prompts):
+    """`blockspec role ... --dtype bfloat16` (config model.dtype): both roles hold bf16 weights, the drafter
+    maps the verifier's bf16 tensors, and each stream equals the in-process engine's in bf16."""
+    from blockspec.services.cli import parse_role_args
+    from blockspec.services.engine import Engine
+    from blockspec.services.launch import role_service
+    from blockspec.services.router.step_loop import FinishEvent
+
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
+    services = [role_service(parse_role_args(["role", role, "--target", target, "--method", "dflash", "--drafter",
+                                               drafter, "--max-batch", "4", "--dtype", "bfloat16"]))
+                for role in ("verifier", "drafter")]
+    assert services[0].verifier.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert next(services[1].dflash_model.parameters()).dtype == torch.bfloat16
+    running = start_split("dflash", *services, prefill_chunk=512)
+    try:
+        engine = Engine(target, drafter, "dflash", max_batch=4, dtype=torch.bfloat16)
+        accepted = 0
+        for i in (0, 3, 5):
+            req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[i]), max_tokens=64, num_speculative_tokens=5)
+            ids, _, finish = collect(running["stub"].Generate(req, timeout=120))
+            local = [e for e in engine.generate([engine.request("r", prompts[i], 64, 5)]) if isinstance(e, FinishEvent)]
+            assert ids == list(local[0].token_ids), f"prompt {i}"
+            accepted += finish.acceptance.accepted
+        assert accepted > 0
+        assert running["drafter"].proposer.embedding.dtype == torch.bfloat16
+    finally:
+        stop_split(running)

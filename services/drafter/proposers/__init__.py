@@ -35,6 +35,14 @@ def check_method(method: str, drafter: str | Path | None) -> None:
         raise InvalidArgument("drafter", f"method {method!r} needs a drafter checkpoint directory")
 
 
+def verifier_needs(method: str, dflash_cfg=None) -> tuple[tuple[int, ...], int]:
+    """What the verifier provides for a method: the target layers whose outputs the drafter reads (dflash's
+    taps), and the most draft tokens one step verifies (invariant mode's query width is that + 1)."""
+    if method == "dflash":
+        return tuple(dflash_cfg.target_layer_ids), dflash_cfg.max_k
+    return (), 0 if method == "none" else MAX_K
+
+
 def default_method(drafter: str | Path | None) -> str:
     """dflash for a DFlash checkpoint, draft_model for another drafter, ngram without one."""
     if drafter is None:
@@ -54,6 +62,8 @@ def build_proposer(
     dflash_model: object | None = None,
     use_dynamic_conv: bool = True,
     use_path_selector: bool = True,
+    device: torch.device | str = "cpu",  # draft_model: where its own target-shaped runner lives
+    dtype: torch.dtype = torch.float32,
 ) -> Proposer:
     check_method(method, drafter)
     if method == "none":
@@ -74,4 +84,4 @@ def build_proposer(
 
     draft = load_checkpoint(drafter)
     check_same_tokenizer(target, draft)
-    return DraftModelProposer(draft, num_slots, max_len, max_k=MAX_K)
+    return DraftModelProposer(draft, num_slots, max_len, max_k=MAX_K, device=device, dtype=dtype)

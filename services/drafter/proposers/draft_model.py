@@ -28,8 +28,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class DraftModelProposer:
     method = "draft_model"
 
-    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, max_k: int = 16) -> None:
-        self.runner = Runner(checkpoint, num_slots, max_len)
+    def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, max_k: int = 16,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.runner = Runner(checkpoint, num_slots, max_len, dtype=dtype, device=device)
         self.max_k = max_k
         self._slots: dict[str, int] = {}
         self._cached: dict[str, list[int]] = {}  # token ids whose K/V the draft cache holds, per request

@@ -1,0 +1,78 @@
+"""Device and dtype: `--device` / `--dtype` and the config's model.device / model.dtype reach both roles,
+and every wrong value is refused with the flag or key named (the GPU runs themselves need a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.common.config import parse_config
+from blockspec.common.device import resolve
+from blockspec.common.errors import InvalidArgument
+from blockspec.services.cli import parse_role_args
+from blockspec.services.serve import plan
+
+
+def test_resolve_names_the_flag_at_fault():
+    assert resolve("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    for device, dtype, message in [("tpu", "float32", "--device: 'tpu' is not a device"),
+                                   ("cpu:1", "float32", "--device: 'cpu:1' is not a device"),
+                                   ("cpu", "int8", "--dtype: 'int8' is not supported; choose one of float32, bfloat16, float16")]:
+        with pytest.raises(InvalidArgument, match=message):
+            resolve(device, dtype)
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgument, match="model.device: 'cuda:0': CUDA is not available"):
+            resolve("cuda:0", device_field="model.device")
+
+
+def config(tiny_models, dflash_drafters, **model) -> object:
+    return parse_config({"model": {"target_model_path": str(tiny_models["qwen3"]["target"]),
+                                   "draft_model_path": str(dflash_drafters["qwen3-trained"]), **model}})
+
+
+def test_the_plan_gives_both_roles_the_configured_device_and_dtype(tiny_models, dflash_drafters):
+    p = plan(config(tiny_models, dflash_drafters, device="cuda", dtype="bfloat16"))
+    for argv in (p.verifier_argv, p.drafter_argv):
+        args = parse_role_args(list(argv))
+        assert (args.device, args.dtype) == ("cuda", "bfloat16")
+    args = parse_role_args(list(plan(config(tiny_models, dflash_drafters)).verifier_argv))
+    assert (args.device, args.dtype, args.invariant) == ("cpu", "float32", False)  # the defaults
+
+
+def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny_models, dflash_drafters):
+    """model.invariant (what bf16 on a GPU needs to stay token-identical) reaches the verifier role only."""
+    from blockspec.services.launch import role_service
+
+    p = plan(config(tiny_models, dflash_drafters, invariant=True, dtype="bfloat16"))
+    assert "--invariant" in p.verifier_argv and "--invariant" not in p.drafter_argv
+    service = role_service(parse_role_args(list(p.verifier_argv)))
+    runner = service.verifier.runner
+    assert runner.query_width == 8 and runner.model.embed_tokens.weight.dtype == torch.bfloat16  # k <= 7: 8 rows
+
+
+def test_ray_places_both_roles_on_one_gpu_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
+    from blockspec.services.ray_placement import _gpu_shares, serve_ray
+
+    assert _gpu_shares(config(tiny_models, dflash_drafters)) == (0.0, 0.0)
+    verifier, drafter = _gpu_shares(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9))
+    assert verifier > drafter > 0 and verifier + drafter == pytest.approx(0.9)
+    with pytest.raises(InvalidArgument, match="model.device: 'cuda:1': under Ray use 'cuda'"):
+        serve_ray(config(tiny_models, dflash_drafters, device="cuda:1"), "127.0.0.1", 0, 0, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_cuda_in_bfloat16_invariant_mode_equals_plain_decoding(tiny_models, dflash_drafters, prompts):
+    from blockspec.services.engine import Engine
+    from blockspec.services.router.step_loop import FinishEvent
+
+    def run(engine, k):
+        reqs = [engine.request(f"r{i}", p, 64, k) for i, p in enumerate(prompts)]
+        return {e.request_id: list(e.token_ids) for e in engine.generate(reqs) if isinstance(e, FinishEvent)}
+
+    target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
+    plain = run(Engine(target, None, "none", max_batch=8, invariant=True, device="cuda", dtype=torch.bfloat16), None)
+    engine = Engine(target, drafter, "dflash", max_batch=8, invariant=True, device="cuda", dtype=torch.bfloat16)
+    assert engine.proposer.embedding.is_cuda
+    for k in (3, 7):
+        assert run(engine, k) == plain, f"k={k}"
