@@ -1,12 +1,6 @@
-"""Where the models run and in which precision: `--device` / `--dtype` and the config's `model.device` /
-`model.dtype`, checked in one place. Every error names the flag or key at fault.
-
-The target, its KV cache and tap buffer, and the drafter all run on one device in one dtype (the dflash
-drafter reads the target's embedding, LM head and tap features in place). On the CPU, float32 is the
-fast path: the C++ kernels (`common/cpu_kernels.py`, the drafter's `cpu_block`) are fp32 only, and
-other dtypes run on torch's own ops. On a GPU, bfloat16 is what a 27B target needs; there only
-invariant mode (`--invariant`) keeps the output token-identical to the target alone (README, Exactness).
-"""
+"""Where the models run and in which precision (`--device` / `--dtype`, the config's `model.device` /
+`model.dtype`), checked in one place with the flag or key named. Target, caches and drafter share one
+device and dtype: the dflash drafter reads the target's tensors in place (README, "Device and dtype")."""
 
 from __future__ import annotations
 

@@ -223,6 +223,7 @@ def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingPa
     """
     if params.greedy:
         return DraftPick(int(scores.argmax()), None)
+    scores, token_ids = scores.cpu(), token_ids.cpu()  # a GPU drafter's: the noise is drawn on the host
     z = scores.double() / params.temperature
     if params.rule == "strict":
         noise = gumbel(params.seed, position, STREAM_TARGET, vocab_size)[token_ids]

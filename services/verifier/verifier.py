@@ -247,7 +247,8 @@ class Verifier:
         sp = state.sampling
         if sp.plain_greedy:
             return greedy_accept(draft_ids, cpu_kernels.argmax_rows(logits))
-        processed = process(logits, state.token_ids, state.prompt_len, draft_ids, sp)
+        # Processors, warpers and the acceptance rules run on the host (a GPU target's logits come over).
+        processed = process(logits.cpu(), state.token_ids, state.prompt_len, draft_ids, sp)
         if sp.greedy:
             return greedy_accept(draft_ids, cpu_kernels.argmax_rows(processed))
         logp, position = log_probs(processed, sp), len(state.token_ids)

@@ -76,3 +76,26 @@ def test_engine_on_cuda_in_bfloat16_invariant_mode_equals_plain_decoding(tiny_mo
     assert engine.proposer.embedding.is_cuda
     for k in (3, 7):
         assert run(engine, k) == plain, f"k={k}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_on_cuda_runs_its_rules_on_the_host(tiny_models, dflash_drafters, prompts):
+    """Sampling requests on a GPU target: processors, warpers and acceptance run on the host; the seeded
+    strict rule gives plain decoding's text (invariant mode, bf16), rejection sampling completes."""
+    from blockspec.common.sampling import SamplingParams
+    from blockspec.services.engine import Engine
+    from blockspec.services.router.step_loop import FinishEvent
+
+    target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
+    engines = [Engine(target, d, m, max_batch=2, invariant=True, device="cuda", dtype=torch.bfloat16)
+               for d, m in ((None, "none"), (drafter, "dflash"))]
+    for rule in ("strict", "rejection"):
+        outs = []
+        for engine, k in zip(engines, (None, 5)):
+            sp = SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=3, rule=rule)
+            done = [e for e in engine.generate([engine.request("r", prompts[3], 48, k, sp)]) if isinstance(e, FinishEvent)]
+            outs.append(list(done[0].token_ids))
+        assert all(outs)
+        if rule == "strict":
+            assert outs[0] == outs[1]

@@ -183,7 +183,7 @@ class DFlashProposer:
                 choice = draft_pick(scores[r, :m], candidates[r, :m], inp.sampling, len(inp.token_ids) + t, vocab)
                 index[r] = choice.index
                 if choice.probs is not None:
-                    q_rows[r].append((candidates[r, :m], choice.probs))
+                    q_rows[r].append((candidates[r, :m].cpu(), choice.probs))  # q lives on the host
             return index
 
         return pick
