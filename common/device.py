@@ -49,3 +49,36 @@ def add_device_args(parser, default_device: str = "cpu") -> None:
                         help=f"where the target and the drafter run: cpu, cuda or cuda:N (default {default_device})")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
                         help="the models' precision (default float32; bfloat16 on a GPU: see README, Exactness)")
+
+
+VERIFIER_SHARE = 0.8  # of model.gpu_memory_utilization when both roles share a GPU; the drafter gets the rest
+
+
+def role_fractions(utilization: float) -> tuple[float, float]:
+    """(verifier, drafter): the fractions of one GPU's memory each role may use (Ray asks for the same)."""
+    return round(utilization * VERIFIER_SHARE, 3), round(utilization * (1 - VERIFIER_SHARE), 3)
+
+
+def tensor_bytes(tensors, dtype: torch.dtype) -> int:
+    """Bytes of these tensors' elements in `dtype` (what weights take once moved to the device)."""
+    return sum(t.numel() for t in tensors) * dtype.itemsize
+
+
+def check_fits(role: str, need: int, total: int, fraction: float) -> None:
+    """Refuse a role whose static memory (`need` bytes) exceeds its share of a GPU of `total` bytes."""
+    share = int(total * fraction)
+    if need > share:
+        raise InvalidArgument("model.gpu_memory_utilization",
+                              f"the {role} role needs {need / 2**30:.2f} GiB (weights, KV cache, buffers) but its share is "
+                              f"{fraction:.3f} of the GPU's {total / 2**30:.1f} GiB = {share / 2**30:.2f} GiB; raise "
+                              "gpu_memory_utilization or lower server.max_batch or model.max_model_len")
+
+
+def claim_gpu_share(device: torch.device, fraction: float | None, need: int, role: str) -> None:
+    """On a GPU, before the role allocates: refuse it when its static memory does not fit its share, then cap
+    this process's allocator at that share, so a role that grows past it fails alone (torch's out-of-memory
+    error) instead of starving the other role. Nothing on the CPU or without a share."""
+    if device.type != "cuda" or fraction is None:
+        return
+    check_fits(role, need, torch.cuda.get_device_properties(device).total_memory, fraction)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)

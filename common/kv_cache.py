@@ -36,6 +36,12 @@ class SlotKVCache:
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
+    @staticmethod
+    def nbytes(num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+               dtype: torch.dtype = torch.float32) -> int:
+        """What a cache of these dimensions allocates (K and V), before it is built."""
+        return 2 * num_layers * num_slots * num_kv_heads * max_len * head_dim * dtype.itemsize
+
     @property
     def num_slots(self) -> int:
         return len(self.lengths)

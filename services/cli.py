@@ -335,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--no-dynamic-conv", action="store_true")
     role.add_argument("--no-path-selector", action="store_true")
     role.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")
+    role.add_argument("--gpu-memory-fraction", type=float, help="this role's share of the GPU's memory (checked at start)")
     add_device_args(role)
     role.add_argument("--host", default="127.0.0.1")
     role.add_argument("--port", type=int, default=0)

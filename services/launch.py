@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from blockspec.common import tracing
-from blockspec.common.device import resolve as resolve_device
+from blockspec.common.device import claim_gpu_share, resolve as resolve_device, tensor_bytes
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
+from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
@@ -46,21 +47,29 @@ def role_service(args) -> VerifierService | DrafterService:
     device, dtype = resolve_device(args.device, args.dtype)
     if args.role == "verifier":
         return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,
-                                args.invariant)
+                                args.invariant, args.gpu_memory_fraction)
     return DrafterService(args.method, args.drafter, args.target, args.max_batch, context_len(args.target, args.max_model_len),
-                          not args.no_dynamic_conv, not args.no_path_selector, device, dtype)
+                          not args.no_dynamic_conv, not args.no_path_selector, device, dtype, args.gpu_memory_fraction)
 
 
 def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None,
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     invariant: bool = False) -> VerifierService:
+                     invariant: bool = False, gpu_fraction: float | None = None) -> VerifierService:
+    """The verifier role; on a GPU with a memory share (`gpu_fraction`), refused before it allocates if its
+    weights, KV cache and tap buffer do not fit the share."""
     dflash_cfg = None
     if method == "dflash":
         from blockspec.services.drafter.dflash.checkpoint import load_drafter
 
         dflash_cfg = load_drafter(drafter).cfg
     tap_layers, max_k = verifier_needs(method, dflash_cfg)
-    verifier = Verifier(load_checkpoint(target), max_batch, context_len(target, max_len), max_k + 1 if invariant else None,
+    checkpoint, length = load_checkpoint(target), context_len(target, max_len)
+    cfg = checkpoint.config
+    need = (tensor_bytes(checkpoint.weights.values(), dtype)
+            + SlotKVCache.nbytes(cfg.num_layers, max_batch, cfg.num_kv_heads, length, cfg.head_dim, dtype)
+            + max_batch * length * len(tap_layers) * cfg.hidden_size * dtype.itemsize)
+    claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
+    verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,
                         tap_layers=tap_layers, dtype=dtype, device=device)
     return VerifierService(verifier, str(target))
 

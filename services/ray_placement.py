@@ -12,6 +12,7 @@ import socket
 import threading
 
 from blockspec.common.config import BlockspecConfig
+from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.serve import plan, serve_roles
@@ -58,8 +59,7 @@ def _gpu_shares(cfg: BlockspecConfig) -> tuple[float, float]:
     """Fractions of one GPU for verifier and drafter (model.device cuda: both on the same GPU); 0 on the CPU."""
     if not cfg.model.device.startswith("cuda"):
         return 0.0, 0.0
-    total = cfg.model.gpu_memory_utilization
-    return round(total * 0.8, 3), round(total * 0.2, 3)
+    return role_fractions(cfg.model.gpu_memory_utilization)
 
 
 def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv):

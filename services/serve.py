@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common import tracing
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import resolve as resolve_device
+from blockspec.common.device import resolve as resolve_device, role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
@@ -68,9 +68,12 @@ def plan(cfg: BlockspecConfig) -> Plan:
                     "the target's embedding, LM head and tap features in place)", spec.draft_model_dtype, m.dtype)
     verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
     verifier += ["--invariant"] if m.invariant else []
+    shares = role_fractions(m.gpu_memory_utilization) if m.device.startswith("cuda") else None
+    verifier += ["--gpu-memory-fraction", str(shares[0])] if shares else []
     drafter_argv = None
     if method != "none":
         drafter_argv = ["role", "drafter", *common, "--method", method]
+        drafter_argv += ["--gpu-memory-fraction", str(shares[1])] if shares else []
         drafter_argv += ["--drafter", drafter] if drafter else []
         drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
         drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]

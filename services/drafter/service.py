@@ -13,6 +13,8 @@ import psutil
 import torch
 
 from blockspec.common import cpu_kernels, tracing
+from blockspec.common.device import claim_gpu_share, tensor_bytes
+from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import process_memory
 from blockspec.common.sampling import Q_ROWS, from_pb
@@ -28,10 +30,29 @@ def _open(pb: roles_pb2.TensorHandle):
     return open_handle(TensorHandle(kind=pb.kind, dtype=pb.dtype, shape=tuple(pb.shape), name=pb.name, payload=pb.payload))
 
 
+def _claim_share(method: str, drafter_path: str | None, dflash_model, num_slots: int, max_len: int,
+                 device: torch.device, dtype: torch.dtype, fraction: float | None) -> None:
+    """On a GPU with a memory share: the drafter's weights and its own KV cache must fit it, checked before
+    they are moved there (common/device.claim_gpu_share)."""
+    if device.type != "cuda" or fraction is None or method not in ("dflash", "draft_model"):
+        return
+    if dflash_model is not None:
+        weights, cfg = list(dflash_model.parameters()), dflash_model.cfg
+    else:
+        from blockspec.common.decoder import Decoder
+
+        cfg = load_checkpoint(drafter_path, with_weights=False).config
+        with torch.device("meta"):  # shapes only
+            weights = list(Decoder(cfg).parameters())
+    need = tensor_bytes(weights, dtype) + SlotKVCache.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len,
+                                                             cfg.head_dim, dtype)
+    claim_gpu_share(device, fraction, need, "drafter")
+
+
 class DrafterService(roles_grpc.DrafterServicer):
     def __init__(self, method: str, drafter_path: str | None, target_path: str, num_slots: int, max_len: int,
                  use_dynamic_conv: bool = True, use_path_selector: bool = True, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, gpu_fraction: float | None = None) -> None:
         check_method(method, drafter_path)
         self.method, self.drafter_path, self.num_slots, self.max_len = method, drafter_path, num_slots, max_len
         self.modules = {"use_dynamic_conv": use_dynamic_conv, "use_path_selector": use_path_selector}
@@ -43,6 +64,8 @@ class DrafterService(roles_grpc.DrafterServicer):
 
             self.dflash_model = load_drafter(drafter_path)
             check_fits_target(self.dflash_model.cfg, self.target.config, str(drafter_path))
+        _claim_share(method, drafter_path, self.dflash_model, num_slots, max_len, torch.device(device), dtype, gpu_fraction)
+        if self.dflash_model is not None:
             # The verifier's shared tensors arrive on the same device, in the same dtype (Attach).
             self.dflash_model = self.dflash_model.to(device, dtype)
             if torch.device(device).type == "cpu":

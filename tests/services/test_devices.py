@@ -50,6 +50,26 @@ def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny
     assert runner.query_width == 8 and runner.model.embed_tokens.weight.dtype == torch.bfloat16  # k <= 7: 8 rows
 
 
+def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tiny_models, dflash_drafters):
+    """model.gpu_memory_utilization splits one GPU between the roles (as Ray's bundles do); a role whose
+    weights and KV cache exceed its share is refused at start with the key, the sizes and what to change."""
+    from blockspec.common.device import check_fits, claim_gpu_share, role_fractions
+    from blockspec.common.kv_cache import SlotKVCache
+
+    p = plan(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5))
+    fractions = [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv)]
+    assert fractions == list(role_fractions(0.5)) == [0.4, 0.1]
+    assert parse_role_args(list(plan(config(tiny_models, dflash_drafters)).verifier_argv)).gpu_memory_fraction is None
+    gib = 2**30
+    check_fits("verifier", 50 * gib, 141 * gib, 0.4)  # 56.4 GiB share: fits
+    with pytest.raises(InvalidArgument, match=r"model.gpu_memory_utilization: the drafter role needs 20.00 GiB .* share is "
+                                              r"0.100 of the GPU's 141.0 GiB = 14.10 GiB; raise gpu_memory_utilization"):
+        check_fits("drafter", 20 * gib, 141 * gib, 0.1)
+    claim_gpu_share(torch.device("cpu"), 0.1, 10**15, "verifier")  # the CPU: no share to check
+    # A 27B-shaped KV cache for 16 requests of 4096 tokens in bf16 (64 layers, 8 KV heads of 128): 16 GiB.
+    assert SlotKVCache.nbytes(64, 16, 8, 4096, 128, torch.bfloat16) == 16 * gib
+
+
 def test_ray_places_both_roles_on_one_gpu_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
     from blockspec.services.ray_placement import _gpu_shares, serve_ray
 
