@@ -248,6 +248,7 @@ def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
     from blockspec.services import launch
 
+    launch.watch_supervisor()  # before loading: a server gone meanwhile ends this role too
     launch.run_role_process(args.role, launch.role_service(args), args.host, args.port)
     return 0
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +36,8 @@ from blockspec.services.verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
+ENV_SUPERVISOR = "BLOCKSPEC_SUPERVISOR_PID"  # set by `serve` for the role processes it starts (watch_supervisor)
+SUPERVISOR_POLL_S = 1.0
 VERIFIER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 DRAFTER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -109,6 +114,23 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk) for v, d in roles]
     return await start_router(loops, facts, host, port, metrics)
+
+
+def watch_supervisor() -> None:
+    """A role started by `serve --no-ray` (the server's pid in ENV_SUPERVISOR) stops itself once that process
+    is gone, however it ended (SIGKILL, a crash, SIGTERM while the roles were still loading): no role outlives
+    its server holding a port, memory or a GPU. Roles started any other way are left alone."""
+    pid = os.environ.get(ENV_SUPERVISOR)
+    if not pid:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(pid):
+            time.sleep(SUPERVISOR_POLL_S)
+        log.warning("the server (pid %s) is gone; stopping", pid)
+        os.kill(os.getpid(), signal.SIGTERM)  # the role's own graceful stop (or, while loading, the default)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 def run_role_process(kind: str, service, host: str, port: int) -> None:

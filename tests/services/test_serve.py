@@ -125,6 +125,23 @@ def test_killing_the_drafter_mid_stream_loses_nothing_and_speculation_resumes(se
     assert fallbacks and fallbacks[0] > 0
 
 
+def test_roles_stop_when_the_server_is_killed(tiny_models, dflash_drafters, tmp_path):
+    """SIGKILL gives the server no chance to stop its roles: they see their supervisor gone and stop themselves
+    (none is left holding its port and memory)."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
+    info = spawn_serve("--config", str(cfg), "--no-ray")
+    pids = role_pids(info["proc"], "role verifier") + role_pids(info["proc"], "role drafter")
+    assert len(pids) == 2
+    info["channel"].close()
+    info["proc"].kill()
+    info["proc"].wait(10)
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids], timeout=30)
+    for proc in alive:
+        proc.kill()
+    assert not alive, "role processes outlived their server"
+
+
 def test_cancelled_streams_leave_no_slot_or_segment_behind(server, prompts):
     segments_before = sorted(p for p in os.listdir("/dev/shm") if p.startswith("blockspec-"))
     for _ in range(100):
