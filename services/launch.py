@@ -17,10 +17,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from blockspec.common import tracing
-from blockspec.common.device import claim_gpu_share, resolve as resolve_device, tensor_bytes
+from blockspec.common.device import claim_gpu_share, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
-from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
@@ -69,10 +68,7 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
         dflash_cfg = load_drafter(drafter).cfg
     tap_layers, max_k = verifier_needs(method, dflash_cfg)
     checkpoint, length = load_checkpoint(target), context_len(target, max_len)
-    cfg = checkpoint.config
-    need = (tensor_bytes(checkpoint.weights.values(), dtype)
-            + SlotKVCache.nbytes(cfg.num_layers, max_batch, cfg.num_kv_heads, length, cfg.head_dim, dtype)
-            + max_batch * length * len(tap_layers) * cfg.hidden_size * dtype.itemsize)
+    need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype)
     claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
     verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,
                         tap_layers=tap_layers, dtype=dtype, device=device)

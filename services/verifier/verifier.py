@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common import cpu_kernels
+from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
 from blockspec.common.sampling import GREEDY, DraftDist, SamplingParams, log_probs, process
@@ -130,6 +131,17 @@ class Verifier:
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self._requests: dict[str, _State] = {}
+
+    @staticmethod
+    def static_bytes(checkpoint: Checkpoint, num_slots: int, max_len: int, tap_layers: Sequence[int],
+                     dtype: torch.dtype) -> int:
+        """What a verifier of these dimensions holds once built (weights, KV cache, tap buffer), before it is:
+        the allocations of `__init__`, counted (a GPU memory share is checked against it)."""
+        cfg = checkpoint.config
+        weights = sum(t.numel() for t in checkpoint.weights.values())
+        taps = num_slots * max_len * len(tap_layers) * cfg.hidden_size
+        return ((weights + taps) * dtype.itemsize
+                + SlotKVCache.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype))
 
     @property
     def max_len(self) -> int:

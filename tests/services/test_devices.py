@@ -70,6 +70,18 @@ def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tin
     assert SlotKVCache.nbytes(64, 16, 8, 4096, 128, torch.bfloat16) == 16 * gib
 
 
+def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_drafters):
+    """The share check counts the verifier before it exists: the count must equal what it then holds."""
+    from blockspec.common.models import load_checkpoint
+    from blockspec.services.verifier.verifier import Verifier
+
+    checkpoint = load_checkpoint(tiny_models["qwen3"]["target"])
+    verifier = Verifier(checkpoint, 4, 96, tap_layers=(0, 1), dtype=torch.bfloat16)
+    held = {id(t): t for t in (*verifier.runner.model.parameters(), verifier.runner.cache.k, verifier.runner.cache.v,
+                               verifier.tap_buffer)}
+    assert Verifier.static_bytes(checkpoint, 4, 96, (0, 1), torch.bfloat16) == sum(t.nbytes for t in held.values())
+
+
 def test_ray_places_both_roles_on_one_gpu_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
     from blockspec.services.ray_placement import _gpu_shares, serve_ray
 
