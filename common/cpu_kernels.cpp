@@ -68,8 +68,46 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
   return out;
 }
 
+// The RMS norm of every row of x [N, D] (contiguous fp32, D % 16 == 0) by w [D] -> a new [N, D]
+// (rms_rows: one call where torch's CPU rms_norm runs seven).
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1) && x.size(1) % 16 == 0,
+              "rms_norm_rows: unsupported layout");
+  auto y = torch::empty_like(x);
+  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), (float)eps);
+  return y;
+}
+
+// The attention's q and k heads: from qkv [B, T, heads + 2 kv_heads, hd] (hd contiguous), each q head
+// normed by q_w and each k head by k_w ([hd]; empty: no norm), then rotated at its position
+// (pos [B, T] into cos / sin [max_len, hd]) -> [B, heads + kv_heads, T, hd], the layout attention reads.
+torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k_w, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor pos, int64_t heads, int64_t kv_heads, double eps) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), hd = qkv.size(3), G = heads + kv_heads;
+  TORCH_CHECK(qkv.stride(3) == 1 && qkv.size(2) == heads + 2 * kv_heads && hd % 16 == 0 && hd <= 1024 &&
+              cos.is_contiguous() && sin.is_contiguous() && pos.is_contiguous(), "qk_norm_rope: unsupported layout");
+  auto out = torch::empty({B, G, T, hd}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float* qw = q_w.numel() ? q_w.data_ptr<float>() : nullptr;
+  const float* kw = k_w.numel() ? k_w.data_ptr<float>() : nullptr;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t at = pp[b * T + t] * hd;
+      for (int64_t g = 0; g < G; ++g) {
+        float* h = op + ((b * G + g) * T + t) * hd;
+        __builtin_memcpy(h, xp + b * qkv.stride(0) + t * qkv.stride(1) + g * qkv.stride(2), hd * sizeof(float));
+        norm_rope(h, g < heads ? qw : kw, cp + at, sp + at, hd, (float)eps);
+      }
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear);
   m.def("argmax_rows", &argmax_rows);
   m.def("cached_attention", &cached_attention);
+  m.def("rms_norm_rows", &rms_norm_rows);
+  m.def("qk_norm_rope", &qk_norm_rope);
 }

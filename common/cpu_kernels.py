@@ -17,7 +17,9 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
   multiple of 64. Anything else (training, prefill chunks over 256 tokens, GPU, bf16, a tensor shared from another process)
   goes to torch's linear. The packed copies count against a per-process budget
   ($BLOCKSPEC_CPU_KERNELS_MAX_MB, 1024 MiB): a model too big to hold twice keeps torch's linear.
-* Also here: `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
+* Also here: `rms_norm` and `qk_norm_rope`, the decoder's norms and its q/k norm with RoPE, one call each
+  where torch's CPU rms_norm runs seven operations and the q/k path a dozen (about 0.15 ms of a 1.6 ms
+  decode step); `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
   queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
   built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
   `argmax_rows`, the row argmax of a verify's logits.
@@ -201,6 +203,36 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     row's result does not depend on its batch). Call where `attends_in_place` holds."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     return _kernels.module.cached_attention(q, k_cache, v_cache, slots, positions, q.shape[-1] ** -0.5)
+
+
+def _norms_apply(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the norm kernels apply: fp32 on the CPU, inference (no autograd), rows of a multiple of 16."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] % 16 == 0 and enabled()
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (weight [D], fp32) in one C++ call; None where
+    the kernel does not apply. The transformers arithmetic in fp32, the sum of squares in another order
+    (within a few ulp of torch's)."""
+    if not _norms_apply(x, weight) or weight.dtype != torch.float32:
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return _kernels.module.rms_norm_rows(rows if rows.is_contiguous() else rows.contiguous(), weight, eps).view(x.shape)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, heads: int, kv_heads: int,
+                 eps: float) -> torch.Tensor | None:
+    """The q and k heads of qkv [B, T, heads + 2 kv_heads, hd], each normed by its weight ([hd]; None: no
+    norm) and rotated at its position (positions [B, T] into the [max_len, hd] cos / sin tables,
+    rotate-half) -> [B, heads + kv_heads, T, hd]; None where the kernel does not apply."""
+    weights = [w for w in (q_weight, k_weight) if w is not None]
+    if not _norms_apply(qkv, *weights) or qkv.stride(-1) != 1 or qkv.shape[-1] > 1024:
+        return None
+    none = qkv.new_empty(0)
+    return _kernels.module.qk_norm_rope(qkv, none if q_weight is None else q_weight, none if k_weight is None else k_weight,
+                                        cos_sin[0], cos_sin[1], positions.contiguous(), heads, kv_heads, eps)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

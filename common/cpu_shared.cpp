@@ -118,6 +118,25 @@ static inline float dot16(const float* a, const float* b, int64_t n) {  // n % 1
   return hsum16(acc);
 }
 
+// y = w * x / sqrt(mean(x^2) + eps), row by row (D % 16 == 0); y may be x.
+static void rms_rows(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * D;
+    const float inv = 1.0f / std::sqrt(dot16(xr, xr, D) / D + eps);
+    float* yr = y + n * D;
+    for (int64_t d = 0; d < D; ++d) yr[d] = w[d] * (xr[d] * inv);
+  }
+}
+
+// In place: head vector h [hd] normed by w (none: not normed), then rotated (rotate-half layout) at the table row.
+static void norm_rope(float* h, const float* w, const float* cos, const float* sin, int64_t hd, float eps) {
+  if (w) rms_rows(h, w, h, 1, hd, eps);
+  const int64_t half = hd / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < hd; ++i) tmp[i] = h[i];
+  for (int64_t i = 0; i < hd; ++i) h[i] = tmp[i] * cos[i] + (i < half ? -tmp[i + half] : tmp[i - half]) * sin[i];
+}
+
 // The attention's vector: the CPU's own width (GCC splits a wider vector into several registers, and its
 // loops over arrays of them then spill: 16-float vectors ran 3-10x slower on an AVX2 machine).
 #if defined(__AVX512F__)

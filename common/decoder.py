@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.common import cpu_kernels
 from blockspec.common.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same arithmetic as transformers: normalise in fp32, scale in the model dtype. In fp32, torch's fused
-    # kernel computes the same bits (checked in tests/common/test_cpu_kernels.py) with one op instead of six.
+    # Same arithmetic as transformers: normalise in fp32, scale in the model dtype. In fp32 on the CPU one C++
+    # call (cpu_kernels.rms_norm); elsewhere torch's rms_norm, the same bits as transformers' six operations
+    # (both checked in tests/common/test_cpu_kernels.py).
     if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
-        return F.rms_norm(x, weight.shape, weight, eps)
+        y = cpu_kernels.rms_norm(x, weight, eps)
+        return F.rms_norm(x, weight.shape, weight, eps) if y is None else y
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -84,11 +88,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, KV = cfg.num_heads, cfg.num_kv_heads
         qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(B, T, H + 2 * KV, cfg.head_dim)
-        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
-        if cfg.qk_norm:  # q and k heads normed in one op: row-wise, each head with its own weight
-            qk = rms_norm(qk, torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(KV, -1)]),
-                          cfg.rms_norm_eps)
-        qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)  # [B, heads + kv_heads, T, hd]
+        v = qkv[:, :, H + KV :]
+        qk = cpu_kernels.qk_norm_rope(qkv, self.q_norm.weight if cfg.qk_norm else None,
+                                      self.k_norm.weight if cfg.qk_norm else None, batch.cos_sin, batch.positions, H, KV,
+                                      cfg.rms_norm_eps)  # [B, heads + kv_heads, T, hd], or None off the CPU in fp32
+        if qk is None:
+            qk = qkv[:, :, : H + KV]
+            if cfg.qk_norm:  # q and k heads normed in one op: row-wise, each head with its own weight
+                qk = rms_norm(qk, torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(KV, -1)]),
+                              cfg.rms_norm_eps)
+            qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)
         batch.write(layer, qk[:, H:], v.transpose(1, 2))
         if batch.in_place:  # short queries on the CPU: one C++ call over the cache as it lies
             return self.o_proj(cached_attention(qk[:, :H], batch.cache.k[layer], batch.cache.v[layer], batch.slots,
@@ -142,8 +151,7 @@ class AttentionBatch:
         self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
         # One row of real tokens: what `store` puts (K/V, tap features) is one slice of its slot.
         self.span0 = (host_slots[0], host_starts[0]) if len(host_slots) == 1 and all_real else None
-        self.cos = cos_sin[0][positions].unsqueeze(1)  # [B, 1, T, hd]
-        self.sin = cos_sin[1][positions].unsqueeze(1)
+        self.cos_sin = cos_sin  # the tables [max_len, hd]; `cos` and `sin` gather them where torch's RoPE runs
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
         # gathered keys with a mask.
         self.in_place = attends_in_place(cache.k, positions.shape[1])
@@ -157,6 +165,14 @@ class AttentionBatch:
         store_slots = slots[:, None].expand_as(positions)
         self.store_slots = store_slots.reshape(-1) if self.all_real else store_slots[self.rows]  # [N]
         self.store_pos = positions.reshape(-1) if self.all_real else positions[self.rows]  # [N]
+
+    @functools.cached_property
+    def cos(self) -> torch.Tensor:  # [B, 1, T, hd]
+        return self.cos_sin[0][self.positions].unsqueeze(1)
+
+    @functools.cached_property
+    def sin(self) -> torch.Tensor:
+        return self.cos_sin[1][self.positions].unsqueeze(1)
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, ...] -> the real tokens' rows [N, ...], in the order of store_slots / store_pos."""

@@ -1,4 +1,5 @@
-"""The small-batch CPU linear kernel: same results as torch's linear, one row independent of the batch."""
+"""The CPU kernels: the small-batch linear (same results as torch's linear, one row independent of the batch),
+the norms, attention and the row argmax."""
 
 from __future__ import annotations
 
@@ -95,10 +96,54 @@ def test_an_in_place_weight_update_is_seen():
         torch.testing.assert_close(linear(x, w), 2 * before)
 
 
-def test_fp32_rms_norm_is_bitwise_the_transformers_arithmetic():
+def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_fp32_rms_norm_is_the_transformers_arithmetic():
     x, weight = torch.randn(3, 5, 256), torch.randn(256)
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    assert torch.equal(rms_norm(x, weight, 1e-6), weight * h)
+    with torch.inference_mode():
+        fast = rms_norm(x, weight, 1e-6)  # the C++ kernel: the sum of squares in another order
+        cpu_kernels.set_enabled(False)
+        try:
+            assert torch.equal(rms_norm(x, weight, 1e-6), transformers_rms_norm(x, weight))  # torch's: the same bits
+        finally:
+            cpu_kernels.set_enabled(True)
+    torch.testing.assert_close(fast, transformers_rms_norm(x, weight), rtol=4e-6, atol=4e-6)
+    assert not torch.equal(fast, F.rms_norm(x, (256,), None, 1e-6))  # the weight was applied
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("batch, queries", [(1, 1), (1, 8), (3, 5)])
+def test_qk_norm_rope_matches_the_torch_path(qk_norm, batch, queries):
+    from types import SimpleNamespace
+
+    from blockspec.common.decoder import apply_rope, rope_table
+
+    heads, kv_heads, hd = 4, 2, 64
+    cos, sin = rope_table(SimpleNamespace(head_dim=hd, rope_theta=1e4, rope_scaling=()), 64)
+    qkv = torch.randn(batch, queries, heads + 2 * kv_heads, hd)
+    positions = torch.randint(0, 64 - queries, (batch, 1)) + torch.arange(queries)
+    q_w, k_w = (torch.randn(hd), torch.randn(hd)) if qk_norm else (None, None)
+    with torch.inference_mode():
+        got = cpu_kernels.qk_norm_rope(qkv, q_w, k_w, (cos, sin), positions, heads, kv_heads, 1e-6)
+        qk = qkv[:, :, : heads + kv_heads]
+        if qk_norm:
+            qk = transformers_rms_norm(qk, torch.cat([q_w.expand(heads, -1), k_w.expand(kv_heads, -1)]))
+        want = apply_rope(qk.transpose(1, 2), cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.shape == (batch, heads + kv_heads, queries, hd)
+
+
+def test_norm_kernels_leave_training_to_torch():
+    weight = torch.nn.Parameter(torch.randn(256))
+    x = torch.randn(2, 256, requires_grad=True)
+    assert cpu_kernels.rms_norm(x, weight, 1e-6) is None
+    rms_norm(x, weight, 1e-6).sum().backward()
+    assert weight.grad is not None and x.grad is not None
+    with torch.inference_mode():
+        assert cpu_kernels.rms_norm(x.detach(), weight, 1e-6) is not None
+        assert cpu_kernels.rms_norm(torch.randn(2, 24), torch.randn(24), 1e-6) is None  # rows not a multiple of 16
 
 
 def test_argmax_rows_equals_torch_argmax():

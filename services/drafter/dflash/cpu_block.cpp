@@ -149,25 +149,6 @@ static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w
     for (int64_t o = 0; o < O; ++o) y[n * O + o] = dot16(x + n * I, wp + o * I, I);
 }
 
-// y = w * x / sqrt(mean(x^2) + eps), row by row (D % 16 == 0); y may be x.
-static void rms_rows(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
-  for (int64_t n = 0; n < N; ++n) {
-    const float* xr = x + n * D;
-    const float inv = 1.0f / std::sqrt(dot16(xr, xr, D) / D + eps);
-    float* yr = y + n * D;
-    for (int64_t d = 0; d < D; ++d) yr[d] = w[d] * (xr[d] * inv);
-  }
-}
-
-// In place: head vector h [hd] normed by w, then rotated (rotate-half layout) at the table row.
-static void norm_rope(float* h, const float* w, const float* cos, const float* sin, int64_t hd, float eps) {
-  rms_rows(h, w, h, 1, hd, eps);
-  const int64_t half = hd / 2;
-  float tmp[1024];
-  for (int64_t i = 0; i < hd; ++i) tmp[i] = h[i];
-  for (int64_t i = 0; i < hd; ++i) h[i] = tmp[i] * cos[i] + (i < half ? -tmp[i + half] : tmp[i - half]) * sin[i];
-}
-
 struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sublayer input
   const float* base; const float* dyn; int64_t K, G, group;
   // y[r, t] = sum_{j < K, j <= t} c[r, t, s, j] * x[r, t - j], c = base + dyn repeated over each group.
