@@ -18,8 +18,8 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
   goes to torch's linear. The packed copies count against a per-process budget
   ($BLOCKSPEC_CPU_KERNELS_MAX_MB, 1024 MiB): a model too big to hold twice keeps torch's linear.
 * Also here: `rms_norm` and `qk_norm_rope`, the decoder's norms and its q/k norm with RoPE, one call each
-  where torch's CPU rms_norm runs seven operations and the q/k path a dozen (about 0.15 ms of a 1.6 ms
-  decode step); `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
+  where torch's CPU rms_norm runs seven operations and the q/k path a dozen (a decode in the step loop
+  1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
   queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
   built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
   `argmax_rows`, the row argmax of a verify's logits.
