@@ -91,6 +91,7 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k
   const float* qw = q_w.numel() ? q_w.data_ptr<float>() : nullptr;
   const float* kw = k_w.numel() ? k_w.data_ptr<float>() : nullptr;
   const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(0 <= pp[i] && pp[i] < cos.size(0), "qk_norm_rope: position ", pp[i], " outside the table");
   float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {

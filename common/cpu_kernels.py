@@ -208,6 +208,7 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _norms_apply(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the norm kernels apply: fp32 on the CPU, inference (no autograd), rows of a multiple of 16."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] % 16 == 0 and enabled()
+            and all(w.dtype == torch.float32 for w in weights)
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
 
 
@@ -215,7 +216,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """weight * x / sqrt(mean(x^2) + eps) over the last dim (weight [D], fp32) in one C++ call; None where
     the kernel does not apply. The transformers arithmetic in fp32, the sum of squares in another order
     (within a few ulp of torch's)."""
-    if not _norms_apply(x, weight) or weight.dtype != torch.float32:
+    if not _norms_apply(x, weight):
         return None
     rows = x.reshape(-1, x.shape[-1])
     return _kernels.module.rms_norm_rows(rows if rows.is_contiguous() else rows.contiguous(), weight, eps).view(x.shape)
@@ -228,7 +229,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
     norm) and rotated at its position (positions [B, T] into the [max_len, hd] cos / sin tables,
     rotate-half) -> [B, heads + kv_heads, T, hd]; None where the kernel does not apply."""
     weights = [w for w in (q_weight, k_weight) if w is not None]
-    if not _norms_apply(qkv, *weights) or qkv.stride(-1) != 1 or qkv.shape[-1] > 1024:
+    if not _norms_apply(qkv, *weights, *cos_sin) or qkv.stride(-1) != 1 or qkv.shape[-1] > 1024:
         return None
     none = qkv.new_empty(0)
     return _kernels.module.qk_norm_rope(qkv, none if q_weight is None else q_weight, none if k_weight is None else k_weight,

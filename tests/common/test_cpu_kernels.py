@@ -135,6 +135,16 @@ def test_qk_norm_rope_matches_the_torch_path(qk_norm, batch, queries):
     assert got.shape == (batch, heads + kv_heads, queries, hd)
 
 
+def test_qk_norm_rope_refuses_what_it_cannot_do():
+    qkv, cos_sin = torch.randn(1, 2, 8, 64), (torch.randn(16, 64), torch.randn(16, 64))
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="position 16 outside the table"):
+            cpu_kernels.qk_norm_rope(qkv, None, None, cos_sin, torch.tensor([[15, 16]]), 4, 2, 1e-6)
+        bf16 = torch.randn(64).to(torch.bfloat16)
+        assert cpu_kernels.qk_norm_rope(qkv, bf16, bf16, cos_sin, torch.tensor([[0, 1]]), 4, 2, 1e-6) is None
+        assert cpu_kernels.qk_norm_rope(qkv.to(torch.bfloat16), None, None, cos_sin, torch.tensor([[0, 1]]), 4, 2, 1e-6) is None
+
+
 def test_norm_kernels_leave_training_to_torch():
     weight = torch.nn.Parameter(torch.randn(256))
     x = torch.randn(2, 256, requires_grad=True)
