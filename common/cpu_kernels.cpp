@@ -68,13 +68,13 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
   return out;
 }
 
-// The RMS norm of every row of x [N, D] (contiguous fp32, D % 16 == 0) by w [D] -> a new [N, D]
-// (rms_rows: one call where torch's CPU rms_norm runs seven).
+// The RMS norm of every row (last dim D) of x [..., D] (contiguous fp32, D % 16 == 0) by w [D] -> a new
+// tensor shaped like x (rms_rows: one call where torch's CPU rms_norm runs seven).
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1) && x.size(1) % 16 == 0,
-              "rms_norm_rows: unsupported layout");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == D && D % 16 == 0, "rms_norm_rows: unsupported layout");
   auto y = torch::empty_like(x);
-  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), (float)eps);
+  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.numel() / D, D, (float)eps);
   return y;
 }
 
@@ -91,7 +91,8 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k
   const float* qw = q_w.numel() ? q_w.data_ptr<float>() : nullptr;
   const float* kw = k_w.numel() ? k_w.data_ptr<float>() : nullptr;
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(0 <= pp[i] && pp[i] < cos.size(0), "qk_norm_rope: position ", pp[i], " outside the table");
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(0 <= pp[i] && pp[i] < cos.size(0), "qk_norm_rope: position ", pp[i], " outside the table");
   float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {

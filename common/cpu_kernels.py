@@ -205,9 +205,12 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _kernels.module.cached_attention(q, k_cache, v_cache, slots, positions, q.shape[-1] ** -0.5)
 
 
+_NO_WEIGHT = torch.empty(0)  # qk_norm_rope: rotate without a norm
+
+
 def _norms_apply(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the norm kernels apply: fp32 on the CPU, inference (no autograd), rows of a multiple of 16."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] % 16 == 0 and enabled()
+    return (x.dtype == torch.float32 and x.is_cpu and x.shape[-1] % 16 == 0 and enabled()
             and all(w.dtype == torch.float32 for w in weights)
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
 
@@ -218,8 +221,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     (within a few ulp of torch's)."""
     if not _norms_apply(x, weight):
         return None
-    rows = x.reshape(-1, x.shape[-1])
-    return _kernels.module.rms_norm_rows(rows if rows.is_contiguous() else rows.contiguous(), weight, eps).view(x.shape)
+    return _kernels.module.rms_norm_rows(x if x.is_contiguous() else x.contiguous(), weight, eps)
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -231,9 +233,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
     weights = [w for w in (q_weight, k_weight) if w is not None]
     if not _norms_apply(qkv, *weights, *cos_sin) or qkv.stride(-1) != 1 or qkv.shape[-1] > 1024:
         return None
-    none = qkv.new_empty(0)
-    return _kernels.module.qk_norm_rope(qkv, none if q_weight is None else q_weight, none if k_weight is None else k_weight,
-                                        cos_sin[0], cos_sin[1], positions.contiguous(), heads, kv_heads, eps)
+    q_w, k_w = (_NO_WEIGHT if w is None else w for w in (q_weight, k_weight))
+    return _kernels.module.qk_norm_rope(qkv, q_w, k_w, cos_sin[0], cos_sin[1], positions.contiguous(), heads, kv_heads, eps)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
