@@ -8,9 +8,11 @@ towards those while it is not drafting.
 Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1] + overhead(B).
 * verify comes from a table the verifier measured before serving (`Verifier.measure_step_costs`), scaled
   by an EWMA of observed / table time (how fast the machine runs now against calibration);
-* draft is an EWMA of the drafter's observed time per (batch size, width), leaving out the first
-  drafting step after plain decoding (its time includes catching up the context the drafter skipped);
+* draft is an EWMA of the drafter's observed time per (batch size, width), leaving out every step where
+  a request drafts for the first time since its prefill or a plain step (the drafter then catches up the
+  context it has not seen: a whole prompt, tens of rows, which made a width look dear for long);
 * overhead is an EWMA of the rest of a step (the loop, the commit, the caller).
+In these EWMAs one observation counts at most SPIKE x the estimate: a step the VM preempted moves it a little.
 
 The verify forward pads every request to the widest one, so a step has one width: the chooser tries
 W = 1 .. max + 1 and gives each request min(W - 1, its own k). From plain decoding, a width above 1
@@ -38,10 +40,13 @@ PROBE_MARGIN = 0.8  # ... when drafting is estimated to give at least this share
 DRAFT_MARGIN = 1.15  # a batch at plain decoding starts drafting only when that is estimated this much faster ...
 STAY_MARGIN = 1.0  # ... and a drafting batch keeps drafting while it is estimated at least this fast (hysteresis:
 # each return to drafting makes the drafter catch up the context it skipped)
+SPIKE = 2.0  # a step's cost counts at most this multiple of its estimate: a preempted step (5 ms where the
+# drafter takes 0.3) must not make a width look dear for long, as it is not observed again while not chosen
 
 
 def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+    """A cost's EWMA; an observation above SPIKE x the estimate counts as SPIKE x."""
+    return new if old is None else (1 - ALPHA) * old + ALPHA * min(new, SPIKE * old)
 
 
 @dataclass
@@ -104,7 +109,6 @@ class AdaptiveK:
         self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
         self.steps_at_one = 0  # consecutive steps at width 1
         self.last_width = 0  # the width this chooser last picked (0 before its first choice, after warm-up)
-        self.observed_width = 0  # the width of the last step run, warm-up steps included
         self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # every request's observations, slowly
 
     def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
@@ -112,13 +116,15 @@ class AdaptiveK:
         self.prior.observe(drafted, accepted)
         trace.observe(drafted, accepted, self.prior)
 
-    def observe_step(self, batch: int, width: int, verify_s: float, draft_s: float, overhead_s: float | None) -> None:
-        """One finished step: `width` is the widest row verified; overhead None when unknown (first step)."""
+    def observe_step(self, batch: int, width: int, verify_s: float, draft_s: float, overhead_s: float | None,
+                     caught_up: bool = False) -> None:
+        """One finished step: `width` is the widest row verified; overhead None when unknown (first step);
+        caught_up: a request drafted for the first time since its prefill or a plain step, so draft_s
+        includes its skipped context and is not the drafter's usual time."""
         self.steps += 1
         self.speed = _ewma(self.speed, verify_s / max(self.costs.verify_s(batch, width), 1e-9))
-        if width > 1 and self.observed_width != 1:  # after a plain step the drafter caught up: not its usual time
+        if width > 1 and not caught_up:
             self.draft_s[batch, width] = _ewma(self.draft_s.get((batch, width)), draft_s)
-        self.observed_width = width
         if overhead_s is not None:
             self.overhead_s[batch] = _ewma(self.overhead_s.get(batch), max(overhead_s, 0.0))
 

@@ -117,6 +117,7 @@ class _Live:
     token_ids: list[int]  # prompt + generated
     stats: RequestStats
     trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # adaptive k: acceptance per position
+    last_drafted: int = 0  # drafts of its last step (0 after the prefill): 0 means the drafter has context to catch up
 
     @property
     def generated(self) -> int:
@@ -240,9 +241,11 @@ class StepLoop:
         if self.adaptive:
             overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified
             width = max(len(i.draft_ids) + 1 for i in inputs)
-            self.adaptive.observe_step(len(inputs), width, t2 - t1, t1 - t0, overhead)
+            caught_up = any(lv.last_drafted == 0 for lv, w in zip(lives, wants) if w.k > 0)
+            self.adaptive.observe_step(len(inputs), width, t2 - t1, t1 - t0, overhead, caught_up)
         self._last_verified = t2
         for live, inp, result in zip(lives, inputs, results):
+            live.last_drafted = len(inp.draft_ids)
             if self.adaptive:
                 self.adaptive.observe_request(live.trace, len(inp.draft_ids), result.num_accepted)
             live.stats.record(len(inp.draft_ids), result.num_accepted)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from blockspec.services.router.adaptive_k import (
-    ALPHA, DRAFT_MARGIN, PRIOR_ACCEPTANCE, PROBE_EVERY, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
+    ALPHA, DRAFT_MARGIN, PRIOR_ACCEPTANCE, PROBE_EVERY, SPIKE, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
 from blockspec.services.verifier.verifier import StepCosts
 
 
@@ -131,12 +131,22 @@ def test_drafting_continues_on_a_smaller_gain_than_it_starts_on():
     assert ak.choose(t) == [0]
 
 
-def test_the_drafters_catch_up_after_plain_steps_is_not_its_usual_time():
+def test_the_drafters_catch_up_is_not_its_usual_time():
+    """A step where a request drafts for the first time since its prefill or a plain step includes the
+    context the drafter skipped (the loop says so): it leaves the drafter's time as it was."""
     costs = table(0.004, 0.0001)
     ak = warmed(costs, draft_s=0.001)
     before = ak.draft_s[1, 8]
-    ak.observe_step(1, 1, costs.verify_s(1, 1), 0.0, 0.0)  # a plain step: the drafter falls behind
-    ak.observe_step(1, 8, costs.verify_s(1, 8), 0.05, 0.0)  # drafting again: 50 ms of catch-up
+    ak.observe_step(1, 8, costs.verify_s(1, 8), 0.05, 0.0, caught_up=True)  # 50 ms of catch-up
     assert ak.draft_s[1, 8] == before
     ak.observe_step(1, 8, costs.verify_s(1, 8), 0.002, 0.0)  # the next one counts
     assert ak.draft_s[1, 8] == pytest.approx((1 - ALPHA) * before + ALPHA * 0.002)
+
+
+def test_a_preempted_step_moves_a_cost_estimate_by_a_bounded_step():
+    """One drafter call 20x its usual time (the VM preempted it) raises the estimate by ALPHA x SPIKE at most,
+    not ALPHA x 20: a width that looked dear would not be chosen again to correct it."""
+    costs = table(0.004, 0.0001)
+    ak = warmed(costs, draft_s=0.001)
+    ak.observe_step(1, 8, costs.verify_s(1, 8), 0.02, 0.0)
+    assert ak.draft_s[1, 8] == pytest.approx(0.001 * (1 - ALPHA + ALPHA * SPIKE))

@@ -65,3 +65,21 @@ def test_chunked_prefill_keeps_running_streams_going(tiny_models, prompts, refer
     done = {e.request_id: list(e.token_ids) for e in events if isinstance(e, FinishEvent)}
     assert done["short"] == references["qwen3"][2]
     assert done["long"] == references["qwen3"][7][:40]
+
+
+def test_adaptive_k_is_told_which_steps_the_drafter_caught_up_on(tiny_models, prompts):
+    """The first drafting step of a request (its whole prompt for the drafter to catch up) is flagged, so
+    adaptive k does not take its time for the drafter's usual one; the steps after it are not."""
+    engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2,
+                    adaptive_k=True)
+    loop, flags = engine.loop, []
+    observe = loop.adaptive.observe_step
+    loop.adaptive.observe_step = lambda *args: (flags.append(args[-1]), observe(*args))
+    loop.submit(engine.request("a", prompts[2], 24, 3))
+    for _ in range(4):
+        loop.step()
+    loop.submit(engine.request("b", prompts[5], 24, 3))  # joins: the step after its prefill catches up
+    while not loop.idle:
+        loop.step()
+    assert flags[:4] == [True, False, False, False]
+    assert flags[4] is True and flags.count(True) == 2
