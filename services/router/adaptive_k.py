@@ -109,6 +109,7 @@ class AdaptiveK:
         self.overhead_s: dict[int, float] = {}  # batch -> seconds of a step outside draft and verify (EWMA)
         self.steps_at_one = 0  # consecutive steps at width 1
         self.last_width = 0  # the width this chooser last picked (0 before its first choice, after warm-up)
+        self._verify_rows: dict[int, list[float]] = {}  # batch size -> the verify table's row for it
         self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # every request's observations, slowly
 
     def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
@@ -122,7 +123,8 @@ class AdaptiveK:
         caught_up: a request drafted for the first time since its prefill or a plain step, so draft_s
         includes its skipped context and is not the drafter's usual time."""
         self.steps += 1
-        self.speed = _ewma(self.speed, verify_s / max(self.costs.verify_s(batch, width), 1e-9))
+        table = self._table_row(batch)
+        self.speed = _ewma(self.speed, verify_s / max(table[min(width, len(table)) - 1], 1e-9))
         if width > 1 and not caught_up:
             self.draft_s[batch, width] = _ewma(self.draft_s.get((batch, width)), draft_s)
         if overhead_s is not None:
@@ -132,17 +134,31 @@ class AdaptiveK:
         if (batch, width) in self.draft_s:
             return self.draft_s[batch, width]
         if not self.draft_s:
-            return self.costs.verify_s(batch, 1)  # never drafted: guess one target decode
+            return self._table_row(batch)[0]  # never drafted: guess one target decode
         # Nearest batch size observed, then nearest width, scaled to this one: the drafter's block has
         # `width` rows per request (anchor and k masks).
         b, w = min(self.draft_s, key=lambda bw: (abs(bw[0] - batch), abs(bw[1] - width)))
         return self.draft_s[b, w] * batch / b * width / w
 
+    def _table_row(self, batch: int) -> list[float]:
+        row = self._verify_rows.get(batch)
+        if row is None:
+            row = self._verify_rows[batch] = self.costs.verify_row(batch)
+        return row
+
     def step_seconds(self, batch: int, width: int) -> float:
-        verify = self.costs.verify_s(batch, width) * (self.speed or 1.0)
-        draft = self._draft_estimate(batch, width) if width > 1 else 0.0
-        overhead = self.overhead_s.get(batch, min(self.overhead_s.values(), default=0.0))
-        return verify + draft + overhead
+        return self.step_row(batch, width)[width - 1]
+
+    def step_row(self, batch: int, max_width: int) -> list[float]:
+        """Estimated seconds of a step of `batch` requests at widths 1 .. max_width: the verify table's
+        row (interpolated once per batch size) at the machine's speed, plus the drafter and the overhead."""
+        row = self._table_row(batch)
+        speed, last = self.speed or 1.0, len(row) - 1
+        overhead = self.overhead_s.get(batch)
+        if overhead is None:
+            overhead = min(self.overhead_s.values(), default=0.0)
+        return [row[min(w - 1, last)] * speed + overhead + (self._draft_estimate(batch, w) if w > 1 else 0.0)
+                for w in range(1, max_width + 1)]
 
     def choose(self, requests: list[tuple[AcceptanceTrace, int]]) -> list[int]:
         """k for each (trace, largest k allowed) of the step's batch."""
@@ -150,14 +166,15 @@ class AdaptiveK:
         if k_max <= 0 or self.steps < WARMUP_STEPS:
             return [k for _, k in requests]
         batch = len(requests)
-        plain_rate = batch / self.step_seconds(batch, 1)
+        seconds = self.step_row(batch, k_max + 1)
+        plain_rate = batch / seconds[0]
         # Drafting must beat plain decoding by a margin: the estimates are off by 10-20% on a noisy machine.
         margin = STAY_MARGIN if self.last_width > 1 else DRAFT_MARGIN
         best, best_rate, drafting_rate = 1, plain_rate * margin, 0.0
         expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
         for width in range(2, k_max + 2):
             tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)
-            rate = tokens / self.step_seconds(batch, width)
+            rate = tokens / seconds[width - 1]
             drafting_rate = max(drafting_rate, rate)
             if rate > best_rate:
                 best, best_rate = width, rate

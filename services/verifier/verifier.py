@@ -47,17 +47,18 @@ class StepCosts:
     seconds: tuple[tuple[float, ...], ...]  # [batch size][width]
 
     def verify_s(self, batch: int, width: int) -> float:
-        """Seconds for `batch` requests at `width`: linear in the batch size between the measured ones (and
-        past the largest, along its last segment)."""
-        col = min(max(width, 1), self.widths[-1]) - 1
+        """Seconds for `batch` requests at `width` (past the widest measured: the widest)."""
+        return self.verify_row(batch)[min(max(width, 1), self.widths[-1]) - 1]
+
+    def verify_row(self, batch: int) -> list[float]:
+        """Seconds for `batch` requests at each measured width: linear in the batch size between the
+        measured ones (and past the largest, along its last segment)."""
         sizes = self.batch_sizes
         if len(sizes) == 1:
-            return self.seconds[0][col] * batch / sizes[0]
-        hi = next((i for i, b in enumerate(sizes) if b >= batch), len(sizes) - 1)
-        hi = max(hi, 1)
-        lo = hi - 1
-        frac = (batch - sizes[lo]) / (sizes[hi] - sizes[lo])
-        return max(self.seconds[lo][col] + frac * (self.seconds[hi][col] - self.seconds[lo][col]), 0.0)
+            return [s * batch / sizes[0] for s in self.seconds[0]]
+        hi = max(next((i for i, b in enumerate(sizes) if b >= batch), len(sizes) - 1), 1)
+        frac = (batch - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
+        return [max(lo + frac * (up - lo), 0.0) for lo, up in zip(self.seconds[hi - 1], self.seconds[hi])]
 
 
 def timed(fn: Callable[[], object], repeats: int, device: str = "cpu", warm_up: bool = True) -> float:
