@@ -35,24 +35,29 @@ class Mode:
     name: str  # "none", "dflash", "hf-lookup", ...
     k: int = 0
     adaptive: bool = False  # engine methods: adaptive k (k is the maximum)
+    replay: bool = False  # engine methods: the drafts of an untimed run given back at no cost (ReplayProposer)
 
     @property
     def label(self) -> str:
-        return (f"{self.name} k={self.k}" if self.k else self.name) + (" adaptive" if self.adaptive else "")
+        return (f"{self.name} k={self.k}" if self.k else self.name) + self.flag
+
+    @property
+    def flag(self) -> str:
+        return " adaptive" if self.adaptive else " replay" if self.replay else ""
 
 
 def parse_modes(text: str) -> list[Mode]:
-    """"none,dflash:3,dflash:7:adaptive,ngram:5,hf,hf-lookup:5" -> modes."""
+    """"none,dflash:3,dflash:7:adaptive,dflash:7:replay,ngram:5,hf,hf-lookup:5" -> modes."""
     modes = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, rest = item.partition(":")
         k, _, flag = rest.partition(":")
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
-        if flag not in ("", "adaptive") or (flag and name not in ENGINE_METHODS):
-            raise InvalidArgument("--modes", f"{item!r}: only engine methods take ':adaptive'")
+        if flag not in ("", "adaptive", "replay") or (flag and name not in ENGINE_METHODS) or (flag, name) == ("replay", "none"):
+            raise InvalidArgument("--modes", f"{item!r}: only engine methods take ':adaptive' or ':replay'")
         try:
-            modes.append(Mode(name, int(k) if k else 0, flag == "adaptive"))
+            modes.append(Mode(name, int(k) if k else 0, flag == "adaptive", flag == "replay"))
         except ValueError:
             raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
         if name not in ("none", "hf") and not modes[-1].k:
@@ -101,15 +106,24 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
                   concurrency: int, device: Device = CPU) -> Callable[[], tuple[Row, list]]:
     """A warmed-up engine for `mode` (`drafter`: the DFlash drafter, or for draft_model the assistant); each call of
     the result is one timed pass over the prompts."""
+    from blockspec.services.drafter.proposers.replay import ReplayProposer
     from blockspec.services.engine import Engine
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
                     max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive,
                     device=device[0], dtype=device[1])
     _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
+    replay = None
+    if mode.replay:  # one untimed run of the whole workload records the drafts every timed pass gives back
+        replay = engine.loop.drafter = ReplayProposer(engine.loop.drafter)
+        _engine_run(engine, prompts, max_tokens, mode.k or None)
+        replay.recording = False
 
     def run() -> tuple[Row, list]:
         elapsed, done = _engine_run(engine, prompts, max_tokens, mode.k or None)
+        if replay is not None and replay.misses:
+            log.warning("%s: %d proposals were not in the record and drafted nothing", mode.label, replay.misses)
+            replay.misses = 0
         steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
         per_pos = np.zeros(mode.k, dtype=int)
         for e in done:
@@ -118,7 +132,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
         # One request at a time: its steps are the loop's, so the timers split the wall clock per step.
         split = [elapsed / steps * 1e3, *(sum(getattr(e.stats, a) for e in done) / steps * 1e3
                                           for a in ("verify_s", "draft_s"))] if concurrency == 1 and steps else []
-        row = Row(f"{mode.name} adaptive" if mode.adaptive else mode.name, mode.k, concurrency, tokens, elapsed,
+        row = Row(mode.name + mode.flag, mode.k, concurrency, tokens, elapsed,
                   tokens / elapsed,
                   tau=1 + accepted / steps if steps and mode.k else None,
                   acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
@@ -289,19 +303,20 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
         slices = len(next(iter(costs.r_slices.values()), [None]))
         lines += ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms; the median of "
                   f"{slices} slice{'s' if slices > 1 else ''} ({spread}).", "",
-                  "| k | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling "
+                  "| mode | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling "
                   "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
         plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
         for r in rows:
-            if r.concurrency != 1 or r.mode != "dflash" or r.tau is None or r.k not in costs.r:
+            if r.concurrency != 1 or r.mode not in ("dflash", "dflash replay") or r.tau is None or r.k not in costs.r:
                 continue
             ceiling = r.tau / costs.r[r.k]
-            with_drafter = r.tau / (costs.r[r.k] + costs.c_d.get(r.k, 0.0))
+            c_d = 0.0 if r.mode.endswith("replay") else costs.c_d.get(r.k, 0.0)  # replayed drafts cost nothing
+            with_drafter = r.tau / (costs.r[r.k] + c_d)
             # Each round's pass against the same round's plain pass and that round's own cost slice (one slice
             # follows each round at concurrency 1): how far the machine's drift moves the share.
             per_round = [a / b / (r.tau / rr) for a, b, rr in zip(r.rounds, plain.rounds, costs.r_slices[r.k])]
             spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
-            lines.append(f"| {r.k} | {costs.r[r.k]:.2f} | {costs.c_d.get(r.k, 0.0):.2f} | {r.tau:.2f} | {ceiling:.2f} | "
+            lines.append(f"| {Mode(r.mode, r.k).label} | {costs.r[r.k]:.2f} | {c_d:.2f} | {r.tau:.2f} | {ceiling:.2f} | "
                          f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {spread} |")
     split = [r for r in rows if r.step_ms]
     if split:

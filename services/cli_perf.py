@@ -25,9 +25,10 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--num-prompts", type=int, help="use the first N prompts")
     bn.add_argument("--max-tokens", type=int, default=128)
     bn.add_argument("--modes", help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive "
-                    "k up to K), hf, hf-lookup:K, hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' "
-                    f"schedule from K; draft_model and hf-assisted need --assistant). Default: {DEFAULT_MODES}, and with "
-                    f"an assistant {ASSISTANT_MODES}")
+                    "k up to K; ':replay': the drafts of an untimed run given back at no cost), hf, hf-lookup:K, "
+                    "hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' schedule from K; "
+                    f"draft_model and hf-assisted need --assistant). Default: {DEFAULT_MODES}, and with an assistant "
+                    f"{ASSISTANT_MODES}")
     bn.add_argument("--concurrency", default="1,2,4,8,16", help="comma list (transformers modes run at 1)")
     bn.add_argument("--assistant", default=str(home / "assistant") if (home / "assistant" / "config.json").is_file()
                     else None, help="draft model directory for draft_model and the hf-assisted modes (default: the "

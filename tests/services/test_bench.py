@@ -13,9 +13,10 @@ from blockspec.services.cli import main
 
 
 def test_modes_parse_and_bad_ones_name_the_flag():
-    assert parse_modes("none, dflash:5,hf-lookup:3,ngram:4:adaptive") == [Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3),
-                                                                        Mode("ngram", 4, adaptive=True)]
-    for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast"):
+    assert parse_modes("none, dflash:5,hf-lookup:3,ngram:4:adaptive,dflash:7:replay") == [
+        Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3), Mode("ngram", 4, adaptive=True), Mode("dflash", 7, replay=True)]
+    assert Mode("dflash", 7, replay=True).label == "dflash k=7 replay"
+    for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay"):
         with pytest.raises(InvalidArgument) as e:
             parse_modes(bad)
         assert e.value.field == "--modes"
@@ -34,7 +35,8 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
-                 str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,dflash:3:adaptive,hf,hf-lookup:3", "--concurrency", "1,2",
+                 str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,dflash:3:adaptive,dflash:3:replay,hf,hf-lookup:3",
+                 "--concurrency", "1,2",
                  "--out", str(out), "--threads", "1", "--rounds", "2", "--waves", "2"]) == 0
     result = json.loads((out / "bench.json").read_text())
     assert result["waves"] == 2 and "max(2, 2 c) requests" in (out / "bench.md").read_text()
@@ -58,7 +60,11 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     cells = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | 1 |")).split(" | ")
     low, high = map(float, cells[3].split("-"))
     assert low == pytest.approx(min(dflash["rounds"]), abs=0.5) and high == pytest.approx(max(dflash["rounds"]), abs=0.5)
-    ceiling_row = next(line for line in report.splitlines() if line.startswith("| 3 | ")).strip(" |").split(" | ")
+    ceiling_table = report.split("ceiling tau / r(k+1)")[1].split("Inside the step loop")[0].splitlines()
+
+    def ceiling_row(label: str) -> list[str]:
+        return next(line for line in ceiling_table if line.startswith(f"| {label} | ")).strip(" |").split(" | ")
+
     # The cost model was timed in one slice after each round at concurrency 1; r is the slices' median, and each
     # round's share uses its own slice.
     r_slices = result["costs"]["r_slices"]["3"]
@@ -66,12 +72,22 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert "one after each round of the concurrency-1 passes" in report and "median of 2 slices" in report
     plain = next(r for r in result["rows"] if r["mode"] == "none" and r["concurrency"] == 1)
     per_round = [a / b / (dflash["tau"] / r) for a, b, r in zip(dflash["rounds"], plain["rounds"], r_slices)]
-    assert [float(x) for x in ceiling_row[-1].split("-")] == pytest.approx([min(per_round), max(per_round)], abs=0.006)
+    shares = [float(x) for x in ceiling_row("dflash k=3")[-1].split("-")]
+    assert shares == pytest.approx([min(per_round), max(per_round)], abs=0.006)
     # The loop's own split: the part of a step in the verify, and that against plain decoding's (both within a pass).
     split_row = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | ") and line.count("|") == 8)
     fraction, against_plain = map(float, split_row.strip(" |").split(" | ")[-2:])
     assert fraction == pytest.approx(verify / step, abs=0.006)
     assert against_plain == pytest.approx(verify / step / (plain["step_ms"][1] / plain["step_ms"][0]), abs=0.006)
+    # Replayed drafts: the same drafts, so the same output and acceptance, with no drafter call in the step.
+    for c in (1, 2):
+        live, replayed = (next(r for r in result["rows"] if r["mode"] == m and r["k"] == 3 and r["concurrency"] == c)
+                          for m in ("dflash", "dflash replay"))
+        assert replayed["exact"] and replayed["accepted_per_pos"] == live["accepted_per_pos"]
+        assert (replayed["tau"], replayed["steps"]) == (live["tau"], live["steps"])
+    assert replayed["step_ms"] == [] and next(r for r in result["rows"] if r["mode"] == "dflash replay")["step_ms"][2] < 0.01
+    replay_ceiling = ceiling_row("dflash replay k=3")
+    assert replay_ceiling[2] == "0.00" and replay_ceiling[4] == replay_ceiling[5]  # c_d 0: with the drafter = the ceiling
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out
