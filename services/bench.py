@@ -54,7 +54,8 @@ def parse_modes(text: str) -> list[Mode]:
         k, _, flag = rest.partition(":")
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
-        if flag not in ("", "adaptive", "replay") or (flag and name not in ENGINE_METHODS) or (flag, name) == ("replay", "none"):
+        takes_flag = name in ENGINE_METHODS and (name != "none" or flag != "replay")  # replay needs a drafter
+        if flag not in ("", "adaptive", "replay") or (flag and not takes_flag):
             raise InvalidArgument("--modes", f"{item!r}: only engine methods take ':adaptive' or ':replay'")
         try:
             modes.append(Mode(name, int(k) if k else 0, flag == "adaptive", flag == "replay"))
