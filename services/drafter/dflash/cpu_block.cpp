@@ -397,7 +397,8 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
     std::vector<float> taps;
     std::vector<int64_t> rows_slot, rows_pos;
     for (size_t i = 0; i < features.size(); ++i) {
-      const float* f = features[i].data_ptr<float>();
+      const torch::Tensor fi = features[i].to(torch::kFloat).contiguous();  // a no-op for the verifier's fp32 taps
+      const float* f = fi.data_ptr<float>();
       taps.insert(taps.end(), f + starts[i] * T, f + ends[i] * T);
       for (int64_t p = starts[i]; p < ends[i]; ++p) { rows_slot.push_back(ctx_slots[i]); rows_pos.push_back(p); }
     }

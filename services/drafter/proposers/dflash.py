@@ -60,6 +60,8 @@ class DFlashProposer:
         bf16 = os.environ.get(ENV_BF16, "1") != "0"
         fast = CpuDrafter(drafter, self.use_dynamic_conv, bf16) if self.device.type == "cpu" else None
         self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
+        if self._cpu is not None:
+            self._cpu.bind(self.cache, self._cos, self._sin, self.embedding, self.vocab_ids)
 
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
@@ -105,12 +107,10 @@ class DFlashProposer:
         for slot, _, end, _ in pending:
             self.cache.set_length(slot, end)
 
-    @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
         live = [i for i in inputs if i.k > 0 and len(i.token_ids) - 1 + self.cfg.block_size <= self.max_len]
         if not live:
             return [Draft(()) for _ in inputs]
-        dev = self.device
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
         slot_ids, pending = self._pending([i.request_id for i in live], ctx_lens)
         # Greedy, the block is [anchor, MASK x k] for the largest k asked: shorter than the block the drafter
@@ -123,11 +123,19 @@ class DFlashProposer:
         B = min(self.cfg.block_size, slots_used + 1) if greedy else self.cfg.block_size
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
-        if panels is not None:  # the whole proposal in one C++ call
-            tokens = cpu.propose(pending, self.cache, self._cos, self._sin, self.embedding,
-                                 [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B, self.vocab_ids)
+        if panels is not None:  # the whole proposal in one C++ call (no autograd state to enter: it runs after
+            # every target forward, on cold caches, where each Python step around it costs several times its warm cost)
+            tokens = cpu.propose(pending, [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B)
             self._advance(pending)
-            return self._drafts(inputs, live, tokens, [[] for _ in live])
+            return self._drafts(inputs, live, tokens, None)
+        with torch.inference_mode():
+            return self._propose_apart(inputs, live, ctx_lens, slot_ids, pending, B, greedy, cpu)
+
+    def _propose_apart(self, inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], ctx_lens: list[int],
+                       slot_ids: list[int], pending: list[tuple], B: int, greedy: bool,
+                       cpu: CpuDrafter | None) -> list[Draft]:
+        """The proposal in steps: the context, the block (C++ or torch), the LM head and the walk or sampling."""
+        dev, slots_used = self.device, max(i.k for i in live)
         self._extend(pending, cpu)
         anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
         slots, lens = torch.tensor(slot_ids, device=dev), torch.tensor(ctx_lens, device=dev)
@@ -159,12 +167,15 @@ class DFlashProposer:
 
     @staticmethod
     def _drafts(inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], tokens: torch.Tensor,
-                q_rows: list[list]) -> list[Draft]:
+                q_rows: list[list] | None) -> list[Draft]:
         """One Draft per input: row r of tokens [R, k] for live request r (with the q it sampled from,
-        if any), nothing for the others."""
+        if any; q_rows None: none did), nothing for the others."""
+        rows = tokens.tolist()  # one tolist for the batch
+        if q_rows is None and len(live) == len(inputs):  # every input drafted (live is inputs, in order)
+            return [Draft(tuple(row[: i.k])) for i, row in zip(inputs, rows)]
         drafts = {}
-        for r, (i, row) in enumerate(zip(live, tokens.tolist())):  # one tolist for the batch
-            q = q_rows[r][: i.k]
+        for r, (i, row) in enumerate(zip(live, rows)):
+            q = q_rows[r][: i.k] if q_rows else None
             dist = DraftDist(torch.stack([c for c, _ in q]), torch.stack([p for _, p in q])) if q else None
             drafts[i.request_id] = Draft(tuple(row[: i.k]), dist)
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
