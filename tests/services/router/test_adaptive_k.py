@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from blockspec.services.router.adaptive_k import (
-    ALPHA, DRAFT_MARGIN, PRIOR_ACCEPTANCE, PROBE_EVERY, SPIKE, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
+    ALPHA, DRAFT_MARGIN, MIN_JUDGED, PRIOR_ACCEPTANCE, PROBE_EVERY, SPIKE, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
 from blockspec.services.verifier.verifier import StepCosts
 
 
@@ -57,6 +57,31 @@ def test_a_request_not_drafting_relaxes_towards_all_requests():
         t.observe(drafted=0, accepted=0, prior=prior)
     assert t.rates == pytest.approx([0.8, 0.8], abs=0.01)
     assert trace_with([0.5]).expected_tokens(2, prior) == pytest.approx(1 + 0.5 + 0.5 * 0.8)  # unseen: the prior's
+
+
+def test_a_barely_judged_position_counts_at_least_the_one_before_it():
+    prior = AcceptanceTrace(alpha=0.02, mean_first=True)
+    for _ in range(30):
+        prior.observe(drafted=7, accepted=3)  # positions 0-2 accepted 30 times, position 3 rejected 30 times
+    for accepted in (4, 3, 3, 3):
+        prior.observe(drafted=7, accepted=accepted)  # position 4 judged once: rejected; 5-6 never judged
+    assert prior.rates[3] < 0.1 and prior.counts[3] >= MIN_JUDGED  # judged often: its own low rate stands
+    assert prior.rate(3) == prior.rates[3]
+    assert prior.rates[4] < 0.5 and prior.counts[4] == 1
+    assert prior.rate(4) == prior.rate(3) and prior.rate(6) == prior.rate(3)  # barely or never judged: floored
+    for _ in range(MIN_JUDGED):
+        prior.observe(drafted=7, accepted=4)  # position 4 now judged MIN_JUDGED + 1 times, rejected every time
+    assert prior.rate(4) == prior.rates[4] < prior.rate(3) + 0.05
+
+
+def test_an_unlucky_start_at_deep_positions_does_not_keep_the_chooser_narrow():
+    # The warm-up of a run at concurrency 1 that then held k = 4: positions 0-4 judged 49 / 30 / 23 / 15 / 5 times,
+    # position 3 accepted 5 times of 15 and position 4 once of 5; positions 5-6 barely or never judged.
+    ak = warmed(table(0.004, 0.00002), draft_s=0.0002)  # a row and the drafter cost little next to a step
+    for accepted in [0] * 19 + [1] * 7 + [2] * 8 + [3] * 10 + [4] * 4 + [5]:
+        ak.observe_request(AcceptanceTrace(), 7, accepted)
+    assert ak.prior.counts[:5] == [49, 30, 23, 15, 5]
+    assert ak.choose([(AcceptanceTrace(), 7)]) == [7]  # taken at position 2's rate, they are drafted and so judged
 
 
 def test_step_costs_interpolate_between_measured_batch_sizes():
