@@ -3,7 +3,8 @@
 Expected tokens of one request for k drafts: E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i, with a_i its
 conditional acceptance at draft position i (EWMA of what the verifier judged). Positions a request
 has not been judged at take the rates of all requests together (a slow EWMA), and its rates relax
-towards those while it is not drafting.
+towards those while it is not drafting. A position all requests together have judged fewer than
+MIN_JUDGED times counts at least the position before it: one that is not drafted is never judged again.
 
 Step time for width W = k + 1 at batch size B: verify(B, W) + draft(B, W) [W > 1] + overhead(B).
 * verify comes from a table the verifier measured before serving (`Verifier.measure_step_costs`), scaled
