@@ -61,7 +61,7 @@ class AcceptanceTrace:
     alpha: float = ALPHA
     mean_first: bool = False  # a plain mean (the starting guess one term) up to 1 / alpha observations
     counts: list[int] = field(default_factory=list)  # observations per position
-    _floored: dict[int, float] = field(default_factory=dict, repr=False)  # `rate`'s results since the last observe
+    _floored: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # `rate` since the last observe
 
     def observe(self, drafted: int, accepted: int, prior: "AcceptanceTrace | None" = None) -> None:
         """One verify of `drafted` drafts, `accepted` of them accepted. Positions the verifier did not judge

@@ -129,13 +129,13 @@ class DFlashProposer:
             self._advance(pending)
             return self._drafts(inputs, live, tokens, None)
         with torch.inference_mode():
-            return self._propose_apart(inputs, live, ctx_lens, slot_ids, pending, B, greedy, cpu)
+            return self._propose_apart(inputs, live, ctx_lens, slot_ids, pending, B, slots_used, greedy, cpu)
 
     def _propose_apart(self, inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], ctx_lens: list[int],
-                       slot_ids: list[int], pending: list[tuple], B: int, greedy: bool,
+                       slot_ids: list[int], pending: list[tuple], B: int, slots_used: int, greedy: bool,
                        cpu: CpuDrafter | None) -> list[Draft]:
         """The proposal in steps: the context, the block (C++ or torch), the LM head and the walk or sampling."""
-        dev, slots_used = self.device, max(i.k for i in live)
+        dev = self.device
         self._extend(pending, cpu)
         anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
         slots, lens = torch.tensor(slot_ids, device=dev), torch.tensor(ctx_lens, device=dev)
