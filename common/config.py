@@ -43,6 +43,7 @@ class SpecDecodeConfig(_Section):
     use_dynamic_conv: bool = True
     use_path_selector: bool = True
     adaptive_k: bool = False  # choose k each step (<= num_speculative_tokens; 0 when drafting does not pay)
+    prompt_lookup: bool = False  # draft a repeat of the context by n-gram lookup; the drafter drafts the rest
 
 
 class ModelSection(_Section):

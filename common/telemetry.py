@@ -39,6 +39,8 @@ class RouterMetrics:
         self.mean_k = Gauge("blockspec_spec_decode_k", "Draft tokens asked per request in the last step (adaptive k)",
                             **per_replica)
         self.tau = Gauge("blockspec_spec_decode_tau", "Tokens committed per request-step over the last steps", **per_replica)
+        self.num_lookup_drafts = Counter("blockspec_spec_decode_num_lookup_drafts",
+                                         "Request-steps drafted by prompt lookup instead of the drafter", **kw)
         self.drafter_fallbacks = Counter("blockspec_drafter_fallbacks",
                                          "Request-steps run at k=0 because the drafter failed or timed out", **kw)
         self.steps = Counter("blockspec_steps", "Batched propose -> verify rounds", **kw)

@@ -38,6 +38,7 @@ ATTR_BATCH_SIZE = "blockspec.batch_size"
 ATTR_DRAFT_S = "blockspec.draft_s"
 ATTR_VERIFY_S = "blockspec.verify_s"
 ATTR_FALLBACK = "blockspec.drafter_fallback"  # the drafter failed: the step ran at k = 0
+ATTR_LOOKED_UP = "blockspec.looked_up"  # requests drafted by prompt lookup instead of the drafter
 ATTR_ROLE = "blockspec.role"
 ATTR_ITEMS = "blockspec.items"  # requests in a role message
 

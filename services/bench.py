@@ -36,6 +36,7 @@ class Mode:
     k: int = 0
     adaptive: bool = False  # engine methods: adaptive k (k is the maximum)
     replay: bool = False  # engine methods: the drafts of an untimed run given back at no cost (ReplayProposer)
+    lookup: bool = False  # engine methods: prompt lookup first, the drafter for the rest (StepLoop.prompt_lookup)
 
     @property
     def label(self) -> str:
@@ -43,22 +44,28 @@ class Mode:
 
     @property
     def flag(self) -> str:
-        return " adaptive" if self.adaptive else " replay" if self.replay else ""
+        return (" lookup" if self.lookup else "") + (" adaptive" if self.adaptive else " replay" if self.replay else "")
+
+
+FLAGS = ("adaptive", "replay", "lookup")
 
 
 def parse_modes(text: str) -> list[Mode]:
-    """"none,dflash:3,dflash:7:adaptive,dflash:7:replay,ngram:5,hf,hf-lookup:5" -> modes."""
+    """"none,dflash:3,dflash:7:adaptive,dflash:7:replay,dflash:7:lookup,ngram:5,hf,hf-lookup:5" -> modes."""
     modes = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, rest = item.partition(":")
-        k, _, flag = rest.partition(":")
+        k, *flags = rest.split(":")
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
-        takes_flag = name in ENGINE_METHODS and (name != "none" or flag != "replay")  # replay needs a drafter
-        if flag not in ("", "adaptive", "replay") or (flag and not takes_flag):
-            raise InvalidArgument("--modes", f"{item!r}: only engine methods take ':adaptive' or ':replay'")
+        known = name in ENGINE_METHODS and all(f in FLAGS for f in flags) and len(set(flags)) == len(flags)
+        # replay needs a drafter, lookup a model drafter (ngram is a lookup already); adaptive and replay exclude each other
+        fits = (name != "none" or "replay" not in flags) and (name in ("draft_model", "dflash") or "lookup" not in flags)
+        if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)):
+            raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those with a "
+                                             "model drafter ':lookup' too (e.g. dflash:7:lookup:adaptive)")
         try:
-            modes.append(Mode(name, int(k) if k else 0, flag == "adaptive", flag == "replay"))
+            modes.append(Mode(name, int(k) if k else 0, "adaptive" in flags, "replay" in flags, "lookup" in flags))
         except ValueError:
             raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
         if name not in ("none", "hf") and not modes[-1].k:
@@ -83,6 +90,7 @@ class Row:
     rounds: list[float] = field(default_factory=list)  # tokens/s of every pass (the row is the median pass)
     # Concurrency 1, engine modes: ms per step [whole step, verify, drafter], from the step loop's own timers
     step_ms: list[float] = field(default_factory=list)
+    looked_up: float | None = None  # `lookup` modes: the share of request-steps drafted by prompt lookup
 
 
 def workload(prompts: Sequence[Sequence[int]], concurrency: int, waves: int) -> list[Sequence[int]]:
@@ -112,7 +120,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
                     max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive,
-                    device=device[0], dtype=device[1])
+                    prompt_lookup=mode.lookup, device=device[0], dtype=device[1])
     _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
     replay = None
     if mode.replay:  # one untimed run of the whole workload records the drafts every timed pass gives back
@@ -133,11 +141,12 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
         # One request at a time: its steps are the loop's, so the timers split the wall clock per step.
         split = [elapsed / steps * 1e3, *(sum(getattr(e.stats, a) for e in done) / steps * 1e3
                                           for a in ("verify_s", "draft_s"))] if concurrency == 1 and steps else []
+        looked_up = sum(e.stats.looked_up for e in done) / steps if mode.lookup and steps else None
         row = Row(mode.name + mode.flag, mode.k, concurrency, tokens, elapsed,
                   tokens / elapsed,
                   tau=1 + accepted / steps if steps and mode.k else None,
                   acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
-                  step_ms=split)
+                  step_ms=split, looked_up=looked_up)
         return row, [list(e.token_ids) for e in done]
 
     return run
@@ -299,6 +308,9 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
         lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {fmt(r.speedup, '.2f')}x | "
                      f"{fmt(r.tau, '.2f')} | {fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
                      f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
+    looked = [f"{Mode(r.mode, r.k).label} {r.looked_up:.0%} at concurrency {r.concurrency}" for r in rows if r.looked_up is not None]
+    if looked:
+        lines += ["", "Request-steps drafted by prompt lookup (the drafter drafted the rest): " + "; ".join(looked) + "."]
     if costs is not None:
         spread = "; ".join(f"r({k + 1}) {min(v):.2f}-{max(v):.2f}" for k, v in costs.r_slices.items() if v)
         slices = len(next(iter(costs.r_slices.values()), [None]))
@@ -308,10 +320,12 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
                   "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
         plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
         for r in rows:
-            if r.concurrency != 1 or r.mode not in ("dflash", "dflash replay") or r.tau is None or r.k not in costs.r:
+            if r.concurrency != 1 or r.mode.split()[0] != "dflash" or "adaptive" in r.mode or r.tau is None \
+                    or r.k not in costs.r:
                 continue
             ceiling = r.tau / costs.r[r.k]
-            c_d = 0.0 if r.mode.endswith("replay") else costs.c_d.get(r.k, 0.0)  # replayed drafts cost nothing
+            # Replayed drafts cost nothing; with prompt lookup the drafter runs only on the steps lookup did not draft.
+            c_d = 0.0 if r.mode.endswith("replay") else costs.c_d.get(r.k, 0.0) * (1 - (r.looked_up or 0.0))
             with_drafter = r.tau / (costs.r[r.k] + c_d)
             # Each round's pass against the same round's plain pass and that round's own cost slice (one slice
             # follows each round at concurrency 1): how far the machine's drift moves the share.

@@ -9,7 +9,8 @@ from blockspec.common.device import add_device_args, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 
 
-DEFAULT_MODES = "none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,hf,hf-lookup:3,hf-lookup:5"
+DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
+                 "hf,hf-lookup:3,hf-lookup:5")
 ASSISTANT_MODES = "draft_model:3,hf-assisted:5,hf-assisted-default:20"  # k: the best of 3 / 5 here; 20 is transformers' default
 
 
@@ -25,7 +26,8 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--num-prompts", type=int, help="use the first N prompts")
     bn.add_argument("--max-tokens", type=int, default=128)
     bn.add_argument("--modes", help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive "
-                    "k up to K; ':replay': the drafts of an untimed run given back at no cost), hf, hf-lookup:K, "
+                    "k up to K; ':replay': the drafts of an untimed run given back at no cost; ':lookup': prompt lookup first, "
+                    "the drafter for the rest), hf, hf-lookup:K, "
                     "hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' schedule from K; "
                     f"draft_model and hf-assisted need --assistant). Default: {DEFAULT_MODES}, and with an assistant "
                     f"{ASSISTANT_MODES}")

@@ -35,6 +35,7 @@ class Engine:
         use_dynamic_conv: bool = True,
         use_path_selector: bool = True,
         adaptive_k: bool = False,
+        prompt_lookup: bool = False,  # prompt lookup first, the drafter for the rest (router/step_loop.py)
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         device: torch.device | str = "cpu",  # target and drafter (common/device.resolve checks user input)
         dtype: torch.dtype = torch.float32,
@@ -60,7 +61,7 @@ class Engine:
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.target_path, self.drafter_path = Path(target), drafter
-        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k, prefill_chunk)
+        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k, prefill_chunk, prompt_lookup)
 
     @property
     def context_len(self) -> int:

@@ -207,6 +207,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         router = await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,
                                           default_k=cfg.model.spec_decode.num_speculative_tokens, metrics=RouterMetrics(),
                                           adaptive_k=cfg.model.spec_decode.adaptive_k,
+                                          prompt_lookup=cfg.model.spec_decode.prompt_lookup,
                                           prefill_chunk=cfg.server.prefill_chunk_tokens)
         state["router"] = router
         print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)

@@ -107,6 +107,7 @@ class Scheduler:
         report = loop.last_report
         if report is not None:
             m.num_drafts.inc(report.drafts)
+            m.num_lookup_drafts.inc(report.looked_up)
             m.num_draft_tokens.inc(report.draft_tokens)
             m.num_accepted_tokens.inc(report.accepted_tokens)
             for pos, n in enumerate(report.accepted_per_pos):

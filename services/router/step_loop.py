@@ -14,12 +14,17 @@ from opentelemetry import trace
 from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.services.drafter.proposers.ngram import lookup
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
 from blockspec.services.verifier.verifier import StepCosts, VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step
+# Prompt lookup in front of the drafter: the latest earlier match of the context's last 4, 3 or 2 tokens,
+# continued periodically (ngram.lookup). Scored along dflash k=7's own steps on the default pair's prompts,
+# these n-gram lengths drafted better than 3..1 and 6..3 (BENCHMARKS, runs Y).
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
 
 
 class VerifierRole(Protocol):
@@ -55,6 +60,7 @@ class RequestStats:
     drafted: int = 0  # draft tokens sent to the verifier
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps whose draft position i was accepted
+    looked_up: int = 0  # steps drafted by prompt lookup (StepLoop.prompt_lookup), not by the drafter
     draft_s: float = 0.0
     verify_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -95,6 +101,7 @@ class StepReport:
     verify_s: float
     fallback: bool  # the drafter failed during this step: its requests ran at k = 0
     accepted_per_pos: tuple[int, ...]  # [i]: requests whose draft position i was accepted
+    looked_up: int = 0  # requests drafted by prompt lookup, not by the drafter
 
 
 @dataclass(frozen=True)
@@ -131,10 +138,13 @@ class StepLoop:
     """
 
     def __init__(self, verifier: VerifierRole, drafter: DrafterRole, max_batch: int, adaptive_k: bool = False,
-                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self.max_batch = max_batch
+        # Prompt lookup first: a request whose context repeats itself gets the continuation of the repeat
+        # as its draft, and the drafter is asked only for the others (none: the drafter drafts every request).
+        self.prompt_lookup = prompt_lookup and drafter.max_k > 0
         # Adaptive k starts from the verifier's own step costs, measured now (before any request).
         self.adaptive = AdaptiveK(verifier.measure_step_costs(drafter.max_k + 1)) if adaptive_k and drafter.max_k else None
         self._last_verified: float | None = None  # end of the last verify; the time to the next step is overhead
@@ -216,8 +226,11 @@ class StepLoop:
         with trace.use_span(span, end_on_exit=True):  # the role calls carry this span as their parent
             fallbacks = getattr(self.drafter, "fallbacks", 0)
             t0 = time.perf_counter()
-            to_draft = [w for w in wants if w.k > 0]
-            drafted = dict(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft))) if to_draft else {}
+            looked_up = self._looked_up(wants) if self.prompt_lookup else {}
+            drafted = dict(looked_up)
+            to_draft = [w for w in wants if w.k > 0 and w.request_id not in looked_up]
+            if to_draft:
+                drafted.update(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft)))
             t1 = time.perf_counter()
             drafts = [drafted[w.request_id].head(w.k) if w.request_id in drafted else Draft(()) for w in wants]
             inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width) for w, d in zip(wants, drafts)]
@@ -232,12 +245,13 @@ class StepLoop:
                 drafts=sum(1 for i in inputs if i.draft_ids),
                 draft_tokens=sum(len(i.draft_ids) for i in inputs), accepted_tokens=sum(r.num_accepted for r in results),
                 draft_s=t1 - t0, verify_s=t2 - t1, fallback=getattr(self.drafter, "fallbacks", 0) > fallbacks,
-                accepted_per_pos=tuple(per_pos))
+                accepted_per_pos=tuple(per_pos), looked_up=len(looked_up))
             span.set_attributes({
                 tracing.ATTR_K: report.k, tracing.ATTR_DRAFTED: report.draft_tokens,
                 tracing.ATTR_ACCEPTED: report.accepted_tokens, tracing.ATTR_BATCH_SIZE: report.batch_size,
                 tracing.ATTR_TAU: 1 + report.accepted_tokens / report.batch_size, tracing.ATTR_DRAFT_S: report.draft_s,
-                tracing.ATTR_VERIFY_S: report.verify_s, tracing.ATTR_FALLBACK: report.fallback})
+                tracing.ATTR_VERIFY_S: report.verify_s, tracing.ATTR_FALLBACK: report.fallback,
+                tracing.ATTR_LOOKED_UP: report.looked_up})
         if self.adaptive:
             overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified
             width = max(len(i.draft_ids) + 1 for i in inputs)
@@ -249,9 +263,21 @@ class StepLoop:
             if self.adaptive:
                 self.adaptive.observe_request(live.trace, len(inp.draft_ids), result.num_accepted)
             live.stats.record(len(inp.draft_ids), result.num_accepted)
+            live.stats.looked_up += inp.request_id in looked_up
             live.stats.draft_s += t1 - t0
             live.stats.verify_s += t2 - t1
             yield from self._commit(live, result)
+
+    @staticmethod
+    def _looked_up(wants: Sequence[ProposeInput]) -> dict[str, Draft]:
+        """Prompt lookup's drafts: k tokens for each request whose context's suffix occurred before."""
+        found = {}
+        for w in wants:
+            if w.k > 0:
+                ids = lookup(w.token_ids, w.k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, periodic=True)
+                if ids:
+                    found[w.request_id] = Draft(ids)
+        return found
 
     def _commit(self, live: _Live, result: VerifyResult) -> Iterator[TokenEvent | FinishEvent]:
         live.token_ids.extend(result.token_ids)

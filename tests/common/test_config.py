@@ -32,6 +32,7 @@ def test_the_operators_config_loads_with_our_defaults(tmp_path):
     assert cfg.server.port == 8000 and cfg.server.grpc_port == 8001 and cfg.server.replicas == 1
     assert cfg.model.spec_decode.num_speculative_tokens == 5 and cfg.model.spec_decode.draft_model_dtype == "float16"
     assert cfg.model.draft_model_path == "/data/models/draft_model"
+    assert cfg.model.spec_decode.prompt_lookup is False and cfg.model.spec_decode.adaptive_k is False
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,7 @@ def test_the_operators_config_loads_with_our_defaults(tmp_path):
         ({"model": {"target_model_path": None}}, "model.target_model_path: None is not allowed"),
         ({"model": {"device": "gpu0"}}, "model.device: 'gpu0' is not allowed: 'gpu0' is not a device; use cpu, cuda or cuda:N"),
         ({"model": {"dtype": "int8"}}, "model.dtype: 'int8' is not allowed: Input should be 'float32', 'bfloat16' or 'float16'"),
+        ({"model": {"spec_decode": {"prompt_lookup": "yes"}}}, "model.spec_decode.prompt_lookup: 'yes' is not allowed: Input should be a valid boolean"),
     ],
 )
 def test_errors_name_key_value_and_allowed(patch, message):

@@ -16,7 +16,12 @@ def test_modes_parse_and_bad_ones_name_the_flag():
     assert parse_modes("none, dflash:5,hf-lookup:3,ngram:4:adaptive,dflash:7:replay") == [
         Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3), Mode("ngram", 4, adaptive=True), Mode("dflash", 7, replay=True)]
     assert Mode("dflash", 7, replay=True).label == "dflash k=7 replay"
-    for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay"):
+    assert parse_modes("dflash:7:lookup,dflash:5:lookup:adaptive,draft_model:3:replay:lookup") == [
+        Mode("dflash", 7, lookup=True), Mode("dflash", 5, adaptive=True, lookup=True),
+        Mode("draft_model", 3, replay=True, lookup=True)]
+    assert Mode("dflash", 5, adaptive=True, lookup=True).label == "dflash k=5 lookup adaptive"
+    for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay",
+                "ngram:5:lookup", "none:1:lookup", "dflash:7:lookup:lookup", "dflash:7:adaptive:replay", "hf-lookup:3:lookup"):
         with pytest.raises(InvalidArgument) as e:
             parse_modes(bad)
         assert e.value.field == "--modes"

@@ -38,6 +38,15 @@ def test_generate_json_contract(capsys, tiny_models, tokenizer):
     assert sum(stats["accepted_per_pos"]) == stats["accepted"]
 
 
+def test_generate_with_prompt_lookup_equals_the_target_alone(capsys, tiny_models, tokenizer):
+    dirs, prompt = tiny_models["qwen3"], "def split(s):"
+    code, out, _ = run_cli(capsys, "generate", prompt, "--target", str(dirs["target"]), "--drafter", str(dirs["other"]),
+                           "-k", "4", "--max-tokens", "60", "--prompt-lookup", "--json")
+    assert code == 0
+    obj = json.loads(out)
+    assert obj["token_ids"] == hf_greedy(dirs["target"], tokenizer.encode(prompt), 60) and obj["stats"]["drafted"] > 0
+
+
 def test_generate_in_bfloat16(capsys, tiny_pair):
     """--dtype bfloat16 builds the target and the dflash drafter in bf16 and generates (README, Device and dtype)."""
     code, out, _ = run_cli(capsys, "generate", "def split(s):", "--target", str(tiny_pair.target), "--drafter",

@@ -137,3 +137,19 @@ def test_bfloat16_invariant_mode_equals_plain_decoding_in_bfloat16(method, draft
     expected = [list(done[f"r{i}"].token_ids) for i in range(len(prompts))]
     engine = Engine(dirs["target"], drafter, method, max_batch=len(prompts), invariant=True, dtype=torch.bfloat16)
     check_lossless(engine, f"{method}_bf16", prompts, expected)
+
+
+@pytest.mark.parametrize(("method", "drafter_key"), [("dflash", "trained"), ("dflash", "random"), ("draft_model", "other")])
+def test_prompt_lookup_keeps_output_identical(method, drafter_key, tiny_models, dflash_drafters, prompts, references,
+                                              monkeypatch):
+    """Prompt lookup drafts the requests whose context repeats, the drafter the others: the output is still the
+    target alone's, one prompt at a time and batched, and both kinds of draft were verified."""
+    dirs = tiny_models["qwen3"]
+    drafter = dflash_drafters[f"qwen3-{drafter_key}"] if method == "dflash" else dirs[drafter_key]
+    engine = Engine(dirs["target"], drafter, method, max_batch=len(prompts), prompt_lookup=True)
+    looked_up, asked = [], []
+    find, propose = engine.loop._looked_up, engine.proposer.propose
+    monkeypatch.setattr(engine.loop, "_looked_up", lambda wants: looked_up.append(len(found := find(wants))) or found)
+    monkeypatch.setattr(engine.proposer, "propose", lambda inputs: asked.append(len(inputs)) or propose(inputs))
+    check_lossless(engine, f"{method}_{drafter_key}", prompts, references["qwen3"])
+    assert sum(looked_up) > 0 and sum(asked) > 0, (sum(looked_up), sum(asked))

@@ -31,13 +31,13 @@ class Loop:
         self.thread.join(10)
 
 
-def start_split(method: str, vsvc, dsvc, prefill_chunk: int = 32) -> dict:
+def start_split(method: str, vsvc, dsvc, prefill_chunk: int = 32, **router_options) -> dict:
     """The two role services behind gRPC and a router over them; `stop_split` ends them."""
     loop = Loop()
     vserver, _, vport = loop.run(serve_verifier(vsvc))
     dserver, _, dport = loop.run(serve_drafter(dsvc))
     router = loop.run(start_split_router([(f"127.0.0.1:{vport}", f"127.0.0.1:{dport}")], method, max_batch=4,
-                                         prefill_chunk=prefill_chunk))
+                                         prefill_chunk=prefill_chunk, **router_options))
     channel = grpc.insecure_channel(f"127.0.0.1:{router.port}")
     return {"stub": api_grpc.GenerationStub(channel), "channel": channel, "router": router, "verifier": vsvc,
             "drafter": dsvc, "vserver": vserver, "dserver": dserver, "loop": loop, "method": method,
@@ -69,6 +69,10 @@ def split(request, tiny_models, dflash_drafters):
 
 
 def test_split_streams_equal_the_target_alone(split, prompts, references):
+    check_streams(split, prompts, references)
+
+
+def check_streams(split: dict, prompts, references) -> None:
     def one(i):
         req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[i]), max_tokens=128, num_speculative_tokens=5)
         return collect(split["stub"].Generate(req, timeout=120))
@@ -79,6 +83,26 @@ def test_split_streams_equal_the_target_alone(split, prompts, references):
         assert ids == references["qwen3"][i], f"{split['method']} prompt {i}"
     assert sum(f.acceptance.drafted for _, _, f in results) > 0
     assert sum(f.acceptance.accepted for _, _, f in results) > 0
+
+
+def test_prompt_lookup_over_remote_roles_streams_equal_the_target_alone(tiny_models, dflash_drafters, prompts, references):
+    """With prompt lookup the router skips the remote drafter on the steps lookup drafts; the drafter then catches
+    up on the context it did not see (tap features from the verifier's shared buffer)."""
+    from prometheus_client import CollectorRegistry
+
+    from blockspec.common.telemetry import RouterMetrics
+
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
+    registry = CollectorRegistry()
+    running = start_split("dflash", verifier_service(target, "dflash", drafter, max_batch=4, max_len=None),
+                          DrafterService("dflash", drafter, target, num_slots=4, max_len=512), prompt_lookup=True,
+                          metrics=RouterMetrics(registry))
+    try:
+        check_streams(running, prompts, references)
+        looked_up = registry.get_sample_value("blockspec_spec_decode_num_lookup_drafts_total")
+        assert looked_up and looked_up < registry.get_sample_value("blockspec_spec_decode_num_drafts_total")
+    finally:
+        stop_split(running)
 
 
 def test_dflash_maps_the_verifiers_tensors(split):

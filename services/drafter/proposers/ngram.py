@@ -1,24 +1,34 @@
 """Method `ngram` (prompt lookup): find the latest earlier occurrence of the context's last n tokens and
-propose the tokens that followed it."""
+propose the tokens that followed it. `lookup` also serves the step loop's prompt lookup in front of a
+model drafter (router/step_loop.py, `prompt_lookup`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 
 
-def lookup(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, ...]:
-    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # [L - n, n]; excludes the suffix itself
-        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tuple(int(t) for t in ids[start : start + k])
+def lookup(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int, periodic: bool = False) -> tuple[int, ...]:
+    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram.
+
+    A match that ends close to the context's end leaves fewer than k tokens after it. `periodic` then
+    continues the repeat it implies: the context read as periodic, with the period the distance between
+    the match and the suffix (a model caught in a loop), so every match gives k tokens.
+    """
+    # One character per token: str.rfind finds the latest match in C, no array per call.
+    text = "".join(map(chr, token_ids))
+    end = len(text) - 1  # matches end before the last token: the suffix itself does not count
+    for n in range(min(max_ngram, end), min_ngram - 1, -1):
+        at = text.rfind(text[-n:], 0, end)
+        if at < 0:
+            continue
+        start = at + n
+        found = tuple(token_ids[start : start + k])
+        if not periodic or len(found) == k:
+            return found
+        period = len(text) - start
+        return tuple(found[j % period] for j in range(k))
     return ()
 
 

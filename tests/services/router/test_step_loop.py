@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from blockspec.services.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent, TokenEvent
+from tests.conftest import NEW_TOKENS
 
 
 def test_requests_join_between_steps_and_stay_exact(tiny_models, prompts, references):
@@ -83,3 +84,30 @@ def test_adaptive_k_is_told_which_steps_the_drafter_caught_up_on(tiny_models, pr
         loop.step()
     assert flags[:4] == [True, False, False, False]
     assert flags[4] is True and flags.count(True) == 2
+
+
+def test_prompt_lookup_drafts_repeats_and_asks_the_drafter_for_the_rest(tiny_models, dflash_drafters, prompts,
+                                                                        references):
+    """Each request-step is drafted by exactly one of the two: lookup where the context's suffix occurred before
+    (the drafter never sees those), the drafter elsewhere; the stats, the step reports and the output agree."""
+    from blockspec.services.drafter.proposers.ngram import lookup
+    from blockspec.services.router.step_loop import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
+
+    engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=4,
+                    prompt_lookup=True)
+    loop, asked, reports, done = engine.loop, [], [], {}
+    propose = engine.proposer.propose
+    # the committed tokens as each request stood when asked (the loop extends the same list afterwards)
+    engine.proposer.propose = lambda inputs: asked.extend((tuple(i.token_ids), i.k) for i in inputs) or propose(inputs)
+    for i in range(4):
+        loop.submit(engine.request(f"r{i}", prompts[i], NEW_TOKENS, 5))
+    while not loop.idle:
+        done.update((e.request_id, e) for e in loop.step() if isinstance(e, FinishEvent))
+        reports += [loop.last_report] if loop.last_report else []
+    assert [list(done[f"r{i}"].token_ids) for i in range(4)] == references["qwen3"][:4]
+    assert asked and all(lookup(ids, k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, periodic=True) == () for ids, k in asked)
+    looked_up = sum(e.stats.looked_up for e in done.values())
+    assert looked_up == sum(r.looked_up for r in reports) > 0
+    # every request-step with a draft came from one source: the last step of a request may ask for none (k = 0)
+    drafting_steps = sum(r.drafts for r in reports)
+    assert looked_up + len(asked) >= drafting_steps > sum(e.stats.steps for e in done.values()) - 8
