@@ -26,7 +26,8 @@ HTTP=$(sed -n 's/^SERVING .*http=\([0-9]*\)/\1/p' "$LOG")
 echo "== blockspec serving on gRPC :$GRPC, HTTP :$HTTP (health: $(curl -s -o /dev/null -w '%{http_code}' localhost:$HTTP/health))"
 echo "== speculative (dflash, k=5), streamed from the server:"
 "$BIN/blockspec" generate "$PROMPT" --server "localhost:$GRPC" --max-tokens 128
-echo "== the same prompt in-process: speculative (dflash, k=5), then plain decoding (the baseline):"
+echo "== the same prompt in-process: speculative (dflash, k=5, with prompt lookup as served, then without), then plain decoding (the baseline):"
+"$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --drafter "$PAIR/drafter" -k 5 --prompt-lookup --max-tokens 128 | tail -n 1
 "$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --drafter "$PAIR/drafter" -k 5 --max-tokens 128 | tail -n 1
 "$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --method none --max-tokens 128 | tail -n 1
 echo "(the small target loops under greedy decoding; see README, 'The default pair')"
