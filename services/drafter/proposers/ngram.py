@@ -35,13 +35,16 @@ def lookup(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int, per
 class NgramProposer:
     method = "ngram"
 
-    def __init__(self, max_k: int = 16, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_k: int = 16, max_ngram: int = 3, min_ngram: int = 1, periodic: bool = True) -> None:
         self.max_k = max_k
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        # A match that runs into the context's end continues as a loop: on the default pair's held-out prompts
+        # tau 2.93 at k=5 and 3.21 at k=7, against 2.35 and 2.41 with the tokens after the match alone.
+        self.periodic = periodic
 
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
-        return [Draft(lookup(i.token_ids, i.k, self.max_ngram, self.min_ngram)) for i in inputs]
+        return [Draft(lookup(i.token_ids, i.k, self.max_ngram, self.min_ngram, self.periodic)) for i in inputs]
 
     def release(self, request_id: str) -> None:
         pass

@@ -22,6 +22,12 @@ def test_proposer_respects_k():
     assert drafts[1].token_ids == ()
 
 
+def test_proposer_continues_a_loop_unless_told_not_to():
+    loop = ProposeInput("a", [4, 1, 2, 3, 1, 2, 3, 1], 6)
+    assert NgramProposer().propose([loop])[0].token_ids == (2, 3, 1, 2, 3, 1)
+    assert NgramProposer(periodic=False).propose([loop])[0].token_ids == (2, 3, 1)
+
+
 def _reference_lookup(ids, k, max_ngram, min_ngram):
     """The definition, spelled out: the latest start i with ids[i:i+n] == ids[-n:] and i + n < len(ids)."""
     for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
