@@ -11,7 +11,7 @@ from blockspec.common.errors import InvalidArgument
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
-ASSISTANT_MODES = "draft_model:3,hf-assisted:5,hf-assisted-default:20"  # k: the best of 3 / 5 here; 20 is transformers' default
+ASSISTANT_MODES = "draft_model:3,draft_model:3:lookup,hf-assisted:5,hf-assisted-default:20"  # k: the best of 3 / 5 here; 20 is transformers' default
 
 
 def add_perf_commands(sub) -> None:
