@@ -14,7 +14,7 @@ from opentelemetry import trace
 from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposer import Draft, ProposeInput
-from blockspec.services.drafter.proposers.ngram import lookup
+from blockspec.services.drafter.proposers.ngram import ContextTexts, lookup
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
 from blockspec.services.verifier.verifier import StepCosts, VerifyInput, VerifyResult
 
@@ -145,6 +145,7 @@ class StepLoop:
         # Prompt lookup first: a request whose context repeats itself gets the continuation of the repeat
         # as its draft, and the drafter is asked only for the others (none: the drafter drafts every request).
         self.prompt_lookup = prompt_lookup and drafter.max_k > 0
+        self._texts = ContextTexts()  # prompt lookup's text of each running request
         # Adaptive k starts from the verifier's own step costs, measured now (before any request).
         self.adaptive = AdaptiveK(verifier.measure_step_costs(drafter.max_k + 1)) if adaptive_k and drafter.max_k else None
         self._last_verified: float | None = None  # end of the last verify; the time to the next step is overhead
@@ -183,6 +184,7 @@ class StepLoop:
             return self._finish(live, "cancelled")
         self.verifier.release(request_id)
         self.drafter.release(request_id)
+        self._texts.drop(request_id)
         return self._finish(live, "cancelled")
 
     def step(self) -> list[TokenEvent | FinishEvent]:
@@ -268,13 +270,13 @@ class StepLoop:
             live.stats.verify_s += t2 - t1
             yield from self._commit(live, result)
 
-    @staticmethod
-    def _looked_up(wants: Sequence[ProposeInput]) -> dict[str, Draft]:
+    def _looked_up(self, wants: Sequence[ProposeInput]) -> dict[str, Draft]:
         """Prompt lookup's drafts: k tokens for each request whose context's suffix occurred before."""
         found = {}
         for w in wants:
             if w.k > 0:
-                ids = lookup(w.token_ids, w.k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, periodic=True)
+                ids = lookup(w.token_ids, w.k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, periodic=True,
+                             text=self._texts.of(w.request_id, w.token_ids))
                 if ids:
                     found[w.request_id] = Draft(ids)
         return found
@@ -289,6 +291,7 @@ class StepLoop:
         del self._running[rid]
         self.verifier.release(rid)
         self.drafter.release(rid)
+        self._texts.drop(rid)
         yield self._finish(live, reason)
 
     @staticmethod

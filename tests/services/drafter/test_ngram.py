@@ -57,3 +57,16 @@ def test_periodic_lookup_continues_a_loop_past_the_context_end():
     assert lookup([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], 3, 3, 1, periodic=True) == (4, 9, 2)
     assert lookup([1, 2, 3], 4, 3, 1, periodic=True) == ()
     assert lookup([5, 6, 5, 6], 3, 2, 2, periodic=True) == (5, 6, 5)
+
+
+def test_context_texts_grow_with_the_committed_tokens_and_start_over_after_a_drop():
+    from blockspec.services.drafter.proposers.ngram import ContextTexts, as_text
+
+    texts, ids = ContextTexts(), [5, 6, 5]
+    assert texts.of("a", ids) == as_text(ids)
+    ids += [6, 7, 70_000]
+    assert texts.of("a", ids) == as_text(ids)
+    assert lookup(ids + [5, 6], 3, 2, 2, text=texts.of("a", ids + [5, 6])) == lookup(ids + [5, 6], 3, 2, 2) == (7, 70_000, 5)
+    texts.drop("a")
+    assert texts.of("a", [9, 9]) == as_text([9, 9])
+    assert texts.of("b", [1]) == as_text([1]) and texts.of("a", [4]) == as_text([4])  # a shorter context: not the old one
