@@ -95,3 +95,12 @@ def step_span(parents: Sequence[SpanContext | None]) -> Span:
     parents = [p for p in parents if p is not None and p.is_valid]
     ctx = trace.set_span_in_context(trace.NonRecordingSpan(parents[0])) if parents else context.Context()
     return tracer().start_span(SPAN_STEP, context=ctx, links=[Link(p) for p in parents])
+
+
+def set_step_attributes(span: Span, report) -> None:
+    """A finished step's figures (router/step_loop.StepReport) on its span."""
+    span.set_attributes({
+        ATTR_K: report.k, ATTR_DRAFTED: report.draft_tokens, ATTR_ACCEPTED: report.accepted_tokens,
+        ATTR_BATCH_SIZE: report.batch_size, ATTR_TAU: 1 + report.accepted_tokens / report.batch_size,
+        ATTR_DRAFT_S: report.draft_s, ATTR_VERIFY_S: report.verify_s, ATTR_FALLBACK: report.fallback,
+        ATTR_LOOKED_UP: report.looked_up})

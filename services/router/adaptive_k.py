@@ -22,6 +22,11 @@ batch already drafting keeps drafting while it is estimated at least as fast (ST
 plain decoding: no drafter call. A batch held at W = 1 drafts one token every PROBE_EVERY steps, to
 keep the shared rates fresh, unless drafting is estimated far from paying (a probe step costs a
 drafter call and its catch-up).
+
+With prompt lookup (router/step_loop.py) a request whose context repeats is drafted by the lookup, not the
+drafter: its expected tokens come from its own lookup trace over all requests' lookup rates (another pair of
+traces: a looked-up repeat is accepted far more often than a drafter's guess), and it adds nothing to the
+drafter's time, which is kept per number of requests the drafter drafted.
 """
 
 from __future__ import annotations
@@ -125,22 +130,27 @@ class AdaptiveK:
         self.last_width = 0  # the width this chooser last picked (0 before its first choice, after warm-up)
         self._verify_rows: dict[int, list[float]] = {}  # batch size -> the verify table's row for it
         self.prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # every request's observations, slowly
+        self.lookup_prior = AcceptanceTrace(alpha=PRIOR_ALPHA, mean_first=True)  # the same for prompt lookup's drafts
 
-    def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int) -> None:
-        """Every request of every step, k = 0 included."""
-        self.prior.observe(drafted, accepted)
-        trace.observe(drafted, accepted, self.prior)
+    def observe_request(self, trace: AcceptanceTrace, drafted: int, accepted: int, looked_up: bool = False) -> None:
+        """Every request of every step, k = 0 included; `trace` the request's drafter trace, or its lookup
+        trace where prompt lookup drafted it (`looked_up`)."""
+        prior = self.lookup_prior if looked_up else self.prior
+        prior.observe(drafted, accepted)
+        trace.observe(drafted, accepted, prior)
 
     def observe_step(self, batch: int, width: int, verify_s: float, draft_s: float, overhead_s: float | None,
-                     caught_up: bool = False) -> None:
+                     caught_up: bool = False, drafted: int | None = None) -> None:
         """One finished step: `width` is the widest row verified; overhead None when unknown (first step);
         caught_up: a request drafted for the first time since its prefill or a plain step, so draft_s
-        includes its skipped context and is not the drafter's usual time."""
+        includes its skipped context and is not the drafter's usual time; drafted: the requests the drafter
+        drafted (None: all `batch`; fewer where prompt lookup drafted the others, none: no drafter time)."""
         self.steps += 1
         table = self._table_row(batch)
         self.speed = _ewma(self.speed, verify_s / max(table[min(width, len(table)) - 1], 1e-9))
-        if width > 1 and not caught_up:
-            self.draft_s[batch, width] = _ewma(self.draft_s.get((batch, width)), draft_s)
+        drafted = batch if drafted is None else drafted
+        if width > 1 and drafted and not caught_up:
+            self.draft_s[drafted, width] = _ewma(self.draft_s.get((drafted, width)), draft_s)
         if overhead_s is not None:
             self.overhead_s[batch] = _ewma(self.overhead_s.get(batch), max(overhead_s, 0.0))
 
@@ -163,29 +173,34 @@ class AdaptiveK:
     def step_seconds(self, batch: int, width: int) -> float:
         return self.step_row(batch, width)[width - 1]
 
-    def step_row(self, batch: int, max_width: int) -> list[float]:
+    def step_row(self, batch: int, max_width: int, drafted: int | None = None) -> list[float]:
         """Estimated seconds of a step of `batch` requests at widths 1 .. max_width: the verify table's
-        row (interpolated once per batch size) at the machine's speed, plus the drafter and the overhead."""
+        row (interpolated once per batch size) at the machine's speed, plus the drafter (for `drafted` of
+        them; None: all) and the overhead."""
         row = self._table_row(batch)
         speed, last = self.speed or 1.0, len(row) - 1
         overhead = self.overhead_s.get(batch)
         if overhead is None:
             overhead = min(self.overhead_s.values(), default=0.0)
-        return [row[min(w - 1, last)] * speed + overhead + (self._draft_estimate(batch, w) if w > 1 else 0.0)
+        drafted = batch if drafted is None else drafted
+        return [row[min(w - 1, last)] * speed + overhead + (self._draft_estimate(drafted, w) if w > 1 and drafted else 0.0)
                 for w in range(1, max_width + 1)]
 
-    def choose(self, requests: list[tuple[AcceptanceTrace, int]]) -> list[int]:
-        """k for each (trace, largest k allowed) of the step's batch."""
+    def choose(self, requests: list[tuple[AcceptanceTrace, int]], looked_up: list[bool] | None = None) -> list[int]:
+        """k for each (trace, largest k allowed) of the step's batch; looked_up[i]: prompt lookup drafts
+        request i (its trace is its lookup trace; the drafter is not asked for it)."""
         k_max = max((k for _, k in requests), default=0)
         if k_max <= 0 or self.steps < WARMUP_STEPS:
             return [k for _, k in requests]
         batch = len(requests)
-        seconds = self.step_row(batch, k_max + 1)
+        looked_up = looked_up or [False] * batch
+        seconds = self.step_row(batch, k_max + 1, batch - sum(looked_up))
         plain_rate = batch / seconds[0]
         # Drafting must beat plain decoding by a margin: the estimates are off by 10-20% on a noisy machine.
         margin = STAY_MARGIN if self.last_width > 1 else DRAFT_MARGIN
         best, best_rate, drafting_rate = 1, plain_rate * margin, 0.0
-        expected = [trace.expected_tokens_upto(k, self.prior) for trace, k in requests]
+        expected = [trace.expected_tokens_upto(k, self.lookup_prior if hit else self.prior)
+                    for (trace, k), hit in zip(requests, looked_up)]
         for width in range(2, k_max + 2):
             tokens = sum(e[min(width - 1, len(e) - 1)] for e in expected)
             rate = tokens / seconds[width - 1]

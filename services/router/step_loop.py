@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -123,7 +124,8 @@ class _Live:
     request: Request
     token_ids: list[int]  # prompt + generated
     stats: RequestStats
-    trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # adaptive k: acceptance per position
+    trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # adaptive k: the drafter's acceptance per position
+    lookup_trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # ... and prompt lookup's
     last_drafted: int = 0  # drafts of its last step (0 after the prefill): 0 means the drafter has context to catch up
 
     @property
@@ -218,17 +220,28 @@ class StepLoop:
         remaining = live.request.max_tokens - live.generated
         return max(0, min(live.request.k, self.drafter.max_k, remaining - 1))
 
+    def _plan(self, lives: list[_Live]) -> tuple[list[ProposeInput], dict[str, Draft], float]:
+        """Each request's k (adaptive k's choice, else the requested one), prompt lookup's drafts and the
+        seconds the lookup took."""
+        wants = [ProposeInput(lv.request.request_id, lv.token_ids, self._k(lv), lv.request.sampling) for lv in lives]
+        started = time.perf_counter()
+        looked_up = self._looked_up(wants) if self.prompt_lookup else {}  # at the requested k, cut to the chosen one
+        lookup_s = time.perf_counter() - started
+        if self.adaptive:
+            hits = [w.request_id in looked_up for w in wants]
+            ks = self.adaptive.choose([(lv.lookup_trace if hit else lv.trace, w.k) for lv, w, hit in zip(lives, wants, hits)],
+                                      hits if looked_up else None)
+            wants = [dataclasses.replace(w, k=k) for w, k in zip(wants, ks)]
+            looked_up = {w.request_id: looked_up[w.request_id].head(w.k) for w in wants if w.k and w.request_id in looked_up}
+        return wants, looked_up, lookup_s
+
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
-        ks = [self._k(lv) for lv in lives]
-        if self.adaptive:
-            ks = self.adaptive.choose([(lv.trace, k) for lv, k in zip(lives, ks)])
-        wants = [ProposeInput(lv.request.request_id, lv.token_ids, k, lv.request.sampling) for lv, k in zip(lives, ks)]
+        wants, looked_up, lookup_s = self._plan(lives)  # the lookup's time counts as drafting
         span = tracing.step_span([lv.request.span_context for lv in lives])
         with trace.use_span(span, end_on_exit=True):  # the role calls carry this span as their parent
             fallbacks = getattr(self.drafter, "fallbacks", 0)
             t0 = time.perf_counter()
-            looked_up = self._looked_up(wants) if self.prompt_lookup else {}
             drafted = dict(looked_up)
             to_draft = [w for w in wants if w.k > 0 and w.request_id not in looked_up]
             if to_draft:
@@ -238,37 +251,41 @@ class StepLoop:
             inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width) for w, d in zip(wants, drafts)]
             results = self.verifier.verify(inputs)
             t2 = time.perf_counter()
-            per_pos = [0] * max((len(i.draft_ids) for i in inputs), default=0)
-            for r in results:
-                for i in range(r.num_accepted):
-                    per_pos[i] += 1
-            report = self.last_report = StepReport(
-                batch_size=len(inputs), k=max((w.k for w in wants), default=0), mean_k=sum(w.k for w in wants) / len(wants),
-                drafts=sum(1 for i in inputs if i.draft_ids),
-                draft_tokens=sum(len(i.draft_ids) for i in inputs), accepted_tokens=sum(r.num_accepted for r in results),
-                draft_s=t1 - t0, verify_s=t2 - t1, fallback=getattr(self.drafter, "fallbacks", 0) > fallbacks,
-                accepted_per_pos=tuple(per_pos), looked_up=len(looked_up))
-            span.set_attributes({
-                tracing.ATTR_K: report.k, tracing.ATTR_DRAFTED: report.draft_tokens,
-                tracing.ATTR_ACCEPTED: report.accepted_tokens, tracing.ATTR_BATCH_SIZE: report.batch_size,
-                tracing.ATTR_TAU: 1 + report.accepted_tokens / report.batch_size, tracing.ATTR_DRAFT_S: report.draft_s,
-                tracing.ATTR_VERIFY_S: report.verify_s, tracing.ATTR_FALLBACK: report.fallback,
-                tracing.ATTR_LOOKED_UP: report.looked_up})
+            draft_s = t1 - t0 + lookup_s
+            report = self.last_report = self._report(wants, inputs, results, draft_s, t2 - t1,
+                                                     getattr(self.drafter, "fallbacks", 0) > fallbacks, len(looked_up))
+            tracing.set_step_attributes(span, report)
         if self.adaptive:
-            overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified
+            overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified - lookup_s
             width = max(len(i.draft_ids) + 1 for i in inputs)
-            caught_up = any(lv.last_drafted == 0 for lv, w in zip(lives, wants) if w.k > 0)
-            self.adaptive.observe_step(len(inputs), width, t2 - t1, t1 - t0, overhead, caught_up)
+            asked = {w.request_id for w in to_draft}
+            caught_up = any(lv.last_drafted == 0 for lv in lives if lv.request.request_id in asked)
+            self.adaptive.observe_step(len(inputs), width, t2 - t1, draft_s, overhead, caught_up, drafted=len(to_draft))
         self._last_verified = t2
         for live, inp, result in zip(lives, inputs, results):
-            live.last_drafted = len(inp.draft_ids)
+            hit = inp.request_id in looked_up
+            live.last_drafted = 0 if hit else len(inp.draft_ids)  # 0: the drafter has context to catch up
             if self.adaptive:
-                self.adaptive.observe_request(live.trace, len(inp.draft_ids), result.num_accepted)
+                self.adaptive.observe_request(live.lookup_trace if hit else live.trace, len(inp.draft_ids),
+                                              result.num_accepted, hit)
             live.stats.record(len(inp.draft_ids), result.num_accepted)
-            live.stats.looked_up += inp.request_id in looked_up
-            live.stats.draft_s += t1 - t0
+            live.stats.looked_up += hit
+            live.stats.draft_s += draft_s
             live.stats.verify_s += t2 - t1
             yield from self._commit(live, result)
+
+    @staticmethod
+    def _report(wants: list[ProposeInput], inputs: list[VerifyInput], results: list[VerifyResult], draft_s: float,
+                verify_s: float, fallback: bool, looked_up: int) -> StepReport:
+        per_pos = [0] * max((len(i.draft_ids) for i in inputs), default=0)
+        for r in results:
+            for i in range(r.num_accepted):
+                per_pos[i] += 1
+        return StepReport(
+            batch_size=len(inputs), k=max((w.k for w in wants), default=0), mean_k=sum(w.k for w in wants) / len(wants),
+            drafts=sum(1 for i in inputs if i.draft_ids), draft_tokens=sum(len(i.draft_ids) for i in inputs),
+            accepted_tokens=sum(r.num_accepted for r in results), draft_s=draft_s, verify_s=verify_s, fallback=fallback,
+            accepted_per_pos=tuple(per_pos), looked_up=looked_up)
 
     def _looked_up(self, wants: Sequence[ProposeInput]) -> dict[str, Draft]:
         """Prompt lookup's drafts: k tokens for each request whose context's suffix occurred before."""

@@ -153,3 +153,20 @@ def test_prompt_lookup_keeps_output_identical(method, drafter_key, tiny_models, 
     monkeypatch.setattr(engine.proposer, "propose", lambda inputs: asked.append(len(inputs)) or propose(inputs))
     check_lossless(engine, f"{method}_{drafter_key}", prompts, references["qwen3"])
     assert sum(looked_up) > 0 and sum(asked) > 0, (sum(looked_up), sum(asked))
+
+
+def test_adaptive_k_with_prompt_lookup_keeps_output_identical(tiny_models, dflash_drafters, prompts, references,
+                                                              monkeypatch):
+    """Adaptive k choosing the width with lookup's own rates for the looked-up requests: the output is still the
+    target alone's, one prompt at a time and batched, past the warm-up, with both kinds of draft verified."""
+    dirs = tiny_models["qwen3"]
+    engine = Engine(dirs["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=len(prompts), adaptive_k=True,
+                    prompt_lookup=True)
+    looked_up = []
+    find = engine.loop._looked_up
+    monkeypatch.setattr(engine.loop, "_looked_up", lambda wants: looked_up.append(len(found := find(wants))) or found)
+    for batch in ([0], [5], list(range(len(prompts)))):
+        done = run(engine, [prompts[i] for i in batch], 7)
+        assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]
+    assert engine.loop.adaptive.steps > WARMUP_STEPS and sum(looked_up) > 0
+    assert any(engine.loop.adaptive.lookup_prior.counts) and any(engine.loop.adaptive.prior.counts)

@@ -175,3 +175,25 @@ def test_a_preempted_step_moves_a_cost_estimate_by_a_bounded_step():
     ak = warmed(costs, draft_s=0.001)
     ak.observe_step(1, 8, costs.verify_s(1, 8), 0.02, 0.0)
     assert ak.draft_s[1, 8] == pytest.approx(0.001 * (1 - ALPHA + ALPHA * SPIKE))
+
+
+def test_a_looked_up_request_costs_no_drafter_time_and_is_judged_by_lookups_rates():
+    """Prompt lookup drafts such a request: the step's estimate leaves out the drafter and takes the request's
+    lookup trace, so a width the drafter's cost rules out can still pay."""
+    ak = warmed(table(0.004, 0.0001), draft_s=0.02)  # the drafter costs five plain steps
+    guess = trace_with([0.5] * 5)
+    assert ak.choose([(guess, 5)]) == [0]
+    assert ak.choose([(guess, 5)], [True])[0] > 0
+    assert ak.choose([(guess, 5), (guess, 5)], [True, False]) == [0, 0]  # the drafter still drafts the other one
+
+
+def test_lookup_steps_feed_their_own_rates_and_no_drafter_time():
+    ak = warmed(table(0.004, 0.0001), draft_s=0.001)
+    request = AcceptanceTrace()
+    ak.observe_request(request, 5, 5, looked_up=True)
+    assert ak.lookup_prior.counts[:5] == [1] * 5 and not ak.prior.counts
+    drafter_time = dict(ak.draft_s)
+    ak.observe_step(1, 6, 0.004, 0.00001, 0.0, drafted=0)  # every request looked up: no drafter call
+    assert ak.draft_s == drafter_time
+    ak.observe_step(2, 8, 0.004, 0.002, 0.0, drafted=1)  # one of two drafted: kept as the drafter's time for one
+    assert ak.draft_s[1, 8] == pytest.approx((1 - ALPHA) * drafter_time[1, 8] + ALPHA * 0.002)

@@ -75,7 +75,7 @@ def test_adaptive_k_is_told_which_steps_the_drafter_caught_up_on(tiny_models, pr
                     adaptive_k=True)
     loop, flags = engine.loop, []
     observe = loop.adaptive.observe_step
-    loop.adaptive.observe_step = lambda *args: (flags.append(args[-1]), observe(*args))
+    loop.adaptive.observe_step = lambda *args, **kw: (flags.append(args[-1]), observe(*args, **kw))
     loop.submit(engine.request("a", prompts[2], 24, 3))
     for _ in range(4):
         loop.step()
