@@ -59,11 +59,11 @@ def parse_modes(text: str) -> list[Mode]:
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
         known = name in ENGINE_METHODS and all(f in FLAGS for f in flags) and len(set(flags)) == len(flags)
-        # replay needs a drafter, lookup a model drafter (ngram is a lookup already); adaptive and replay exclude each other
+        # replay needs a drafter, lookup a model drafter (ngram is a lookup already); adaptive excludes replay
         fits = (name != "none" or "replay" not in flags) and (name in ("draft_model", "dflash") or "lookup" not in flags)
         if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)):
-            raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those with a "
-                                             "model drafter ':lookup' too (e.g. dflash:7:lookup:adaptive)")
+            raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those "
+                                             "with a model drafter ':lookup' too (e.g. dflash:7:lookup:adaptive)")
         try:
             modes.append(Mode(name, int(k) if k else 0, "adaptive" in flags, "replay" in flags, "lookup" in flags))
         except ValueError:

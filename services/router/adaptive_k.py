@@ -183,8 +183,8 @@ class AdaptiveK:
         if overhead is None:
             overhead = min(self.overhead_s.values(), default=0.0)
         drafted = batch if drafted is None else drafted
-        return [row[min(w - 1, last)] * speed + overhead + (self._draft_estimate(drafted, w) if w > 1 and drafted else 0.0)
-                for w in range(1, max_width + 1)]
+        return [row[min(w - 1, last)] * speed + overhead
+                + (self._draft_estimate(drafted, w) if w > 1 and drafted else 0.0) for w in range(1, max_width + 1)]
 
     def choose(self, requests: list[tuple[AcceptanceTrace, int]], looked_up: list[bool] | None = None) -> list[int]:
         """k for each (trace, largest k allowed) of the step's batch; looked_up[i]: prompt lookup drafts

@@ -229,10 +229,11 @@ class StepLoop:
         lookup_s = time.perf_counter() - started
         if self.adaptive:
             hits = [w.request_id in looked_up for w in wants]
-            ks = self.adaptive.choose([(lv.lookup_trace if hit else lv.trace, w.k) for lv, w, hit in zip(lives, wants, hits)],
-                                      hits if looked_up else None)
+            traces = [(lv.lookup_trace if hit else lv.trace, w.k) for lv, w, hit in zip(lives, wants, hits)]
+            ks = self.adaptive.choose(traces, hits if looked_up else None)
             wants = [dataclasses.replace(w, k=k) for w, k in zip(wants, ks)]
-            looked_up = {w.request_id: looked_up[w.request_id].head(w.k) for w in wants if w.k and w.request_id in looked_up}
+            looked_up = {w.request_id: looked_up[w.request_id].head(w.k)
+                         for w in wants if w.k and w.request_id in looked_up}
         return wants, looked_up, lookup_s
 
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:

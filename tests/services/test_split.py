@@ -85,7 +85,8 @@ def check_streams(split: dict, prompts, references) -> None:
     assert sum(f.acceptance.accepted for _, _, f in results) > 0
 
 
-def test_prompt_lookup_over_remote_roles_streams_equal_the_target_alone(tiny_models, dflash_drafters, prompts, references):
+def test_prompt_lookup_over_remote_roles_streams_equal_the_target_alone(tiny_models, dflash_drafters, prompts,
+                                                                         references):
     """With prompt lookup the router skips the remote drafter on the steps lookup drafts; the drafter then catches
     up on the context it did not see (tap features from the verifier's shared buffer)."""
     from prometheus_client import CollectorRegistry
