@@ -238,3 +238,24 @@ def test_presence_frequency_and_bias_are_exact_under_speculation(pair):
     greedy = Engine(paths.target, None, "none", max_batch=1, max_len=len(prompt) + 64)
     plain = [e for e in greedy.generate([greedy.request("a", prompt, 48)]) if isinstance(e, FinishEvent)]
     assert list(plain[0].token_ids) != outputs[0], "the penalties must change something on this prompt"
+
+
+def test_prompt_lookup_keeps_the_target_distribution(pair, monkeypatch):
+    """Prompt lookup's drafts are deterministic (q one-hot), the drafter's sampled (its q), and a request mixes both
+    over its steps: the rejection rule must keep the target's distribution. The prompt is given twice, so that
+    lookup finds matches more often; the drafter drafts where it does not."""
+    paths, prompt = pair
+    prompt = prompt + prompt
+    params = SamplingParams(temperature=1.0, rule="rejection")
+    cells = exact_cells(paths.target, prompt, params, 3, SAMPLES)
+    engine = Engine(paths.target, paths.drafter, "dflash", max_batch=512, max_len=len(prompt) + 8, prompt_lookup=True)
+    looked_up, asked = [0], [0]
+    find, propose = engine.loop._looked_up, engine.proposer.propose
+    monkeypatch.setattr(engine.loop, "_looked_up", lambda wants: looked_up.__setitem__(0, looked_up[0] + len(
+        found := find(wants))) or found)
+    monkeypatch.setattr(engine.proposer, "propose", lambda inputs: asked.__setitem__(0, asked[0] + len(inputs)) or
+                        propose(inputs))
+    counts, acceptance = sample_sequences(engine, prompt, params, 3, 2, SAMPLES)
+    assert chi_square_p(counts, cells, SAMPLES) > P_FAIL
+    # both kinds drafted (measured: 1,857 request-steps by lookup, 18,143 by the drafter)
+    assert looked_up[0] > SAMPLES / 20 and asked[0] > SAMPLES / 2 and acceptance > 0.05, (looked_up, asked, acceptance)
