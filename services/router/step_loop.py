@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step
 # Prompt lookup in front of the drafter: the latest earlier match of the context's last 4, 3 or 2 tokens,
-# continued periodically (ngram.lookup). Scored along dflash k=7's own steps on the default pair's prompts,
-# these n-gram lengths drafted better than 3..1 and 6..3 (BENCHMARKS, runs Y).
+# continued periodically (ngram.lookup). On the default pair's prompts these drafted better than 6..3, and
+# 4..1 ran 3% slower at k=7 (a 1-token match drafts worse than the drafter; BENCHMARKS, runs Y).
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
 
 
