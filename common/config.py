@@ -44,6 +44,7 @@ class SpecDecodeConfig(_Section):
     use_path_selector: bool = True
     adaptive_k: bool = False  # choose k each step (<= num_speculative_tokens; 0 when drafting does not pay)
     prompt_lookup: bool = False  # draft a repeat of the context by n-gram lookup; the drafter drafts the rest
+    prompt_lookup_tokens: int | None = Field(None, ge=1, le=48)  # a lookup's tokens when a request runs alone (None: k)
 
 
 class ModelSection(_Section):

@@ -37,6 +37,7 @@ class Mode:
     adaptive: bool = False  # engine methods: adaptive k (k is the maximum)
     replay: bool = False  # engine methods: the drafts of an untimed run given back at no cost (ReplayProposer)
     lookup: bool = False  # engine methods: prompt lookup first, the drafter for the rest (StepLoop.prompt_lookup)
+    lookup_tokens: int | None = None  # ... drafting this many tokens (`lookupN`; None: k)
 
     @property
     def label(self) -> str:
@@ -44,7 +45,8 @@ class Mode:
 
     @property
     def flag(self) -> str:
-        return (" lookup" if self.lookup else "") + (" adaptive" if self.adaptive else " replay" if self.replay else "")
+        lookup = f" lookup{self.lookup_tokens or ''}" if self.lookup else ""
+        return lookup + (" adaptive" if self.adaptive else " replay" if self.replay else "")
 
 
 FLAGS = ("adaptive", "replay", "lookup")
@@ -56,16 +58,21 @@ def parse_modes(text: str) -> list[Mode]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, rest = item.partition(":")
         k, *flags = rest.split(":")
+        tokens = [f.removeprefix("lookup") for f in flags if f.startswith("lookup") and f != "lookup"]
+        flags = ["lookup" if f.startswith("lookup") and f.removeprefix("lookup").isdigit() else f for f in flags]
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
         known = name in ENGINE_METHODS and all(f in FLAGS for f in flags) and len(set(flags)) == len(flags)
         # replay needs a drafter, lookup a model drafter (ngram is a lookup already); adaptive excludes replay
         fits = (name != "none" or "replay" not in flags) and (name in ("draft_model", "dflash") or "lookup" not in flags)
-        if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)):
-            raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those "
-                                             "with a model drafter ':lookup' too (e.g. dflash:7:lookup:adaptive)")
+        bad_tokens = "0" in tokens or (tokens and "adaptive" in flags)  # adaptive k's widths stop at k + 1
+        if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)) or bad_tokens:
+            raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those with a "
+                                             "model drafter ':lookup' or ':lookupN' (N >= 1 tokens a lookup drafts, "
+                                             "not with adaptive) too (e.g. dflash:7:lookup:adaptive, dflash:7:lookup16)")
         try:
-            modes.append(Mode(name, int(k) if k else 0, "adaptive" in flags, "replay" in flags, "lookup" in flags))
+            modes.append(Mode(name, int(k) if k else 0, "adaptive" in flags, "replay" in flags, "lookup" in flags,
+                              int(tokens[0]) if tokens else None))
         except ValueError:
             raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
         if name not in ("none", "hf") and not modes[-1].k:
@@ -120,7 +127,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
 
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
                     max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive,
-                    prompt_lookup=mode.lookup, device=device[0], dtype=device[1])
+                    prompt_lookup=mode.lookup, prompt_lookup_tokens=mode.lookup_tokens, device=device[0], dtype=device[1])
     _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
     replay = None
     if mode.replay:  # one untimed run of the whole workload records the drafts every timed pass gives back
@@ -134,7 +141,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
             log.warning("%s: %d proposals were not in the record and drafted nothing", mode.label, replay.misses)
             replay.misses = 0
         steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
-        per_pos = np.zeros(mode.k, dtype=int)
+        per_pos = np.zeros(max([mode.k, *(len(e.stats.accepted_per_pos) for e in done)]), dtype=int)  # lookupN: > k
         for e in done:
             per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
         tokens = sum(len(e.token_ids) for e in done)
@@ -320,7 +327,9 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
                   "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
         plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
         for r in rows:
-            if r.concurrency != 1 or r.mode.split()[0] != "dflash" or "adaptive" in r.mode or r.tau is None \
+            # Adaptive k and longer lookups (`lookupN`) verify other widths than k + 1: no ceiling at r(k + 1).
+            longer = any(part.startswith("lookup") and part != "lookup" for part in r.mode.split())
+            if r.concurrency != 1 or r.mode.split()[0] != "dflash" or "adaptive" in r.mode or longer or r.tau is None \
                     or r.k not in costs.r:
                 continue
             ceiling = r.tau / costs.r[r.k]

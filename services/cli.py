@@ -187,7 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
                     max_len=args.max_model_len, invariant=args.invariant,
                     use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
-                    adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup, device=device, dtype=dtype)
+                    adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
+                    prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype)
     # Validate every prompt before anything is generated or written.
     sampling = _sampling(args)
     requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
@@ -314,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.add_argument("--prompt-lookup", action="store_true",
                      help="draft a repeat of the context by n-gram lookup; the drafter drafts the other requests")
+    gen.add_argument("--prompt-lookup-tokens", type=int,
+                     help="with --prompt-lookup: a lookup's draft tokens when one request runs (default: k)")
     add_device_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_model_commands(sub)

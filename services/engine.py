@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
@@ -36,11 +37,14 @@ class Engine:
         use_path_selector: bool = True,
         adaptive_k: bool = False,
         prompt_lookup: bool = False,  # prompt lookup first, the drafter for the rest (router/step_loop.py)
+        prompt_lookup_tokens: int | None = None,  # a lookup's draft tokens (None: the step's k); not with invariant
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         device: torch.device | str = "cpu",  # target and drafter (common/device.resolve checks user input)
         dtype: torch.dtype = torch.float32,
     ) -> None:
         check_method(method, drafter)
+        if invariant and prompt_lookup_tokens:  # the verify's one query width would not hold the longer drafts
+            raise InvalidArgument("prompt_lookup_tokens", "is not allowed in invariant mode (the verify width is fixed)")
         checkpoint = load_checkpoint(target)
         max_len = max_len or min(checkpoint.config.max_position_embeddings, DEFAULT_MAX_LEN)
         dflash_model = None
@@ -61,7 +65,8 @@ class Engine:
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.target_path, self.drafter_path = Path(target), drafter
-        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k, prefill_chunk, prompt_lookup)
+        self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k, prefill_chunk, prompt_lookup,
+                             prompt_lookup_tokens)
 
     @property
     def context_len(self) -> int:

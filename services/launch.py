@@ -95,7 +95,8 @@ def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | No
 async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], str] | None]], method: str,
                              max_batch: int, host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
                              metrics: RouterMetrics | None = None, adaptive_k: bool = False,
-                             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False) -> RouterServer:
+                             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False,
+                             prompt_lookup_tokens: int | None = None) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
@@ -108,7 +109,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
     facts = ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
-    loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup) for v, d in roles]
+    loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
     return await start_router(loops, facts, host, port, metrics)
 
 

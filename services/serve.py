@@ -49,6 +49,9 @@ def _check_dir(key: str, path: str) -> None:
 def plan(cfg: BlockspecConfig) -> Plan:
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
+    if m.invariant and spec.prompt_lookup_tokens:  # invariant mode verifies at one query width, the drafter's
+        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
+                              f"{spec.prompt_lookup_tokens} is not allowed with model.invariant: true (the verify width is fixed)")
     if spec.enabled and m.draft_model_path:
         _check_dir("model.draft_model_path", m.draft_model_path)
     if not spec.enabled:
@@ -208,6 +211,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
                                           default_k=cfg.model.spec_decode.num_speculative_tokens, metrics=RouterMetrics(),
                                           adaptive_k=cfg.model.spec_decode.adaptive_k,
                                           prompt_lookup=cfg.model.spec_decode.prompt_lookup,
+                                          prompt_lookup_tokens=cfg.model.spec_decode.prompt_lookup_tokens,
                                           prefill_chunk=cfg.server.prefill_chunk_tokens)
         state["router"] = router
         print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)

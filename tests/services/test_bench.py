@@ -20,8 +20,11 @@ def test_modes_parse_and_bad_ones_name_the_flag():
         Mode("dflash", 7, lookup=True), Mode("dflash", 5, adaptive=True, lookup=True),
         Mode("draft_model", 3, replay=True, lookup=True)]
     assert Mode("dflash", 5, adaptive=True, lookup=True).label == "dflash k=5 lookup adaptive"
+    assert parse_modes("dflash:7:lookup16") == [Mode("dflash", 7, lookup=True, lookup_tokens=16)]
+    assert Mode("dflash", 7, lookup=True, lookup_tokens=16).label == "dflash k=7 lookup16"
     for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay",
-                "ngram:5:lookup", "none:1:lookup", "dflash:7:lookup:lookup", "dflash:7:adaptive:replay", "hf-lookup:3:lookup"):
+                "ngram:5:lookup", "none:1:lookup", "dflash:7:lookup:lookup", "dflash:7:adaptive:replay", "hf-lookup:3:lookup",
+                "dflash:7:lookup0", "dflash:7:lookupx", "dflash:7:lookup16:adaptive", "dflash:7:lookup:lookup16"):
         with pytest.raises(InvalidArgument) as e:
             parse_modes(bad)
         assert e.value.field == "--modes"

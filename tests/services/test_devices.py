@@ -50,6 +50,14 @@ def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny
     assert runner.query_width == 8 and runner.model.embed_tokens.weight.dtype == torch.bfloat16  # k <= 7: 8 rows
 
 
+def test_longer_lookup_drafts_are_refused_in_invariant_mode(tiny_models, dflash_drafters):
+    cfg = config(tiny_models, dflash_drafters, invariant=True,
+                 spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16})
+    with pytest.raises(InvalidArgument, match="model.spec_decode.prompt_lookup_tokens: 16 is not allowed with model.invariant"):
+        plan(cfg)
+    assert plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16}))
+
+
 def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tiny_models, dflash_drafters):
     """model.gpu_memory_utilization splits one GPU between the roles (as Ray's bundles do); a role whose
     weights and KV cache exceed its share is refused at start with the key, the sizes and what to change."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockspec.common.errors import InvalidArgument
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.engine import Engine
 from blockspec.services.router.adaptive_k import WARMUP_STEPS
@@ -170,3 +171,21 @@ def test_adaptive_k_with_prompt_lookup_keeps_output_identical(tiny_models, dflas
         assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]
     assert engine.loop.adaptive.steps > WARMUP_STEPS and sum(looked_up) > 0
     assert any(engine.loop.adaptive.lookup_prior.counts) and any(engine.loop.adaptive.prior.counts)
+
+
+def test_longer_lookup_drafts_keep_output_identical(tiny_models, dflash_drafters, prompts, references):
+    """prompt_lookup_tokens: a looked-up request drafts more tokens than the drafter's block (12 > 7); the output is
+    still the target alone's, one prompt at a time and batched, and some steps did verify such a draft."""
+    dirs = tiny_models["qwen3"]
+    engine = Engine(dirs["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=len(prompts),
+                    prompt_lookup=True, prompt_lookup_tokens=12)
+    widest = []
+    verify = engine.verifier.verify
+    engine.loop.verifier.verify = lambda inputs: widest.append(max(len(i.draft_ids) for i in inputs)) or verify(inputs)
+    for batch in ([0], [3], list(range(len(prompts)))):
+        done = run(engine, [prompts[i] for i in batch], 3)
+        assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]
+    assert max(widest) == 12 and min(widest) <= 3, (max(widest), min(widest))
+    with pytest.raises(InvalidArgument, match="prompt_lookup_tokens"):
+        Engine(dirs["target"], dflash_drafters["qwen3-trained"], "dflash", invariant=True, prompt_lookup=True,
+               prompt_lookup_tokens=12)
