@@ -43,8 +43,9 @@ class Engine:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         check_method(method, drafter)
-        if invariant and prompt_lookup_tokens:  # the verify's one query width would not hold the longer drafts
-            raise InvalidArgument("prompt_lookup_tokens", "is not allowed in invariant mode (the verify width is fixed)")
+        if prompt_lookup_tokens and (invariant or adaptive_k):  # one verify width / adaptive k's table up to k + 1
+            raise InvalidArgument("prompt_lookup_tokens", "is not allowed with invariant mode or adaptive k (wider "
+                                                          "verifies than k + 1)")
         checkpoint = load_checkpoint(target)
         max_len = max_len or min(checkpoint.config.max_position_embeddings, DEFAULT_MAX_LEN)
         dflash_model = None

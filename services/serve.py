@@ -49,9 +49,10 @@ def _check_dir(key: str, path: str) -> None:
 def plan(cfg: BlockspecConfig) -> Plan:
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
-    if m.invariant and spec.prompt_lookup_tokens:  # invariant mode verifies at one query width, the drafter's
+    if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):  # one verify width / a table up to k + 1
+        other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
         raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
-                              f"{spec.prompt_lookup_tokens} is not allowed with model.invariant: true (the verify width is fixed)")
+                              f"{spec.prompt_lookup_tokens} is not allowed with {other}: true (wider verifies than k + 1)")
     if spec.enabled and m.draft_model_path:
         _check_dir("model.draft_model_path", m.draft_model_path)
     if not spec.enabled:

@@ -152,6 +152,8 @@ class StepLoop:
         # drafter's block can draft where the context loops; without adaptive k only (its verify table stops at
         # max_k + 1).
         self.lookup_tokens = prompt_lookup_tokens if prompt_lookup_tokens and not adaptive_k else None
+        if prompt_lookup_tokens and adaptive_k:
+            log.warning("prompt_lookup_tokens %d is ignored with adaptive k: lookups draft the chosen k", prompt_lookup_tokens)
         self._texts = ContextTexts()  # prompt lookup's text of each running request
         # Adaptive k starts from the verifier's own step costs, measured now (before any request).
         self.adaptive = AdaptiveK(verifier.measure_step_costs(drafter.max_k + 1)) if adaptive_k and drafter.max_k else None
@@ -302,8 +304,8 @@ class StepLoop:
         lookups ran 1.09x and 0.77-0.85x plain decoding, where lookups of k ran 1.35x and 1.45x (run Y10)."""
         if not self.lookup_tokens or len(lives) > 1:
             return wants  # at the requested k; adaptive k cuts it to the chosen one
-        return [dataclasses.replace(w, k=min(self.lookup_tokens, lv.request.max_tokens - lv.generated - 1)) if w.k else w
-                for lv, w in zip(lives, wants)]
+        room = [lv.request.max_tokens - lv.generated - 1 for lv in lives]  # a step commits at most k + 1 tokens
+        return [dataclasses.replace(w, k=min(self.lookup_tokens, r)) if w.k else w for w, r in zip(wants, room)]
 
     def _looked_up(self, wants: Sequence[ProposeInput]) -> dict[str, Draft]:
         """Prompt lookup's drafts: k tokens for each request whose context's suffix occurred before."""

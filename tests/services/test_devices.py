@@ -50,10 +50,14 @@ def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny
     assert runner.query_width == 8 and runner.model.embed_tokens.weight.dtype == torch.bfloat16  # k <= 7: 8 rows
 
 
-def test_longer_lookup_drafts_are_refused_in_invariant_mode(tiny_models, dflash_drafters):
+def test_longer_lookup_drafts_are_refused_in_invariant_mode_and_with_adaptive_k(tiny_models, dflash_drafters):
     cfg = config(tiny_models, dflash_drafters, invariant=True,
                  spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16})
-    with pytest.raises(InvalidArgument, match="model.spec_decode.prompt_lookup_tokens: 16 is not allowed with model.invariant"):
+    with pytest.raises(InvalidArgument, match="prompt_lookup_tokens: 16 is not allowed with model.invariant"):
+        plan(cfg)
+    cfg = config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16,
+                                                            "adaptive_k": True})
+    with pytest.raises(InvalidArgument, match="16 is not allowed with model.spec_decode.adaptive_k: true"):
         plan(cfg)
     assert plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16}))
 
