@@ -93,7 +93,7 @@ class StepReport:
     """What one step did, summed over its requests (for metrics and traces)."""
 
     batch_size: int
-    k: int  # the largest k asked of the drafter
+    k: int  # the largest k of the step: asked of the drafter, or a lookup's draft (prompt_lookup_tokens)
     mean_k: float  # k per request, averaged over the batch (adaptive k lowers it)
     drafts: int  # requests that had a non-empty draft
     draft_tokens: int
