@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,14 +17,13 @@ import torch
 from tqdm import tqdm
 
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.bench_costs import CPU, CostModel, CostSampler, Device
 
 log = logging.getLogger(__name__)
 
 ENGINE_METHODS = ("none", "ngram", "draft_model", "dflash")
 HF_MODES = ("hf", "hf-lookup", "hf-assisted", "hf-assisted-default")
 COST_REPEATS = 20  # timed rounds of the cost model in each slice (one slice per round of the concurrency-1 passes)
-Device = tuple[torch.device, torch.dtype]  # where the engine and transformers modes run (common/device.resolve)
-CPU: Device = (torch.device("cpu"), torch.float32)
 
 
 @dataclass(frozen=True)
@@ -231,70 +229,6 @@ def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Pat
         return Row(mode.name, mode.k, 1, tokens, elapsed, tokens / elapsed), outputs
 
     return run
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Measured costs relative to one target decode step at the benchmark's context length."""
-
-    context: int
-    decode_ms: float  # target forward over 1 token
-    r: dict[int, float]  # k -> r(k + 1): target forward over k + 1 tokens / over 1 token
-    c_d: dict[int, float]  # k -> drafter proposal of k tokens / one target decode
-    # Each slice's r (CostSampler): the figures above are their medians.
-    r_slices: dict[int, list[float]] = field(default_factory=dict)
-
-
-def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats: int, device: str = "cpu"):
-    """(decode seconds, {k: r(k+1)}, {k: c_d}) for a prefilled request: every verify is rolled back to the
-    same committed state first. The target's forwards are timed in interleaved rounds among themselves,
-    each after another target forward, as a decode follows a decode in plain decoding: the ratio
-    compares like with like (a decode timed right after a proposal met the drafter's weights in the
-    caches and came out up to 8% dearer, r(6) below 1). Each proposal is timed right after a verify of
-    its width, as in the step loop. proposer=None: no c_d."""
-    from blockspec.services.drafter.proposer import ProposeInput
-    from blockspec.services.verifier.verifier import interleaved, rolled_back_verify
-
-    verifier.roll_back([request_id])
-    committed = list(verifier.committed(request_id))
-    verifies = {k: rolled_back_verify(verifier, [request_id], k + 1) for k in (0, *ks)}
-    seconds = interleaved(verifies, repeats, device)
-    c_d = {}
-    if proposer is not None:  # the proposal sees the committed state the verifies roll back to
-        drafts = {k: lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)])
-                  for k in ks if k <= proposer.max_k}
-        c_d = {k: s / seconds[0] for k, s in interleaved(drafts, repeats, device, verifies).items()}
-    verifier.roll_back([request_id])
-    return seconds[0], {k: seconds[k] / seconds[0] for k in ks}, c_d
-
-
-class CostSampler:
-    """r(k+1) and c_d from the engine's own verifier and dflash proposer on one prefilled request, measured in
-    slices (`sample`, each one `cost_ratios`) between the rounds of the passes they are compared with: a
-    cost model timed once, after a run of many minutes, met another state of a drifting machine than
-    the passes did. Each slice pairs its own forwards; `model()` takes the median over the slices."""
-
-    def __init__(self, target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128,
-                 device: Device = CPU) -> None:
-        from blockspec.services.engine import Engine
-
-        self.engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32,
-                             device=device[0], dtype=device[1])
-        self.device = str(device[0])
-        self.engine.verifier.add("x", list(range(16, 16 + context)))
-        self.engine.verifier.prefill(["x"])
-        self.context, self.ks, self.with_drafter = context, list(ks), drafter is not None
-        self.slices: list[tuple[float, dict[int, float], dict[int, float]]] = []
-
-    def sample(self, repeats: int) -> None:
-        proposer = self.engine.proposer if self.with_drafter else None
-        self.slices.append(cost_ratios(self.engine.verifier, proposer, "x", self.ks, repeats, self.device))
-
-    def model(self) -> CostModel:
-        decode = statistics.median(s[0] for s in self.slices)
-        r_slices = {k: [s[1][k] for s in self.slices] for k in self.ks}
-        c_d = {k: statistics.median(s[2][k] for s in self.slices) for k in self.slices[0][2]}
-        return CostModel(self.context, decode * 1e3, {k: statistics.median(v) for k, v in r_slices.items()}, c_d, r_slices)
 
 
 def machine(device: Device = CPU) -> str:
