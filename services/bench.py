@@ -96,6 +96,11 @@ class Row:
     # Concurrency 1, engine modes: ms per step [whole step, verify, drafter], from the step loop's own timers
     step_ms: list[float] = field(default_factory=list)
     looked_up: float | None = None  # `lookup` modes: the share of request-steps drafted by prompt lookup
+    # Latency (engine and server modes): time to first token, the median request's (the engine's: from admission,
+    # without the wait for a slot), and time per output token after the first (decode time / tokens, all requests)
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    tpot_rounds: list[float] = field(default_factory=list)  # TPOT of every pass, in the order of `rounds`
 
 
 def workload(prompts: Sequence[Sequence[int]], concurrency: int, waves: int) -> list[Sequence[int]]:
@@ -105,6 +110,14 @@ def workload(prompts: Sequence[Sequence[int]], concurrency: int, waves: int) -> 
     mostly the ramp and the tail, where the last few requests run alone."""
     need = max(len(prompts), waves * concurrency)
     return [prompts[i % len(prompts)] for i in range(need)]
+
+
+def latency(ttft_s: Sequence[float], decode_s: float, decode_tokens: int) -> dict[str, float | None]:
+    """Row fields from each request's time to first token, and the requests' decode time (first token to last)
+    and tokens after the first, summed: TPOT is their ratio, so the prefill stays out of it as it stays out of
+    the ceiling tau / r(k+1)."""
+    return {"ttft_ms": float(np.median(ttft_s)) * 1e3 if len(ttft_s) else None,
+            "tpot_ms": decode_s / decode_tokens * 1e3 if decode_tokens else None}
 
 
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
@@ -151,7 +164,10 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
                   tokens / elapsed,
                   tau=1 + accepted / steps if steps and mode.k else None,
                   acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
-                  step_ms=split, looked_up=looked_up)
+                  step_ms=split, looked_up=looked_up,
+                  **latency([e.stats.first_token_s - e.stats.queued_s for e in done],
+                            sum(e.stats.elapsed_s - e.stats.first_token_s for e in done),
+                            sum(len(e.token_ids) - 1 for e in done)))
         return row, [list(e.token_ids) for e in done]
 
     return run
@@ -173,11 +189,13 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
         req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens)
         if k:
             req.num_speculative_tokens = k
-        ids, finish = [], None
+        ids, finish, started, first = [], None, time.perf_counter(), None
         for msg in stub.Generate(req, timeout=600):
+            if msg.token_ids and first is None:
+                first = time.perf_counter()
             ids += msg.token_ids
             finish = msg.finish if msg.HasField("finish") else finish
-        return ids, finish.acceptance
+        return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started)
 
     one(prompts[0])  # warm-up
     started = time.perf_counter()
@@ -185,15 +203,16 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
         results = list(pool.map(one, prompts))
     elapsed = time.perf_counter() - started
     channel.close()
-    acc = [a for _, a in results]
+    acc = [a for _, a, _, _ in results]
     steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
     per_pos = np.zeros(max((len(a.accepted_per_pos) for a in acc), default=0), dtype=int)
     for a in acc:
         per_pos[: len(a.accepted_per_pos)] += list(a.accepted_per_pos)
-    tokens = sum(len(ids) for ids, _ in results)
+    tokens = sum(len(ids) for ids, *_ in results)
     return Row("server", k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
-               acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(),
-               steps=steps), [ids for ids, _ in results]
+               acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
+               **latency([t for *_, t, _ in results], sum(d for *_, d in results),
+                         sum(max(len(ids) - 1, 0) for ids, *_ in results))), [ids for ids, *_ in results]
 
 
 def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None,
@@ -240,91 +259,6 @@ def machine(device: Device = CPU) -> str:
     return f"{host}; models on {where} in {str(dtype).removeprefix('torch.')}"
 
 
-def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
-    lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | tau | acceptance | accepted per position "
-             "| exact |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        spread = f"{min(r.rounds):.0f}-{max(r.rounds):.0f}" if r.rounds else "-"
-        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {fmt(r.speedup, '.2f')}x | "
-                     f"{fmt(r.tau, '.2f')} | {fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
-                     f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
-    looked = [f"{Mode(r.mode, r.k).label} {r.looked_up:.0%} at concurrency {r.concurrency}" for r in rows if r.looked_up is not None]
-    if looked:
-        lines += ["", "Request-steps drafted by prompt lookup (the drafter drafted the rest): " + "; ".join(looked) + "."]
-    if costs is not None:
-        spread = "; ".join(f"r({k + 1}) {min(v):.2f}-{max(v):.2f}" for k, v in costs.r_slices.items() if v)
-        slices = len(next(iter(costs.r_slices.values()), [None]))
-        lines += ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms; the median of "
-                  f"{slices} slice{'s' if slices > 1 else ''} ({spread}).", "",
-                  "| mode | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup | of ceiling "
-                  "| of ceiling per round (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
-        plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
-        for r in rows:
-            # Adaptive k and longer lookups (`lookupN`) verify other widths than k + 1: no ceiling at r(k + 1).
-            longer = any(part.startswith("lookup") and part != "lookup" for part in r.mode.split())
-            if r.concurrency != 1 or r.mode.split()[0] != "dflash" or "adaptive" in r.mode or longer or r.tau is None \
-                    or r.k not in costs.r:
-                continue
-            ceiling = r.tau / costs.r[r.k]
-            # Replayed drafts cost nothing; with prompt lookup the drafter runs only on the steps lookup did not draft.
-            c_d = 0.0 if r.mode.endswith("replay") else costs.c_d.get(r.k, 0.0) * (1 - (r.looked_up or 0.0))
-            with_drafter = r.tau / (costs.r[r.k] + c_d)
-            # Each round's pass against the same round's plain pass and that round's own cost slice (one slice
-            # follows each round at concurrency 1): how far the machine's drift moves the share.
-            per_round = [a / b / (r.tau / rr) for a, b, rr in zip(r.rounds, plain.rounds, costs.r_slices[r.k])]
-            spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
-            lines.append(f"| {Mode(r.mode, r.k).label} | {costs.r[r.k]:.2f} | {c_d:.2f} | {r.tau:.2f} | {ceiling:.2f} | "
-                         f"{with_drafter:.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {spread} |")
-    split = [r for r in rows if r.step_ms]
-    if split:
-        lines += ["", "Inside the step loop at concurrency 1 (ms per step; the rest is prefill, the drafter-free part of a",
-                  "step's bookkeeping and the loop itself). `verify / step` is the part of a step spent in the target's",
-                  "forward; divided by plain decoding's, it is the share of the ceiling the loop reaches if its verify costs",
-                  "r(k+1) decodes, as the ceiling assumes: each fraction comes from one pass, so the machine's drift",
-                  "between passes, which moves the measured share above, mostly cancels. A diagnostic, not the goal's figure:", "",
-                  "| mode | step | verify | drafter | rest | verify / step | against plain decoding's |",
-                  "|---|---|---|---|---|---|---|"]
-        plain_split = next((r.step_ms for r in split if r.mode == "none"), None)
-        for r in split:
-            step, verify, draft = r.step_ms
-            ratio = "-" if plain_split is None or r.mode == "none" else f"{verify / step / (plain_split[1] / plain_split[0]):.2f}"
-            lines.append(f"| {Mode(r.mode, r.k).label} | {step:.2f} | {verify:.2f} | {draft:.2f} | {step - verify - draft:.2f} | "
-                         f"{verify / step:.2f} | {ratio} |")
-    return "\n".join(lines) + "\n"
-
-
-def plots(rows: list[Row], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label in dict.fromkeys(Mode(r.mode, r.k).label for r in rows):
-        pts = sorted((r.concurrency, r.tokens_per_s) for r in rows if Mode(r.mode, r.k).label == label)
-        ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set(xscale="log", xlabel="concurrency", ylabel="tokens/s", title="Throughput by mode")
-    ax.set_xticks(sorted({r.concurrency for r in rows}), labels=[str(c) for c in sorted({r.concurrency for r in rows})])
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "tokens_per_s.png")
-    fig.savefig(paths[-1], dpi=110)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r.concurrency == 1 and r.accepted_per_pos and r.steps:
-            ax.plot(range(1, len(r.accepted_per_pos) + 1), np.array(r.accepted_per_pos) / r.steps, marker="o",
-                    label=Mode(r.mode, r.k).label)
-    ax.set(xlabel="draft position", ylabel="accepted / steps", title="Acceptance per position (concurrency 1)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "acceptance_per_position.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close("all")
-    return paths
-
-
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
               max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
               waves: int = 4, device: Device = CPU) -> dict:
@@ -340,6 +274,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
     plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
     ks = sorted({m.k for m in modes if m.name == "dflash"})
+    from blockspec.services.bench_report import markdown, plots
+
     sampler = CostSampler(target, drafter, ks, device=device) if drafter and ks else None
     rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
     with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
@@ -362,6 +298,7 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
                 passes = sorted(samples[m], key=lambda row: row.tokens_per_s)
                 row = passes[len(passes) // 2]  # the median pass
                 row.rounds = [p.tokens_per_s for p in samples[m]]
+                row.tpot_rounds = [p.tpot_ms for p in samples[m] if p.tpot_ms is not None]
                 row.exact = first[m, c] == first[Mode("none"), c]
                 rows.append(row)
     for row in rows:

@@ -64,9 +64,10 @@ class RequestStats:
     looked_up: int = 0  # steps drafted by prompt lookup (StepLoop.prompt_lookup), not by the drafter
     draft_s: float = 0.0
     verify_s: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
-    first_token_s: float = 0.0  # time to first token
-    elapsed_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)  # submitted
+    queued_s: float = 0.0  # submitted -> admitted (a slot free, its prefill starting)
+    first_token_s: float = 0.0  # submitted -> first token (queued_s included)
+    elapsed_s: float = 0.0  # submitted -> finished
 
     @property
     def tau(self) -> float:
@@ -203,6 +204,7 @@ class StepLoop:
         while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch
                and self.verifier.free_slots):
             live = self._waiting.popleft()
+            live.stats.queued_s = time.perf_counter() - live.stats.started
             self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
             self._prefilling[live.request.request_id] = live
         self._prefilled = bool(self._prefilling)

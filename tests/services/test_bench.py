@@ -80,8 +80,21 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert "one after each round of the concurrency-1 passes" in report and "median of 2 slices" in report
     plain = next(r for r in result["rows"] if r["mode"] == "none" and r["concurrency"] == 1)
     per_round = [a / b / (dflash["tau"] / r) for a, b, r in zip(dflash["rounds"], plain["rounds"], r_slices)]
-    shares = [float(x) for x in ceiling_row("dflash k=3")[-1].split("-")]
+    shares = [float(x) for x in ceiling_row("dflash k=3")[-3].split("-")]
     assert shares == pytest.approx([min(per_round), max(per_round)], abs=0.006)
+    # Latency: TTFT (from admission) and TPOT (decode time per token after the first) for engine rows, none for
+    # transformers'; the decode phase's share of the ceiling uses TPOT, the prefill left out as the ceiling leaves it.
+    engine_rows = [r for r in result["rows"] if not r["mode"].startswith("hf")]
+    assert all(0 < r["ttft_ms"] and 0 < r["tpot_ms"] and len(r["tpot_rounds"]) == 2 for r in engine_rows)
+    assert all(r["ttft_ms"] is None and r["tpot_ms"] is None for r in result["rows"] if r["mode"].startswith("hf"))
+    assert dflash["tpot_ms"] * (24 - 1) < dflash["elapsed_s"] * 1e3  # per request, less than its share of the pass
+    decode_speedup = plain["tpot_ms"] / dflash["tpot_ms"]
+    cell, decode_spread = ceiling_row("dflash k=3")[-1].split(" (")
+    assert float(ceiling_row("dflash k=3")[-2]) == pytest.approx(decode_speedup, abs=0.006)
+    assert float(cell) == pytest.approx(decode_speedup / (dflash["tau"] / result["costs"]["r"]["3"]), abs=0.006)
+    decode_rounds = [b / a / (dflash["tau"] / r) for a, b, r in zip(dflash["tpot_rounds"], plain["tpot_rounds"], r_slices)]
+    assert [float(x) for x in decode_spread.rstrip(")").split("-")] == pytest.approx(
+        [min(decode_rounds), max(decode_rounds)], abs=0.006)
     # The loop's own split: the part of a step in the verify, and that against plain decoding's (both within a pass).
     split_row = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | ") and line.count("|") == 8)
     fraction, against_plain = map(float, split_row.strip(" |").split(" | ")[-2:])

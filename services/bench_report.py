@@ -1,0 +1,120 @@
+"""`blockspec bench`'s report: the markdown tables (every row; the ceiling tau / r(k+1) against the measured
+speedups; the step loop's split) and the PNG plots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from blockspec.services.bench import Mode, Row
+from blockspec.services.bench_costs import CostModel
+
+
+def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
+    lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | TTFT ms | TPOT ms | tau | acceptance "
+             "| accepted per position | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        spread = f"{min(r.rounds):.0f}-{max(r.rounds):.0f}" if r.rounds else "-"
+        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {_fmt(r.speedup, '.2f')}x | "
+                     f"{_fmt(r.ttft_ms, '.2f')} | {_fmt(r.tpot_ms, '.3f')} | {_fmt(r.tau, '.2f')} | "
+                     f"{_fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
+                     f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
+    looked = [f"{Mode(r.mode, r.k).label} {r.looked_up:.0%} at concurrency {r.concurrency}" for r in rows if r.looked_up is not None]
+    if looked:
+        lines += ["", "Request-steps drafted by prompt lookup (the drafter drafted the rest): " + "; ".join(looked) + "."]
+    if costs is not None:
+        lines += _ceiling_table(rows, costs)
+    if any(r.step_ms for r in rows):
+        lines += _step_table([r for r in rows if r.step_ms])
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _ceiling_table(rows: list[Row], costs: CostModel) -> list[str]:
+    """The cost model, and each concurrency-1 dflash row's speedup against its ceiling tau / r(k+1): end to end
+    (tokens/s, the prefill included) and in the decode phase (TPOT, as the ceiling counts: steps only)."""
+    spread = "; ".join(f"r({k + 1}) {min(v):.2f}-{max(v):.2f}" for k, v in costs.r_slices.items() if v)
+    slices = len(next(iter(costs.r_slices.values()), [None]))
+    lines = ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms; the median of "
+             f"{slices} slice{'s' if slices > 1 else ''} ({spread}). The decode phase is each request's time after its "
+             "first token (TPOT): the ceiling counts steps, not the prefill.", "",
+             "| mode | r(k+1) | c_d | tau (c=1) | ceiling tau / r(k+1) | with drafter tau / (r(k+1) + c_d) | measured speedup "
+             "| of ceiling | of ceiling per round (min-max) | decode-phase speedup | of ceiling, decode phase (per round) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
+    for r in rows:
+        # Adaptive k and longer lookups (`lookupN`) verify other widths than k + 1: no ceiling at r(k + 1).
+        longer = any(part.startswith("lookup") and part != "lookup" for part in r.mode.split())
+        if r.concurrency != 1 or r.mode.split()[0] != "dflash" or "adaptive" in r.mode or longer or r.tau is None \
+                or r.k not in costs.r:
+            continue
+        ceiling = r.tau / costs.r[r.k]
+        # Replayed drafts cost nothing; with prompt lookup the drafter runs only on the steps lookup did not draft.
+        c_d = 0.0 if r.mode.endswith("replay") else costs.c_d.get(r.k, 0.0) * (1 - (r.looked_up or 0.0))
+        # Each round's pass against the same round's plain pass and that round's own cost slice (one slice
+        # follows each round at concurrency 1): how far the machine's drift moves the share.
+        slices = costs.r_slices[r.k]
+        per_round = [a / b / (r.tau / rr) for a, b, rr in zip(r.rounds, plain.rounds, slices)]
+        decode = [b / a / (r.tau / rr) for a, b, rr in zip(r.tpot_rounds, plain.tpot_rounds, slices)]
+        speedup = plain.tpot_ms / r.tpot_ms if r.tpot_ms and plain.tpot_ms else None
+        lines.append(f"| {Mode(r.mode, r.k).label} | {costs.r[r.k]:.2f} | {c_d:.2f} | {r.tau:.2f} | {ceiling:.2f} | "
+                     f"{r.tau / (costs.r[r.k] + c_d):.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {_spread(per_round)} | "
+                     f"{_fmt(speedup, '.2f')} | {_fmt(speedup and speedup / ceiling, '.2f')} ({_spread(decode)}) |")
+    return lines
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+
+
+def _step_table(split: list[Row]) -> list[str]:
+    lines = ["", "Inside the step loop at concurrency 1 (ms per step; the rest is prefill, the drafter-free part of a",
+             "step's bookkeeping and the loop itself). `verify / step` is the part of a step spent in the target's",
+             "forward; divided by plain decoding's, it is the share of the ceiling the loop reaches if its verify costs",
+             "r(k+1) decodes, as the ceiling assumes: each fraction comes from one pass, so the machine's drift",
+             "between passes, which moves the measured share above, mostly cancels. A diagnostic, not the goal's figure:", "",
+             "| mode | step | verify | drafter | rest | verify / step | against plain decoding's |",
+             "|---|---|---|---|---|---|---|"]
+    plain_split = next((r.step_ms for r in split if r.mode == "none"), None)
+    for r in split:
+        step, verify, draft = r.step_ms
+        ratio = "-" if plain_split is None or r.mode == "none" else f"{verify / step / (plain_split[1] / plain_split[0]):.2f}"
+        lines.append(f"| {Mode(r.mode, r.k).label} | {step:.2f} | {verify:.2f} | {draft:.2f} | {step - verify - draft:.2f} | "
+                     f"{verify / step:.2f} | {ratio} |")
+    return lines
+
+
+def plots(rows: list[Row], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(Mode(r.mode, r.k).label for r in rows):
+        pts = sorted((r.concurrency, r.tokens_per_s) for r in rows if Mode(r.mode, r.k).label == label)
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set(xscale="log", xlabel="concurrency", ylabel="tokens/s", title="Throughput by mode")
+    ax.set_xticks(sorted({r.concurrency for r in rows}), labels=[str(c) for c in sorted({r.concurrency for r in rows})])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "tokens_per_s.png")
+    fig.savefig(paths[-1], dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r.concurrency == 1 and r.accepted_per_pos and r.steps:
+            ax.plot(range(1, len(r.accepted_per_pos) + 1), np.array(r.accepted_per_pos) / r.steps, marker="o",
+                    label=Mode(r.mode, r.k).label)
+    ax.set(xlabel="draft position", ylabel="accepted / steps", title="Acceptance per position (concurrency 1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "acceptance_per_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+    return paths
