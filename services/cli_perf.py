@@ -79,7 +79,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 row, out_ids = bench.run_server_mode(args.server, k, bench.workload(prompts, c, waves), args.max_tokens, c)
                 row.exact = out_ids == outputs.setdefault(c, out_ids)
                 rows.append(row)
-        report = bench.markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.")
+        from blockspec.services.bench_report import markdown
+
+        report = markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.")
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.md").write_text(report)
         print(report)

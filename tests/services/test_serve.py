@@ -176,6 +176,24 @@ def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys)
     assert "max_tokens: must be at least 1" in capsys.readouterr().err
 
 
+def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
+    """`blockspec bench --server`: the same workload over gRPC, per k and concurrency, with TTFT and TPOT as the
+    client sees them, every k's output checked against the first k's."""
+    from blockspec.services.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
+    assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "1,3", "--concurrency", "1,2",
+                 "--prompts-file", str(prompts), "--max-tokens", "16", "--waves", "1", "--out", str(tmp_path / "out")]) == 0
+    report = (tmp_path / "out" / "bench.md").read_text()
+    rows = [line.strip(" |").split(" | ") for line in report.splitlines() if line.startswith("| server")]
+    assert [(r[0], r[1]) for r in rows] == [("server k=1", "1"), ("server k=1", "2"), ("server k=3", "1"), ("server k=3", "2")]
+    for r in rows:  # mode, concurrency, tokens/s, passes, vs plain, TTFT ms, TPOT ms, tau, acceptance, per position, exact
+        ttft, tpot = float(r[5]), float(r[6])
+        assert 0 < ttft and 0 < tpot and r[-1] == "yes"
+    assert all(float(r[7]) >= 1 for r in rows)  # tau
+
+
 def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters, tmp_path, prompts, references):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
