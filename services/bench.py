@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.bench_costs import CPU, CostModel, CostSampler, Device
+from blockspec.services.bench_costs import CPU, CostSampler, Device
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     and the hf-assisted modes with `assistant` as their draft model),
     interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
     exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`."""
+    from blockspec.services.bench_report import markdown, plots  # it imports Mode and Row from here
+
     needs = sorted({m.label for m in modes if m.name == "draft_model" or m.name.startswith("hf-assisted")})
     if needs and assistant is None:
         raise InvalidArgument("--assistant", f"modes {', '.join(needs)} need an assistant (draft model) directory")
@@ -274,8 +276,6 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
     plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
     ks = sorted({m.k for m in modes if m.name == "dflash"})
-    from blockspec.services.bench_report import markdown, plots
-
     sampler = CostSampler(target, drafter, ks, device=device) if drafter and ks else None
     rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
     with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:

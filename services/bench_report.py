@@ -17,7 +17,8 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
              "| accepted per position | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spread = f"{min(r.rounds):.0f}-{max(r.rounds):.0f}" if r.rounds else "-"
-        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {_fmt(r.speedup, '.2f') + ('x' if r.speedup is not None else '')} | "
+        speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {speedup} | "
                      f"{_fmt(r.ttft_ms, '.2f')} | {_fmt(r.tpot_ms, '.3f')} | {_fmt(r.tau, '.2f')} | "
                      f"{_fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
                      f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
