@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def stats_dict(stats: RequestStats, num_tokens: int) -> dict:
         "accepted_per_pos": list(stats.accepted_per_pos),
         "tokens_per_s": round(num_tokens / stats.elapsed_s, 2) if stats.elapsed_s else 0.0,
         "elapsed_s": round(stats.elapsed_s, 4),
+        "ttft_s": round(stats.first_token_s, 4),  # from submission: a prompt waiting for a slot waits here too
     }
 
 
@@ -40,7 +42,7 @@ def stats_line(s: dict) -> str:
     return (
         f"tau {s['tau']:.2f} tokens/step | acceptance rate {rate} ({s['accepted']}/{s['drafted']}) | "
         f"accepted per position {s['accepted_per_pos']} | {s['tokens_per_s']:.1f} tokens/s "
-        f"({s['steps']} steps, {s['elapsed_s']:.2f} s)"
+        f"({s['steps']} steps, {s['elapsed_s']:.2f} s) | TTFT {s['ttft_s'] * 1e3:.1f} ms"
     )
 
 
@@ -107,8 +109,10 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
         fill_pb(sampling, req.sampling)
         if args.k is not None:
             req.num_speculative_tokens = args.k
-        started, ids, text, finish = time.perf_counter(), [], "", None
+        started, ids, text, finish, first = time.perf_counter(), [], "", None, None
         for msg in stub.Generate(req, timeout=args.timeout):
+            if msg.token_ids and first is None:
+                first = time.perf_counter() - started
             ids += msg.token_ids
             text += msg.text
             if stream_text:
@@ -121,7 +125,7 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
             "steps": a.steps, "drafted": a.drafted, "accepted": a.accepted, "tau": round(a.tau, 4),
             "acceptance_rate": round(a.acceptance_rate, 4) if a.drafted else None,
             "accepted_per_pos": list(a.accepted_per_pos), "tokens_per_s": round(len(ids) / elapsed, 2),
-            "elapsed_s": round(elapsed, 4)}}
+            "elapsed_s": round(elapsed, 4), "ttft_s": round(elapsed if first is None else first, 4)}}
 
     try:
         with ThreadPoolExecutor(max(1, min(len(prompts), args.max_batch))) as pool:
@@ -140,7 +144,7 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
 
 
 def total_stats(results: list[dict]) -> dict:
-    """The stats of several prompts run together: sums, and tokens/s over the longest elapsed time."""
+    """The stats of several prompts run together: sums, tokens/s over the longest elapsed time, the median TTFT."""
     stats = [r["stats"] for r in results]
     steps, drafted, accepted = (sum(s[key] for s in stats) for key in ("steps", "drafted", "accepted"))
     width = max(len(s["accepted_per_pos"]) for s in stats)
@@ -151,7 +155,7 @@ def total_stats(results: list[dict]) -> dict:
             "accepted_per_pos": [sum(s["accepted_per_pos"][i] for s in stats if i < len(s["accepted_per_pos"]))
                                  for i in range(width)],
             "tokens_per_s": round(sum(len(r["token_ids"]) for r in results) / elapsed, 2) if elapsed else 0.0,
-            "elapsed_s": elapsed}
+            "elapsed_s": elapsed, "ttft_s": statistics.median(s["ttft_s"] for s in stats)}
 
 
 def _print_results(args: argparse.Namespace, results: list[dict], streamed: bool) -> None:

@@ -29,7 +29,8 @@ def test_generate_json_contract(capsys, tiny_models, tokenizer):
     assert set(obj) == {"text", "token_ids", "finish_reason", "stats"}
     assert obj["finish_reason"] in ("length", "stop")
     assert set(obj["stats"]) == {"steps", "drafted", "accepted", "tau", "acceptance_rate", "accepted_per_pos",
-                                 "tokens_per_s", "elapsed_s"}
+                                 "tokens_per_s", "elapsed_s", "ttft_s"}
+    assert 0 < obj["stats"]["ttft_s"] < obj["stats"]["elapsed_s"]  # the first token comes from the prefill
     assert obj["token_ids"] == hf_greedy(target, tokenizer.encode(prompt), 40)
     assert obj["text"] == tokenizer.decode(obj["token_ids"], skip_special_tokens=True)
     stats = obj["stats"]
@@ -65,6 +66,7 @@ def test_generate_streams_text_then_stats(capsys, tiny_models, tokenizer):
     expected = tokenizer.decode(hf_greedy(target, tokenizer.encode("import os"), 30), skip_special_tokens=True)
     assert out.startswith(expected)
     assert "tau" in out and "acceptance rate" in out and "accepted per position" in out and "tokens/s" in out
+    assert " | TTFT " in out.splitlines()[-1] and out.rstrip().endswith(" ms")
 
 
 def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, tokenizer, tmp_path):

@@ -172,6 +172,7 @@ def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == hf_greedy(tiny_models["qwen3"]["target"], tokenizer.encode("def f(x):"), 24)
     assert out["stats"]["drafted"] > 0 and set(out["stats"]) >= {"tau", "acceptance_rate", "accepted_per_pos"}
+    assert 0 < out["stats"]["ttft_s"] < out["stats"]["elapsed_s"]  # as the client saw it
     assert main(["generate", "hi", "--server", address, "--max-tokens", "0"]) == 2
     assert "max_tokens: must be at least 1" in capsys.readouterr().err
 
