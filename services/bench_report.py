@@ -39,7 +39,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def _ceiling_table(rows: list[Row], costs: CostModel) -> list[str]:
     """The cost model, and each concurrency-1 dflash row's speedup against its ceiling tau / r(k+1): end to end
     (tokens/s, the prefill included) and in the decode phase (TPOT, as the ceiling counts: steps only)."""
-    spread = "; ".join(f"r({k + 1}) {min(v):.2f}-{max(v):.2f}" for k, v in costs.r_slices.items() if v)
+    spread = "; ".join(f"r({k + 1}) {_spread(v)}" for k, v in costs.r_slices.items() if v)
     slices = len(next(iter(costs.r_slices.values()), [None]))
     lines = ["", f"Cost model at context {costs.context}: one target decode step {costs.decode_ms:.2f} ms; the median of "
              f"{slices} slice{'s' if slices > 1 else ''} ({spread}). The decode phase is each request's time after its "
