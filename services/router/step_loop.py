@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -251,8 +252,9 @@ class StepLoop:
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
         wants, looked_up, lookup_s = self._plan(lives)  # the lookup's time counts as drafting
-        span = tracing.step_span([lv.request.span_context for lv in lives])
-        with trace.use_span(span, end_on_exit=True):  # the role calls carry this span as their parent
+        span = tracing.step_span([lv.request.span_context for lv in lives]) if tracing.recording() else None
+        # The role calls carry the step span as their parent.
+        with trace.use_span(span, end_on_exit=True) if span is not None else contextlib.nullcontext():
             fallbacks = getattr(self.drafter, "fallbacks", 0)
             t0 = time.perf_counter()
             drafted = dict(looked_up)
@@ -267,7 +269,8 @@ class StepLoop:
             draft_s = t1 - t0 + lookup_s
             report = self.last_report = self._report(wants, inputs, results, draft_s, t2 - t1,
                                                      getattr(self.drafter, "fallbacks", 0) > fallbacks, len(looked_up))
-            tracing.set_step_attributes(span, report)
+            if span is not None:
+                tracing.set_step_attributes(span, report)
         if self.adaptive:
             overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified - lookup_s
             width = max(len(i.draft_ids) + 1 for i in inputs)

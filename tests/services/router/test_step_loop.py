@@ -123,3 +123,34 @@ def test_prompt_lookup_drafts_repeats_and_asks_the_drafter_for_the_rest(tiny_mod
     # every request-step with a draft came from one source: the last step of a request may ask for none (k = 0)
     drafting_steps = sum(r.drafts for r in reports)
     assert looked_up + len(asked) >= drafting_steps > sum(e.stats.steps for e in done.values()) - 8
+
+
+def test_step_spans_only_while_a_tracer_provider_is_set(tiny_models, prompts, monkeypatch):
+    """No provider set (no OTLP endpoint): spans would be no-ops, and the loop makes none. Once one is set, every
+    step gets its span with the step's figures (the served path: tests/services/test_observability.py)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from blockspec.common import tracing
+
+    made = []
+    step_span = tracing.step_span
+    monkeypatch.setattr(tracing, "step_span", lambda parents: made.append(parents) or step_span(parents))
+    engine = Engine(tiny_models["qwen3"]["target"], None, "ngram", max_batch=1)
+
+    def steps() -> int:
+        done = [e for e in engine.generate([engine.request("r", prompts[2], 40, 3)]) if isinstance(e, FinishEvent)]
+        return done[0].stats.steps
+
+    assert not tracing.recording()
+    assert steps() > 0 and made == []
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    assert tracing.recording()
+    n = steps()
+    spans = [s for s in exporter.get_finished_spans() if s.name == tracing.SPAN_STEP]
+    assert len(made) == len(spans) == n
+    assert sum(s.attributes[tracing.ATTR_DRAFTED] for s in spans) >= sum(s.attributes[tracing.ATTR_ACCEPTED] for s in spans) > 0
