@@ -96,10 +96,13 @@ class Row:
     # Concurrency 1, engine modes: ms per step [whole step, verify, drafter], from the step loop's own timers
     step_ms: list[float] = field(default_factory=list)
     looked_up: float | None = None  # `lookup` modes: the share of request-steps drafted by prompt lookup
-    # Latency (engine and server modes): time to first token, the median request's (the engine's: from admission,
-    # without the wait for a slot), and time per output token after the first (decode time / tokens, all requests)
+    # Latency (engine and server modes): time to first token, the median request's and the 99th percentile (the
+    # engine's: from admission, without the wait for a slot), and time per output token after the first (decode
+    # time / tokens: over all requests, and the 99th percentile of the requests' own)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
     tpot_rounds: list[float] = field(default_factory=list)  # TPOT of every pass, in the order of `rounds`
 
 
@@ -112,12 +115,17 @@ def workload(prompts: Sequence[Sequence[int]], concurrency: int, waves: int) -> 
     return [prompts[i % len(prompts)] for i in range(need)]
 
 
-def latency(ttft_s: Sequence[float], decode_s: float, decode_tokens: int) -> dict[str, float | None]:
-    """Row fields from each request's time to first token, and the requests' decode time (first token to last)
-    and tokens after the first, summed: TPOT is their ratio, so the prefill stays out of it as it stays out of
-    the ceiling tau / r(k+1)."""
+def latency(ttft_s: Sequence[float], decodes: Sequence[tuple[float, int]]) -> dict[str, float | None]:
+    """Row fields from each request's time to first token and its decode (seconds from the first token to the
+    last, tokens after the first). TPOT is the decode time over the tokens, all requests summed, so the prefill
+    stays out of it as it stays out of the ceiling tau / r(k+1); the percentiles are numpy's (linear), as vLLM's
+    serving benchmark reports them."""
+    seconds, tokens = sum(d for d, _ in decodes), sum(n for _, n in decodes)
+    per_request = [d / n for d, n in decodes if n]
     return {"ttft_ms": float(np.median(ttft_s)) * 1e3 if len(ttft_s) else None,
-            "tpot_ms": decode_s / decode_tokens * 1e3 if decode_tokens else None}
+            "ttft_p99_ms": float(np.percentile(ttft_s, 99)) * 1e3 if len(ttft_s) else None,
+            "tpot_ms": seconds / tokens * 1e3 if tokens else None,
+            "tpot_p99_ms": float(np.percentile(per_request, 99)) * 1e3 if per_request else None}
 
 
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
@@ -166,8 +174,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
                   acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
                   step_ms=split, looked_up=looked_up,
                   **latency([e.stats.first_token_s - e.stats.queued_s for e in done],
-                            sum(e.stats.elapsed_s - e.stats.first_token_s for e in done),
-                            sum(len(e.token_ids) - 1 for e in done)))
+                            [(e.stats.elapsed_s - e.stats.first_token_s, len(e.token_ids) - 1) for e in done]))
         return row, [list(e.token_ids) for e in done]
 
     return run
@@ -209,10 +216,10 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
     for a in acc:
         per_pos[: len(a.accepted_per_pos)] += list(a.accepted_per_pos)
     tokens = sum(len(ids) for ids, *_ in results)
+    times = latency([t for *_, t, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d in results])
     return Row("server", k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
                acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
-               **latency([t for *_, t, _ in results], sum(d for *_, d in results),
-                         sum(max(len(ids) - 1, 0) for ids, *_ in results))), [ids for ids, *_ in results]
+               **times), [ids for ids, *_ in results]
 
 
 def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None,

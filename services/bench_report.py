@@ -13,13 +13,15 @@ from blockspec.services.bench_costs import CostModel
 
 
 def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
-    lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | TTFT ms | TPOT ms | tau | acceptance "
+    lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | TTFT ms (p50 / p99) | TPOT ms (all / p99) "
+             "| tau | acceptance "
              "| accepted per position | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spread = f"{min(r.rounds):.0f}-{max(r.rounds):.0f}" if r.rounds else "-"
         speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {speedup} | "
-                     f"{_fmt(r.ttft_ms, '.2f')} | {_fmt(r.tpot_ms, '.3f')} | {_fmt(r.tau, '.2f')} | "
+                     f"{_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | {_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | "
+                     f"{_fmt(r.tau, '.2f')} | "
                      f"{_fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
                      f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
     looked = [f"{Mode(r.mode, r.k).label} {r.looked_up:.0%} at concurrency {r.concurrency}" for r in rows if r.looked_up is not None]
@@ -34,6 +36,11 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
 
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _pair(x: float | None, y: float | None, spec: str) -> str:
+    """A latency cell: the typical figure and its 99th percentile ("-" where the row has none)."""
+    return "-" if x is None else f"{x:{spec}} / {_fmt(y, spec)}"
 
 
 def _ceiling_table(rows: list[Row], costs: CostModel) -> list[str]:

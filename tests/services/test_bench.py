@@ -86,7 +86,10 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     # transformers'; the decode phase's share of the ceiling uses TPOT, the prefill left out as the ceiling leaves it.
     engine_rows = [r for r in result["rows"] if not r["mode"].startswith("hf")]
     assert all(0 < r["ttft_ms"] and 0 < r["tpot_ms"] and len(r["tpot_rounds"]) == 2 for r in engine_rows)
-    assert all(r["ttft_ms"] is None and r["tpot_ms"] is None for r in result["rows"] if r["mode"].startswith("hf"))
+    assert all(r["ttft_ms"] <= r["ttft_p99_ms"] and 0 < r["tpot_p99_ms"] for r in engine_rows)
+    assert all(r["ttft_ms"] is r["ttft_p99_ms"] is r["tpot_p99_ms"] is None for r in result["rows"] if r["mode"].startswith("hf"))
+    assert cells[5:7] == [f"{dflash['ttft_ms']:.2f} / {dflash['ttft_p99_ms']:.2f}",
+                          f"{dflash['tpot_ms']:.3f} / {dflash['tpot_p99_ms']:.3f}"]  # p50 / p99, all / p99
     assert dflash["tpot_ms"] * (24 - 1) < dflash["elapsed_s"] * 1e3  # per request, less than its share of the pass
     decode_speedup = plain["tpot_ms"] / dflash["tpot_ms"]
     cell, decode_spread = ceiling_row("dflash k=3")[-1].split(" (")
@@ -112,6 +115,17 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert "wrote" in capsys.readouterr().out
+
+
+def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
+    """TTFT: the median request's and the 99th percentile (numpy's linear one, as vLLM's serving benchmark); TPOT:
+    all decode time over all tokens after the first, and the 99th percentile of each request's own (a request with
+    a single token has no decode)."""
+    from blockspec.services.bench import latency
+
+    got = latency([0.001, 0.002, 0.003, 0.010], [(0.1, 100), (0.3, 100), (0.0, 0)])
+    assert got == pytest.approx({"ttft_ms": 2.5, "ttft_p99_ms": 9.79, "tpot_ms": 2.0, "tpot_p99_ms": 2.98})
+    assert latency([], []) == {"ttft_ms": None, "ttft_p99_ms": None, "tpot_ms": None, "tpot_p99_ms": None}
 
 
 def test_bench_flags_are_checked(capsys):
