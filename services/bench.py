@@ -103,6 +103,7 @@ class Row:
     tpot_ms: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    request_rate: float | None = None  # open-loop passes (bench_rate): requests per second; concurrency is the cap
     tpot_rounds: list[float] = field(default_factory=list)  # TPOT of every pass, in the order of `rounds`
 
 
@@ -128,19 +129,34 @@ def latency(ttft_s: Sequence[float], decodes: Sequence[tuple[float, int]]) -> di
             "tpot_p99_ms": float(np.percentile(per_request, 99)) * 1e3 if per_request else None}
 
 
-def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None) -> tuple[float, list]:
+def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None,
+                arrivals: Sequence[float] | None = None) -> tuple[float, list, list[float]]:
+    """One pass: (seconds, the finish events in request order, each request's time to first token). Closed loop
+    (arrivals None): every request queued at once, its TTFT from admission. Open loop: request i arrives
+    arrivals[i] seconds into the pass (bench_rate.open_loop), its TTFT from arrival."""
     from blockspec.services.router.step_loop import FinishEvent
 
     requests = [engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)]
     started = time.perf_counter()
-    done = [e for e in engine.generate(requests) if isinstance(e, FinishEvent)]
-    return time.perf_counter() - started, sorted(done, key=lambda e: int(e.request_id))
+    if arrivals is None:
+        done = [e for e in engine.generate(requests) if isinstance(e, FinishEvent)]
+        late = {}
+    else:
+        from blockspec.services.bench_rate import open_loop
+
+        done, late = open_loop(engine.loop, requests, arrivals, started)
+    elapsed = time.perf_counter() - started
+    done = sorted(done, key=lambda e: int(e.request_id))
+    if arrivals is None:
+        return elapsed, done, [e.stats.first_token_s - e.stats.queued_s for e in done]
+    return elapsed, done, [late[e.request_id] + e.stats.first_token_s for e in done]
 
 
 def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int,
-                  concurrency: int, device: Device = CPU) -> Callable[[], tuple[Row, list]]:
+                  concurrency: int, device: Device = CPU,
+                  arrivals: Sequence[float] | None = None) -> Callable[[], tuple[Row, list]]:
     """A warmed-up engine for `mode` (`drafter`: the DFlash drafter, or for draft_model the assistant); each call of
-    the result is one timed pass over the prompts."""
+    the result is one timed pass over the prompts, at most `concurrency` in flight (arrivals: open loop)."""
     from blockspec.services.drafter.proposers.replay import ReplayProposer
     from blockspec.services.engine import Engine
 
@@ -155,7 +171,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
         replay.recording = False
 
     def run() -> tuple[Row, list]:
-        elapsed, done = _engine_run(engine, prompts, max_tokens, mode.k or None)
+        elapsed, done, ttft = _engine_run(engine, prompts, max_tokens, mode.k or None, arrivals)
         if replay is not None and replay.misses:
             log.warning("%s: %d proposals were not in the record and drafted nothing", mode.label, replay.misses)
             replay.misses = 0
@@ -165,24 +181,26 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
             per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
         tokens = sum(len(e.token_ids) for e in done)
         # One request at a time: its steps are the loop's, so the timers split the wall clock per step.
+        alone = concurrency == 1 and steps and arrivals is None  # back to back: no idle time between requests
         split = [elapsed / steps * 1e3, *(sum(getattr(e.stats, a) for e in done) / steps * 1e3
-                                          for a in ("verify_s", "draft_s"))] if concurrency == 1 and steps else []
+                                          for a in ("verify_s", "draft_s"))] if alone else []
         looked_up = sum(e.stats.looked_up for e in done) / steps if mode.lookup and steps else None
         row = Row(mode.name + mode.flag, mode.k, concurrency, tokens, elapsed,
                   tokens / elapsed,
                   tau=1 + accepted / steps if steps and mode.k else None,
                   acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
                   step_ms=split, looked_up=looked_up,
-                  **latency([e.stats.first_token_s - e.stats.queued_s for e in done],
-                            [(e.stats.elapsed_s - e.stats.first_token_s, len(e.token_ids) - 1) for e in done]))
+                  **latency(ttft, [(e.stats.elapsed_s - e.stats.first_token_s, len(e.token_ids) - 1) for e in done]))
         return row, [list(e.token_ids) for e in done]
 
     return run
 
 
-def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int) -> tuple[Row, list]:
+def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int,
+                    arrivals: Sequence[float] | None = None) -> tuple[Row, list]:
     """The same workload (`workload`'s requests) through a running server's gRPC API, `concurrency` streams at a
-    time."""
+    time; with arrivals (open loop), request i is sent arrivals[i] seconds into the pass, or when a stream frees
+    if all are busy then, and its TTFT counts from its arrival."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -192,11 +210,13 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
     channel = grpc.insecure_channel(address)
     stub = api_grpc.GenerationStub(channel)
 
-    def one(p):
+    def one(p, at: float | None = None):
         req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens)
         if k:
             req.num_speculative_tokens = k
-        ids, finish, started, first = [], None, time.perf_counter(), None
+        if at is not None:
+            time.sleep(max(pass_started + at - time.perf_counter(), 0.0))
+        ids, finish, started, first = [], None, time.perf_counter() if at is None else pass_started + at, None
         for msg in stub.Generate(req, timeout=600):
             if msg.token_ids and first is None:
                 first = time.perf_counter()
@@ -205,10 +225,10 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
         return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started)
 
     one(prompts[0])  # warm-up
-    started = time.perf_counter()
+    pass_started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(one, prompts))
-    elapsed = time.perf_counter() - started
+        results = list(pool.map(one, prompts, *([arrivals] if arrivals is not None else [])))
+    elapsed = time.perf_counter() - pass_started
     channel.close()
     acc = [a for _, a, _, _ in results]
     steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
@@ -266,14 +286,50 @@ def machine(device: Device = CPU) -> str:
     return f"{host}; models on {where} in {str(dtype).removeprefix('torch.')}"
 
 
+def timed_passes(runners: dict, rounds: int, bar=None, after_round: Callable[[], None] | None = None) -> dict:
+    """Each runner `rounds` times, the modes interleaved in another order every round (drift hits every mode
+    alike), after_round() after each round -> {mode: (its median pass's row, with every pass's tokens/s and
+    TPOT, its first pass's outputs)}."""
+    ms, first = list(runners), {}
+    samples: dict[Mode, list[Row]] = {m: [] for m in ms}
+    for r in range(rounds):
+        for m in ms[r % len(ms):] + ms[: r % len(ms)]:
+            row, outputs = runners[m]()
+            first.setdefault(m, outputs)
+            samples[m].append(row)
+            if bar is not None:
+                bar.update()
+        if after_round is not None:
+            after_round()
+    medians = {}
+    for m in ms:
+        row = sorted(samples[m], key=lambda row: row.tokens_per_s)[len(samples[m]) // 2]
+        row.rounds = [p.tokens_per_s for p in samples[m]]
+        row.tpot_rounds = [p.tpot_ms for p in samples[m] if p.tpot_ms is not None]
+        medians[m] = (row, first[m])
+    return medians
+
+
+def _against_plain(passes: dict, rate: float | None = None) -> list[Row]:
+    """timed_passes' median rows, each checked against plain decoding's outputs and compared with its tokens/s."""
+    plain, plain_outputs = passes[Mode("none")]
+    for row, outputs in passes.values():
+        row.exact, row.request_rate = outputs == plain_outputs, rate
+        row.speedup = row.tokens_per_s / plain.tokens_per_s
+    return [row for row, _ in passes.values()]
+
+
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
               max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
-              waves: int = 4, device: Device = CPU) -> dict:
+              waves: int = 4, device: Device = CPU, request_rates: Sequence[float] = (), max_concurrency: int = 16) -> dict:
     """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each (draft_model
     and the hf-assisted modes with `assistant` as their draft model),
     interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
-    exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`."""
-    from blockspec.services.bench_report import markdown, plots  # it imports Mode and Row from here
+    exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`.
+    With request_rates, the engine modes also run open loop (bench_rate): requests arriving at each rate, at most
+    max_concurrency in flight, over `workload(prompts, max_concurrency, waves)`."""
+    from blockspec.services.bench_rate import arrival_times
+    from blockspec.services.bench_report import describe, markdown, plots  # it imports Mode and Row from here
 
     needs = sorted({m.label for m in modes if m.name == "draft_model" or m.name.startswith("hf-assisted")})
     if needs and assistant is None:
@@ -284,45 +340,37 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
     ks = sorted({m.k for m in modes if m.name == "dflash"})
     sampler = CostSampler(target, drafter, ks, device=device) if drafter and ks else None
-    rows, first = [], {}  # first: (mode, concurrency) -> outputs of its first pass
-    with tqdm(total=rounds * sum(len(ms) for _, ms in plan), desc="bench", disable=not progress) as bar:
+    engine_modes = [m for m in modes if m.name in ENGINE_METHODS]
+
+    def runner(m: Mode, work: list, c: int, arrivals: list[float] | None = None):
+        if m.name not in ENGINE_METHODS:
+            return hf_runner(target, m, work, max_tokens, assistant, device)
+        return engine_runner(target, assistant if m.name == "draft_model" else drafter, m, work, max_tokens, c, device,
+                             arrivals)
+
+    rows, rate_rows = [], []
+    total = rounds * (sum(len(ms) for _, ms in plan) + len(engine_modes) * len(request_rates))
+    with tqdm(total=total, desc="bench", disable=not progress) as bar:
         for c, ms in plan:
             work = workload(prompts, c, waves)
-            runners = {m: engine_runner(target, assistant if m.name == "draft_model" else drafter, m, work, max_tokens, c,
-                                        device)
-                       if m.name in ENGINE_METHODS else hf_runner(target, m, work, max_tokens, assistant, device) for m in ms}
-            samples: dict[Mode, list[Row]] = {m: [] for m in ms}
-            for r in range(rounds):  # interleaved, each round in another order: drift hits every mode alike
-                for m in ms[r % len(ms):] + ms[: r % len(ms)]:
-                    row, outputs = runners[m]()
-                    first.setdefault((m, c), outputs)
-                    samples[m].append(row)
-                    bar.update()
-                if sampler is not None and c == 1:  # the ceiling's costs, timed among the passes it is compared with
-                    sampler.sample(COST_REPEATS)
-            del runners
-            for m in ms:
-                passes = sorted(samples[m], key=lambda row: row.tokens_per_s)
-                row = passes[len(passes) // 2]  # the median pass
-                row.rounds = [p.tokens_per_s for p in samples[m]]
-                row.tpot_rounds = [p.tpot_ms for p in samples[m] if p.tpot_ms is not None]
-                row.exact = first[m, c] == first[Mode("none"), c]
-                rows.append(row)
-    for row in rows:
-        plain = next(r for r in rows if r.mode == "none" and r.concurrency == row.concurrency)
-        row.speedup = row.tokens_per_s / plain.tokens_per_s
+            # The ceiling's costs, timed among the concurrency-1 passes they are compared with.
+            sample = (lambda: sampler.sample(COST_REPEATS)) if sampler is not None and c == 1 else None
+            rows += _against_plain(timed_passes({m: runner(m, work, c) for m in ms}, rounds, bar, sample))
+        for rate in request_rates:
+            work = workload(prompts, max_concurrency, waves)
+            arrivals = arrival_times(len(work), rate)
+            rate_rows += _against_plain(timed_passes({m: runner(m, work, max_concurrency, arrivals) for m in engine_modes},
+                                               rounds, bar), rate)
     if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
         sampler.sample(COST_REPEATS * rounds)
     costs = sampler.model() if sampler is not None else None
-    header = (f"Machine: {machine(device)}. Pair: {target} + {drafter}. {len(prompts)} prompts x {max_tokens} new tokens, "
-              f"greedy; a pass at concurrency c serves max({len(prompts)}, {waves} c) requests (the prompts cycled), c "
-              f"at a time. Each figure is the median of {rounds} interleaved passes." +
-              (" The cost model is timed in slices, one after each round of the concurrency-1 passes."
-               if sampler is not None and 1 in concurrency else ""))
-    report = markdown(rows, costs, header)
+    header = describe(machine(device), f"{target} + {drafter}", len(prompts), max_tokens, waves, rounds,
+                      sliced=sampler is not None and 1 in concurrency, rates=request_rates, cap=max_concurrency)
+    report = markdown(rows, costs, header, rate_rows)
     (out / "bench.md").write_text(report)
     result = {"machine": machine(device), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,
-              "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "costs": asdict(costs) if costs else None}
+              "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "rate_rows": [asdict(r) for r in rate_rows],
+              "request_rates": list(request_rates), "max_concurrency": max_concurrency, "costs": asdict(costs) if costs else None}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     result["plots"] = [str(p) for p in plots(rows, out)]
     result["markdown"] = report

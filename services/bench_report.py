@@ -12,14 +12,28 @@ from blockspec.services.bench import Mode, Row
 from blockspec.services.bench_costs import CostModel
 
 
-def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
+def describe(machine: str, pair: str, prompts: int, max_tokens: int, waves: int, rounds: int, sliced: bool,
+             rates: Sequence[float] = (), cap: int = 0) -> str:
+    """The report's first paragraph: the machine, the pair, the workload and how each figure was taken."""
+    text = (f"Machine: {machine}. Pair: {pair}. {prompts} prompts x {max_tokens} new tokens, greedy; a pass at "
+            f"concurrency c serves max({prompts}, {waves} c) requests (the prompts cycled), c at a time. Each figure is "
+            f"the median of {rounds} interleaved passes.")
+    if sliced:
+        text += " The cost model is timed in slices, one after each round of the concurrency-1 passes."
+    if rates:
+        text += (f" Open loop: requests arriving at {', '.join(f'{r:g}' for r in rates)} per second (Poisson, the same "
+                 f"arrival times for every mode), at most {cap} in flight, max({prompts}, {waves} x {cap}) requests a "
+                 "pass; TTFT from arrival.")
+    return text
+
+
+def markdown(rows: list[Row], costs: CostModel | None, header: str, rate_rows: Sequence[Row] = ()) -> str:
     lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | TTFT ms (p50 / p99) | TPOT ms (all / p99) "
              "| tau | acceptance "
              "| accepted per position | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        spread = f"{min(r.rounds):.0f}-{max(r.rounds):.0f}" if r.rounds else "-"
-        speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
-        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {speedup} | "
+        spread = _spread(r.rounds, ".0f")
+        lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {_ratio(r.speedup)} | "
                      f"{_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | {_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | "
                      f"{_fmt(r.tau, '.2f')} | "
                      f"{_fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
@@ -31,11 +45,32 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str) -> str:
         lines += _ceiling_table(rows, costs)
     if any(r.step_ms for r in rows):
         lines += _step_table([r for r in rows if r.step_ms])
+    if rate_rows:
+        lines += _rate_table(rate_rows)
     return "\n".join(lines) + "\n"
+
+
+def _rate_table(rows: Sequence[Row]) -> list[str]:
+    """The open-loop passes: at a request rate the throughput follows the load while the engine keeps up, so the
+    latencies are the figures to compare (TTFT from arrival)."""
+    lines = ["", "Open loop (requests arriving at a rate; at most `cap` in flight; TTFT from arrival, the wait for a "
+             "slot included):", "",
+             "| mode | requests/s | cap | tokens/s | passes (min-max) | vs plain | TTFT ms (p50 / p99) | TPOT ms (all / p99) "
+             "| tau | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {Mode(r.mode, r.k).label} | {r.request_rate:g} | {r.concurrency} | {r.tokens_per_s:.1f} | "
+                     f"{_spread(r.rounds, '.0f')} | {_ratio(r.speedup)} | {_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | "
+                     f"{_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | {_fmt(r.tau, '.2f')} | {'yes' if r.exact else 'NO'} |")
+    return lines
 
 
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _ratio(x: float | None) -> str:
+    """A row's tokens/s over plain decoding's ("-" without a plain baseline, e.g. a server's rows)."""
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _pair(x: float | None, y: float | None, spec: str) -> str:
@@ -76,8 +111,8 @@ def _ceiling_table(rows: list[Row], costs: CostModel) -> list[str]:
     return lines
 
 
-def _spread(values: Sequence[float]) -> str:
-    return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+def _spread(values: Sequence[float], spec: str = ".2f") -> str:
+    return f"{min(values):{spec}}-{max(values):{spec}}" if values else "-"
 
 
 def _step_table(split: list[Row]) -> list[str]:

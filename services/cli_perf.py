@@ -35,6 +35,9 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--assistant", default=str(home / "assistant") if (home / "assistant" / "config.json").is_file()
                     else None, help="draft model directory for draft_model and the hf-assisted modes (default: the "
                     "shipped pair's assistant)")
+    bn.add_argument("--request-rates", help="comma list of requests per second: also run open loop, requests arriving "
+                    "at each rate (Poisson, the same times for every mode), TTFT from arrival (engine modes; --server too)")
+    bn.add_argument("--max-concurrency", type=int, default=16, help="open loop: requests in flight at most (default 16)")
     bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
     bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
@@ -62,30 +65,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     concurrency = _int_list("--concurrency", args.concurrency)
     rounds = _int_list("--rounds", str(args.rounds))[0]
     waves = _int_list("--waves", str(args.waves))[0]
+    rates = _rate_list(args.request_rates) if args.request_rates else []
+    cap = _int_list("--max-concurrency", str(args.max_concurrency))[0]
     out = Path(args.out)
     if args.server:
-        import grpc
-
-        from blockspec.protos import api_grpc, api_pb2
-
-        texts = _bench_prompts(args)
-        with grpc.insecure_channel(args.server) as channel:
-            stub = api_grpc.GenerationStub(channel)
-            prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
-        ks = _int_list("--server-k", args.server_k)
-        rows, outputs = [], {}  # concurrency -> the first k's outputs (the workload depends on the concurrency)
-        for k in ks:
-            for c in concurrency:
-                row, out_ids = bench.run_server_mode(args.server, k, bench.workload(prompts, c, waves), args.max_tokens, c)
-                row.exact = out_ids == outputs.setdefault(c, out_ids)
-                rows.append(row)
-        from blockspec.services.bench_report import markdown
-
-        report = markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.md").write_text(report)
-        print(report)
-        return 0
+        return _bench_server(args, concurrency, waves, rates, cap, out)
     from blockspec.common.models import load_checkpoint
 
     target = Path(args.target)
@@ -94,9 +78,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modes = args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else "")
     result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(modes),
                              concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
-                             rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype))
+                             rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype),
+                             request_rates=rates, max_concurrency=cap)
     print(result["markdown"])
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
+    return 0
+
+
+def _bench_server(args: argparse.Namespace, concurrency: list[int], waves: int, rates: list[float], cap: int,
+                  out: Path) -> int:
+    """`bench --server`: the workload over a running server's gRPC API, per --server-k value, closed and open loop."""
+    import grpc
+
+    from blockspec.protos import api_grpc, api_pb2
+    from blockspec.services import bench
+    from blockspec.services.bench_rate import arrival_times
+    from blockspec.services.bench_report import markdown
+
+    texts = _bench_prompts(args)
+    with grpc.insecure_channel(args.server) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
+    ks = _int_list("--server-k", args.server_k)
+    rows, rate_rows, outputs = [], [], {}  # workload size -> the first k's outputs
+    for k in ks:
+        for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
+            work = bench.workload(prompts, c, waves)
+            arrivals = arrival_times(len(work), rate) if rate else None
+            row, out_ids = bench.run_server_mode(args.server, k, work, args.max_tokens, c, arrivals)
+            row.exact, row.request_rate = out_ids == outputs.setdefault(len(work), out_ids), rate
+            (rate_rows if rate else rows).append(row)
+    report = markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.", rate_rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(report)
+    print(report)
     return 0
 
 
@@ -107,6 +122,16 @@ def _int_list(flag: str, text: str) -> list[int]:
         raise InvalidArgument(flag, f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise InvalidArgument(flag, f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument("--request-rates", f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise InvalidArgument("--request-rates", f"expected positive finite requests per second, got {text!r}")
     return values
 
 

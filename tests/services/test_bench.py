@@ -44,13 +44,19 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     out = tmp_path / "out"
     assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
                  str(prompts), "--max-tokens", "24", "--modes", "ngram:3,dflash:3,dflash:3:adaptive,dflash:3:replay,hf,hf-lookup:3",
-                 "--concurrency", "1,2",
+                 "--concurrency", "1,2", "--request-rates", "40", "--max-concurrency", "2",
                  "--out", str(out), "--threads", "1", "--rounds", "2", "--waves", "2"]) == 0
     result = json.loads((out / "bench.json").read_text())
     assert result["waves"] == 2 and "max(2, 2 c) requests" in (out / "bench.md").read_text()
     rows = {(r["mode"], r["k"], r["concurrency"]) for r in result["rows"]}
     assert {("none", 0, 1), ("none", 0, 2), ("dflash", 3, 2), ("hf", 0, 1), ("hf-lookup", 3, 1)} <= rows
-    assert all(r["exact"] for r in result["rows"]), "every mode must reproduce plain decoding token for token"
+    assert all(r["exact"] for r in result["rows"] + result["rate_rows"]), "every mode must reproduce plain decoding"
+    # Open loop: the engine modes (not transformers') at 40 requests/s, at most 2 in flight, TTFT from arrival.
+    assert {(r["mode"], r["request_rate"], r["concurrency"]) for r in result["rate_rows"]} == {
+        (m, 40.0, 2) for m in ("none", "ngram", "dflash", "dflash adaptive", "dflash replay")}
+    assert all(0 < r["ttft_ms"] <= r["ttft_p99_ms"] and len(r["rounds"]) == 2 for r in result["rate_rows"])
+    assert all(r["request_rate"] is None for r in result["rows"]) and result["request_rates"] == [40.0]
+    assert "| dflash k=3 | 40 | 2 |" in (out / "bench.md").read_text()
     assert all(len(r["rounds"]) == 2 and r["tokens_per_s"] in r["rounds"] for r in result["rows"])
     dflash = next(r for r in result["rows"] if r["mode"] == "dflash" and r["concurrency"] == 1)
     assert dflash["tau"] > 1 and sum(dflash["accepted_per_pos"]) > 0
@@ -136,3 +142,32 @@ def test_bench_flags_are_checked(capsys):
     assert main(["bench", "--waves", "0"]) == 2
     assert "--waves" in capsys.readouterr().err
     assert main(["bench", "--device", "tpu"]) == 2 and "--device: 'tpu' is not a device" in capsys.readouterr().err
+    for bad in ("0", "fast", "5,-1", "inf"):
+        assert main(["bench", "--request-rates", bad]) == 2 and "--request-rates" in capsys.readouterr().err
+    assert main(["bench", "--request-rates", "5", "--max-concurrency", "0"]) == 2
+    assert "--max-concurrency" in capsys.readouterr().err
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    from blockspec.services.bench_rate import arrival_times
+
+    times = arrival_times(20000, 50.0)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and all(g >= 0 for g in gaps) and times == arrival_times(20000, 50.0)  # every mode's
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.03)  # mean gap 1 / rate
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.02 * 0.693, rel=0.05)  # exponential: median ln 2 / rate
+    assert arrival_times(3, 50.0, seed=1) != times[:3] and arrival_times(1, 2.0) == [0.0]
+
+
+def test_open_loop_submits_at_arrival_and_counts_ttft_from_it(tiny_pair):
+    """One slot: the second request arrives with the first and waits for its slot, its TTFT counting the wait; the
+    third arrives after both finished, the loop idles until then, and its TTFT is its own prefill."""
+    from blockspec.services.bench import _engine_run
+    from blockspec.services.engine import Engine
+
+    engine = Engine(tiny_pair.target, None, "none", max_batch=1)
+    elapsed, done, ttft = _engine_run(engine, [[5, 6, 7], [8, 9, 10], [11, 12, 13]], 8, None, [0.0, 0.0, 0.5])
+    assert [e.request_id for e in done] == ["0", "1", "2"] and all(len(e.token_ids) == 8 for e in done)
+    assert elapsed >= 0.5 and done[1].stats.elapsed_s < 0.5  # the first two were done before the third arrived
+    assert ttft[1] >= done[0].stats.elapsed_s * 0.9 > 0  # the wait for the slot is in it
+    assert 0 < ttft[2] < ttft[1] and ttft[2] < 0.2
