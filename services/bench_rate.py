@@ -38,4 +38,3 @@ def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: floa
             continue
         done += [e for e in loop.step() if isinstance(e, FinishEvent)]
     return done, late
-
