@@ -372,6 +372,6 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
               "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "rate_rows": [asdict(r) for r in rate_rows],
               "request_rates": list(request_rates), "max_concurrency": max_concurrency, "costs": asdict(costs) if costs else None}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
-    result["plots"] = [str(p) for p in plots(rows, out)]
+    result["plots"] = [str(p) for p in plots(rows, out, rate_rows)]
     result["markdown"] = report
     return result

@@ -132,7 +132,7 @@ def _step_table(split: list[Row]) -> list[str]:
     return lines
 
 
-def plots(rows: list[Row], out: Path) -> list[Path]:
+def plots(rows: list[Row], out: Path, rate_rows: Sequence[Row] = ()) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,9 +155,28 @@ def plots(rows: list[Row], out: Path) -> list[Path]:
             ax.plot(range(1, len(r.accepted_per_pos) + 1), np.array(r.accepted_per_pos) / r.steps, marker="o",
                     label=Mode(r.mode, r.k).label)
     ax.set(xlabel="draft position", ylabel="accepted / steps", title="Acceptance per position (concurrency 1)")
-    ax.legend(fontsize=8)
+    if ax.lines:  # none without a concurrency-1 speculative row
+        ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(out / "acceptance_per_position.png")
     fig.savefig(paths[-1], dpi=110)
+    if rate_rows:
+        paths.append(_rate_plot(plt, rate_rows, out / "latency_by_rate.png"))
     plt.close("all")
     return paths
+
+
+def _rate_plot(plt, rows: Sequence[Row], path: Path) -> Path:
+    """The open-loop passes: TPOT (all requests) and TTFT (99th percentile) against the request rate, per mode."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for label in dict.fromkeys(Mode(r.mode, r.k).label for r in rows):
+        mine = sorted((r for r in rows if Mode(r.mode, r.k).label == label), key=lambda r: r.request_rate)
+        rates = [r.request_rate for r in mine]
+        axes[0].plot(rates, [r.tpot_ms for r in mine], marker="o", label=label)
+        axes[1].plot(rates, [r.ttft_p99_ms for r in mine], marker="o", label=label)
+    axes[0].set(xlabel="requests / s", ylabel="TPOT ms (all requests)", title="Time per output token, open loop")
+    axes[1].set(xlabel="requests / s", ylabel="TTFT ms (99th percentile)", title="Time to first token, open loop")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -57,6 +57,7 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert all(0 < r["ttft_ms"] <= r["ttft_p99_ms"] and len(r["rounds"]) == 2 for r in result["rate_rows"])
     assert all(r["request_rate"] is None for r in result["rows"]) and result["request_rates"] == [40.0]
     assert "| dflash k=3 | 40 | 2 |" in (out / "bench.md").read_text()
+    assert (out / "latency_by_rate.png").stat().st_size > 10_000  # TPOT and TTFT p99 against the rate
     assert all(len(r["rounds"]) == 2 and r["tokens_per_s"] in r["rounds"] for r in result["rows"])
     dflash = next(r for r in result["rows"] if r["mode"] == "dflash" and r["concurrency"] == 1)
     assert dflash["tau"] > 1 and sum(dflash["accepted_per_pos"]) > 0
