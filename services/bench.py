@@ -359,6 +359,9 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
         for rate in request_rates:
             work = workload(prompts, max_concurrency, waves)
             arrivals = arrival_times(len(work), rate)
+            if arrivals[-1] > 60:
+                log.warning("at %g requests/s the %d requests of a pass arrive over %.0f s; %d modes x %d rounds",
+                            rate, len(work), arrivals[-1], len(engine_modes), rounds)
             rate_rows += _against_plain(timed_passes({m: runner(m, work, max_concurrency, arrivals) for m in engine_modes},
                                                rounds, bar), rate)
     if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
