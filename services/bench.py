@@ -129,6 +129,15 @@ def latency(ttft_s: Sequence[float], decodes: Sequence[tuple[float, int]]) -> di
             "tpot_p99_ms": float(np.percentile(per_request, 99)) * 1e3 if per_request else None}
 
 
+def accepted_per_position(counts: Sequence[Sequence[int]], k: int = 0) -> np.ndarray:
+    """The requests' accepted drafts per position, summed: as long as the longest list (at least k); a request
+    that never drafted (finished at its first token) adds an empty list."""
+    total = np.zeros(max([k, *(len(c) for c in counts)]), dtype=int)
+    for c in counts:
+        total[: len(c)] += np.asarray(c, dtype=int)
+    return total
+
+
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None,
                 arrivals: Sequence[float] | None = None) -> tuple[float, list, list[float]]:
     """One pass: (seconds, the finish events in request order, each request's time to first token). Closed loop
@@ -176,9 +185,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
             log.warning("%s: %d proposals were not in the record and drafted nothing", mode.label, replay.misses)
             replay.misses = 0
         steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
-        per_pos = np.zeros(max([mode.k, *(len(e.stats.accepted_per_pos) for e in done)]), dtype=int)  # lookupN: > k
-        for e in done:
-            per_pos[: len(e.stats.accepted_per_pos)] += np.asarray(e.stats.accepted_per_pos, dtype=int)
+        per_pos = accepted_per_position([e.stats.accepted_per_pos for e in done], mode.k)  # lookupN: > k
         tokens = sum(len(e.token_ids) for e in done)
         # One request at a time: its steps are the loop's, so the timers split the wall clock per step.
         alone = concurrency == 1 and steps and arrivals is None  # back to back: no idle time between requests
@@ -232,9 +239,7 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
     channel.close()
     acc = [a for _, a, _, _ in results]
     steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
-    per_pos = np.zeros(max((len(a.accepted_per_pos) for a in acc), default=0), dtype=int)
-    for a in acc:
-        per_pos[: len(a.accepted_per_pos)] += list(a.accepted_per_pos)
+    per_pos = accepted_per_position([a.accepted_per_pos for a in acc])
     tokens = sum(len(ids) for ids, *_ in results)
     times = latency([t for *_, t, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d in results])
     return Row("server", k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,

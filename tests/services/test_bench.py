@@ -135,6 +135,16 @@ def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
     assert latency([], []) == {"ttft_ms": None, "ttft_p99_ms": None, "tpot_ms": None, "tpot_p99_ms": None}
 
 
+def test_accepted_per_position_sums_lists_of_any_length():
+    """Per position over the requests; a request that ended at its first token (two of the default pair's held-out
+    prompts do: an end-of-sequence token) brings an empty list, which once crashed `bench --server`."""
+    from blockspec.services.bench import accepted_per_position
+
+    assert accepted_per_position([[3, 2, 1], [], [1]]).tolist() == [4, 2, 1]
+    assert accepted_per_position([[], []], k=3).tolist() == [0, 0, 0]
+    assert accepted_per_position([]).tolist() == []
+
+
 def test_bench_flags_are_checked(capsys):
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "--concurrency" in capsys.readouterr().err
