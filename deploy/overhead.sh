@@ -20,14 +20,15 @@ served() {  # $1: extra serve flags
   "$BIN/blockspec" generate --server "localhost:$port" --prompts-file "$PROMPTS" --max-batch 1 --max-tokens "$N" --json | agg sum
   kill "$pid"; wait "$pid" 2>/dev/null || true; rm -f "$log"
 }
+# As deploy/config.yaml serves: dflash, k=5, prompt lookup first.
 inproc=$("$BIN/blockspec" generate --target "$PAIR/target" --drafter "$PAIR/drafter" --prompts-file "$PROMPTS" \
-         --max-batch 1 --max-tokens "$N" --json | agg max)
+         --max-batch 1 --max-tokens "$N" --prompt-lookup --json | agg max)
 norai=$(served --no-ray)
 onray=$(served "")
 python3 - "$inproc" "$norai" "$onray" <<'PY'
 import sys
 a, b, c = map(float, sys.argv[1:])
-print("| deployment (dflash, k=5, c=1) | tokens/s | vs in-process |")
+print("| deployment (dflash with lookup, k=5, c=1) | tokens/s | vs in-process |")
 print("|---|---|---|")
 for name, v in (("in-process engine", a), ("serve --no-ray (processes + gRPC)", b), ("serve on Ray (actors + gRPC)", c)):
     print(f"| {name} | {v:.1f} | {v / a:.2f} |")

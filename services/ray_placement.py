@@ -15,6 +15,7 @@ from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
+from blockspec.services.launch import role_env
 from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv):
     def actor(cls, index: int, argv, gpu: float, restarts: int):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
         return ray.remote(cls).options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpu, max_restarts=restarts,
-                                       max_task_retries=0).remote(list(argv))
+                                       max_task_retries=0, runtime_env={"env_vars": role_env()}).remote(list(argv))
 
     verifier = actor(VerifierActor, 0, verifier_argv, v_gpu, 0)
     drafter = actor(DrafterActor, 1, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter

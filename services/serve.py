@@ -21,7 +21,7 @@ from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
-from blockspec.services.launch import ENV_SUPERVISOR, start_split_router
+from blockspec.services.launch import ENV_SUPERVISOR, role_env, start_split_router
 from blockspec.services.router.http import start_http
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class RoleProcess:
     def _spawn(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", *self.argv, "--host", self.host,
                                  "--port", str(self.port)], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, ENV_SUPERVISOR: str(os.getpid())})  # it ends when this process does
+                                env={**os.environ, **role_env(), ENV_SUPERVISOR: str(os.getpid())})  # it ends when this process does
         for line in proc.stdout:
             if line.startswith("LISTENING "):
                 self.port = int(line.split()[1])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psutil
@@ -16,7 +15,7 @@ from blockspec.common import cpu_kernels, tracing
 from blockspec.common.device import claim_gpu_share, tensor_bytes
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import load_checkpoint
-from blockspec.common.telemetry import process_memory
+from blockspec.common.telemetry import ROLE_MEMORY_MAX_AGE_S, process_memory
 from blockspec.common.sampling import Q_ROWS, from_pb
 from blockspec.common.tensor_share import TensorHandle, open_handle
 from blockspec.protos import roles_grpc, roles_pb2
@@ -76,10 +75,9 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
         self._tap_buffer = None
         self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        pass  # nothing held outside the process (the verifier's segments are the verifier's)
 
     def _info(self) -> roles_pb2.DrafterInfo:
         max_k = self.dflash_model.cfg.max_k if self.dflash_model is not None else self.proposer.max_k
@@ -104,12 +102,12 @@ class DrafterService(roles_grpc.DrafterServicer):
         return self._tap_buffer[self._slots[request_id], : len(self._tokens[request_id]) - 1]
 
     async def Steps(self, requests, context: grpc.aio.ServicerContext):
-        loop = asyncio.get_running_loop()
+        # Each op on the server's own thread, as the verifier's (`VerifierService.Steps`): no hand-off to a worker.
         try:
             async for req in requests:
                 if self.proposer is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dflash drafter not attached to a verifier")
-                yield await loop.run_in_executor(self._executor, self._handle, req)
+                yield self._handle(req)
         except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
             return
 
@@ -146,7 +144,7 @@ class DrafterService(roles_grpc.DrafterServicer):
         with tracing.tracer().start_as_current_span(tracing.SPAN_DRAFTER_OP, context=tracing.remote_parent(req.traceparent),
                                                     attributes={tracing.ATTR_ROLE: "drafter", tracing.ATTR_ITEMS: len(req.items)}):
             resp = self._run(req)
-        resp.rss_bytes, resp.gpu_bytes = process_memory()
+        resp.rss_bytes, resp.gpu_bytes = process_memory(ROLE_MEMORY_MAX_AGE_S)
         return resp
 
     def _run(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:

@@ -100,6 +100,21 @@ def test_health_503_then_200_and_streams_equal_the_target_alone(server, prompts,
     assert "blockspec_spec_decode_num_draft_tokens_total" in metrics
 
 
+def test_role_processes_get_a_short_openmp_spin_unless_the_operator_sets_one(server, monkeypatch):
+    """Both roles start with launch.ROLE_ENV_DEFAULTS (libgomp threads that sleep soon after a forward, so three
+    processes can share the cores); a value in the server's environment is passed on instead."""
+    from blockspec.services.launch import ROLE_ENV_DEFAULTS, role_env
+
+    want = os.environ.get("GOMP_SPINCOUNT", ROLE_ENV_DEFAULTS["GOMP_SPINCOUNT"])  # serve got this test's environment
+    for role in ("role verifier", "role drafter"):
+        (pid,) = role_pids(server["proc"], role)
+        assert psutil.Process(pid).environ().get("GOMP_SPINCOUNT") == want
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    assert role_env() == {"GOMP_SPINCOUNT": "123"}
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert role_env() == ROLE_ENV_DEFAULTS
+
+
 def test_killing_the_drafter_mid_stream_loses_nothing_and_speculation_resumes(server, prompts, references):
     call = server["stub"].Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[6]), max_tokens=128),
                                    timeout=120)

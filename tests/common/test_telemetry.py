@@ -1,0 +1,16 @@
+"""Process memory as the roles report it with every op."""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.common.telemetry import process_memory
+
+
+def test_process_memory_is_read_again_only_when_older_than_asked():
+    rss, gpu = process_memory()
+    assert rss > 0 and gpu >= 0
+    grown = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert process_memory(max_age_s=3600.0) == (rss, gpu)  # the last reading: recent enough
+    assert process_memory()[0] >= rss + 32 * 2**20  # read again
+    del grown
