@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -198,8 +198,35 @@ class StepLoop:
         self._texts.drop(request_id)
         return self._finish(live, "cancelled")
 
-    def step(self) -> list[TokenEvent | FinishEvent]:
-        """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests."""
+    def cancel_all(self) -> list[FinishEvent]:
+        """Cancel every request wherever it is (a failed step: none can go on)."""
+        ids = [lv.request.request_id for lv in self._waiting] + [*self._prefilling, *self._running]
+        return [event for event in map(self.cancel, ids) if event is not None]
+
+    def step(self, emit: Callable[[list[TokenEvent | FinishEvent]], None] | None = None) -> list[TokenEvent | FinishEvent]:
+        """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests.
+        emit: called with the first tokens of the prompts prefilled in this step before the round runs (a server
+        streams them at once, a round later otherwise); without it they come first in the step's events."""
+        events = self._admit()
+        if emit is not None and events:
+            emit(events)
+            events = []
+        if self._running:
+            events.extend(self._step())
+        return events
+
+    def run(self, requests: Iterable[Request]) -> Iterator[TokenEvent | FinishEvent]:
+        """Submit all requests and step until every one has finished; first tokens as soon as they are known."""
+        for request in requests:
+            self.submit(request)
+        while not self.idle:
+            yield from self._admit()
+            if self._running:
+                yield from list(self._step())  # the whole round first: a caller may cancel between two events
+
+    def _admit(self) -> list[TokenEvent | FinishEvent]:
+        """Take queued requests while slots allow and prefill (chunked: at most prefill_chunk prompt tokens per step,
+        so running streams keep going); the events of every prompt now complete (its first token)."""
         events: list[TokenEvent | FinishEvent] = []
         self.last_report = None
         while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch
@@ -209,21 +236,12 @@ class StepLoop:
             self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
             self._prefilling[live.request.request_id] = live
         self._prefilled = bool(self._prefilling)
-        if self._prefilling:  # chunked: at most prefill_chunk prompt tokens per step, so running streams keep going
+        if self._prefilling:
             for result in self.verifier.prefill(list(self._prefilling), self.prefill_chunk):
                 live = self._running[result.request_id] = self._prefilling.pop(result.request_id)
                 live.stats.first_token_s = time.perf_counter() - live.stats.started
                 events.extend(self._commit(live, result))
-        if self._running:
-            events.extend(self._step())
         return events
-
-    def run(self, requests: Iterable[Request]) -> Iterator[TokenEvent | FinishEvent]:
-        """Submit all requests and step until every one has finished."""
-        for request in requests:
-            self.submit(request)
-        while not self.idle:
-            yield from self.step()
 
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.

@@ -149,3 +149,63 @@ def test_unparseable_and_unknown_field_requests_are_invalid_argument(router):
         list(raw(unknown, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field number(s) [100]" in e.value.details()
     assert collect(router.stub.Generate(api_pb2.GenerateRequest(text="ok", max_tokens=2), timeout=30))[2] is not None
+
+
+def _router_with(tiny_models, wrap) -> RouterThread:
+    """A router over a fresh engine (draft_model) after wrap(engine) has patched one of its roles."""
+    engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=4)
+    wrap(engine)
+    return RouterThread(engine)
+
+
+def test_the_first_token_streams_before_its_step_drafts(tiny_models, prompts, references):
+    """The scheduler hands a prompt's first token to its stream once the prefill is done, before the speculative
+    round of the same step: here that round's drafter waits until the client holds the token."""
+    client_has_first, waited = threading.Event(), []
+
+    def wrap(engine):
+        propose = engine.loop.drafter.propose
+
+        def propose_after_the_first_token(inputs):
+            if not waited:
+                waited.append(client_has_first.wait(30))
+            return propose(inputs)
+
+        engine.loop.drafter.propose = propose_after_the_first_token
+
+    r = _router_with(tiny_models, wrap)
+    try:
+        stream = r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1]), max_tokens=64,
+                                                         num_speculative_tokens=4), timeout=120)
+        first = next(stream)
+        client_has_first.set()
+        ids, _, finish = collect(stream)
+    finally:
+        r.close()
+    assert waited == [True], "the first token came only after the round"
+    assert list(first.token_ids) + ids == references["qwen3"][1][:64] and finish.reason == "length"
+
+
+def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(tiny_models, prompts, references):
+    def wrap(engine):
+        verify = engine.verifier.verify
+
+        def verify_failing_once(inputs):
+            if not getattr(verify_failing_once, "failed", False):
+                verify_failing_once.failed = True
+                raise RuntimeError("injected")
+            return verify(inputs)
+
+        engine.verifier.verify = verify_failing_once
+
+    r = _router_with(tiny_models, wrap)
+    request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=32, num_speculative_tokens=4)
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            collect(r.stub.Generate(request, timeout=60))
+        ids, _, finish = collect(r.stub.Generate(request, timeout=60))
+        idle = r.engine.loop.idle
+    finally:
+        r.close()
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
