@@ -79,7 +79,7 @@ def register_generation(service: GenerationService, server: grpc.aio.Server) -> 
 
 
 def facts_from_engine(engine) -> ModelFacts:
-    """ModelFacts of an in-process Engine (tests and `serve --inprocess`)."""
+    """ModelFacts of an in-process Engine (the tests serve one)."""
     from blockspec.services.engine import DEFAULT_K
 
     runner = engine.verifier.runner
