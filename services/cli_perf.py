@@ -39,7 +39,8 @@ def add_perf_commands(sub) -> None:
                     "at each rate (Poisson, the same times for every mode), TTFT from arrival (engine modes; --server too)")
     bn.add_argument("--max-concurrency", type=int, default=16, help="open loop: requests in flight at most (default 16)")
     bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
-    bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides")
+    bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides (0: leave k unset, the "
+                                                    "server's default; what a server without a drafter needs)")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
@@ -95,11 +96,11 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], waves: int, 
     from blockspec.services.bench_rate import arrival_times
     from blockspec.services.bench_report import markdown
 
+    ks = _int_list("--server-k", args.server_k, minimum=0)  # 0: k left unset (a server without a drafter decodes plainly)
     texts = _bench_prompts(args)
     with grpc.insecure_channel(args.server) as channel:
         stub = api_grpc.GenerationStub(channel)
         prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
-    ks = _int_list("--server-k", args.server_k)
     rows, rate_rows, outputs = [], [], {}  # workload size -> the first k's outputs
     for k in ks:
         for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
@@ -115,13 +116,13 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], waves: int, 
     return 0
 
 
-def _int_list(flag: str, text: str) -> list[int]:
+def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidArgument(flag, f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise InvalidArgument(flag, f"expected positive integers, got {text!r}")
+    if not values or any(v < minimum for v in values):
+        raise InvalidArgument(flag, f"expected integers of at least {minimum}, got {text!r}")
     return values
 
 

@@ -197,18 +197,22 @@ def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
     client sees them, every k's output checked against the first k's."""
     from blockspec.services.cli import main
 
+    assert main(["bench", "--server", "127.0.0.1:1", "--server-k", "3,-1"]) == 2
+    assert "--server-k" in capsys.readouterr().err
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
-    assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "1,3", "--concurrency", "1,2",
+    assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "1,0", "--concurrency", "1,2",
                  "--request-rates", "30", "--max-concurrency", "2", "--prompts-file", str(prompts), "--max-tokens", "16",
                  "--waves", "1", "--out", str(tmp_path / "out")]) == 0
     report = (tmp_path / "out" / "bench.md").read_text()
     closed, open_loop = report.split("Open loop")
     rows = [line.strip(" |").split(" | ") for line in closed.splitlines() if line.startswith("| server")]
-    assert [(r[0], r[1]) for r in rows] == [("server k=1", "1"), ("server k=1", "2"), ("server k=3", "1"), ("server k=3", "2")]
+    # k=0: the request leaves k unset (the server's default; on a server without a drafter, plain decoding).
+    assert [(r[0], r[1]) for r in rows] == [("server k=1", "1"), ("server k=1", "2"), ("server", "1"), ("server", "2")]
     # Open loop: requests sent at 30 per second, at most 2 streams; mode, rate, cap, ..., TTFT, TPOT, tau, exact.
     rate_rows = [line.strip(" |").split(" | ") for line in open_loop.splitlines() if line.startswith("| server")]
-    assert [(r[0], r[1], r[2]) for r in rate_rows] == [("server k=1", "30", "2"), ("server k=3", "30", "2")]
+    assert [(r[0], r[1], r[2]) for r in rate_rows] == [("server k=1", "30", "2"), ("server", "30", "2")]
     assert all(0 < float(r[6].split(" / ")[0]) and r[-1] == "yes" for r in rate_rows)
     for r in rows:  # mode, concurrency, tokens/s, passes, vs plain, TTFT ms, TPOT ms, tau, acceptance, per position, exact
         (ttft, ttft_p99), (tpot, tpot_p99) = (map(float, cell.split(" / ")) for cell in r[5:7])  # p50 / p99, all / p99
