@@ -95,9 +95,10 @@ class RoleProcess:
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
+        # ENV_SUPERVISOR: the role ends when this process does.
         proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", *self.argv, "--host", self.host,
                                  "--port", str(self.port)], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, **role_env(), ENV_SUPERVISOR: str(os.getpid())})  # it ends when this process does
+                                env={**os.environ, **role_env(), ENV_SUPERVISOR: str(os.getpid())})
         for line in proc.stdout:
             if line.startswith("LISTENING "):
                 self.port = int(line.split()[1])
