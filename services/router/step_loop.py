@@ -207,22 +207,26 @@ class StepLoop:
         """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests.
         emit: called with the first tokens of the prompts prefilled in this step before the round runs (a server
         streams them at once, a round later otherwise); without it they come first in the step's events."""
-        events = self._admit()
+        phases = self._phases()
+        events = next(phases)
         if emit is not None and events:
             emit(events)
             events = []
-        if self._running:
-            events.extend(self._step())
-        return events
+        return events + next(phases)
 
     def run(self, requests: Iterable[Request]) -> Iterator[TokenEvent | FinishEvent]:
         """Submit all requests and step until every one has finished; first tokens as soon as they are known."""
         for request in requests:
             self.submit(request)
         while not self.idle:
-            yield from self._admit()
-            if self._running:
-                yield from list(self._step())  # the whole round first: a caller may cancel between two events
+            for events in self._phases():
+                yield from events
+
+    def _phases(self) -> Iterator[list[TokenEvent | FinishEvent]]:
+        """One step in two parts: the first tokens of the prompts prefilled now, then the round's events (each list
+        whole before it is handed on: a caller may cancel between two events)."""
+        yield self._admit()
+        yield list(self._step()) if self._running else []
 
     def _admit(self) -> list[TokenEvent | FinishEvent]:
         """Take queued requests while slots allow and prefill (chunked: at most prefill_chunk prompt tokens per step,
