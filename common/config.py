@@ -25,6 +25,7 @@ class ServerConfig(_Section):
     max_batch: int = Field(16, ge=1, le=1024)  # requests stepped together per replica
     replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
     prefill_chunk_tokens: int = Field(512, ge=1)  # prompt tokens prefilled per step: long prompts never stall streams
+    unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
 
 
     @field_validator("workers")

@@ -12,9 +12,12 @@ MAX_MESSAGE = 64 * 1024 * 1024
 
 
 async def start_server(
-    register: Callable[[grpc.aio.Server], None], service_names: Sequence[str], host: str, port: int
+    register: Callable[[grpc.aio.Server], None], service_names: Sequence[str], host: str, port: int,
+    unix_socket: str | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Bind host:port (0 = any free port), register the services, mark them SERVING; returns the bound port."""
+    """Bind host:port (0 = any free port) and the Unix domain socket at `unix_socket` where given (grpc removes
+    the file when the server stops, and a stale one when it binds), register the services, mark them SERVING;
+    returns the bound port."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
                                       ("grpc.max_send_message_length", MAX_MESSAGE)])
     register(server)
@@ -24,6 +27,8 @@ async def start_server(
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    if unix_socket and server.add_insecure_port(f"unix:{unix_socket}") == 0:
+        raise OSError(f"cannot bind the Unix socket {unix_socket}")
     await server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

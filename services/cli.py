@@ -254,7 +254,7 @@ def cmd_role(args: argparse.Namespace) -> int:
     from blockspec.services import launch
 
     launch.watch_supervisor()  # before loading: a server gone meanwhile ends this role too
-    launch.run_role_process(args.role, launch.role_service(args), args.host, args.port)
+    launch.run_role_process(args.role, launch.role_service(args), args.host, args.port, args.unix_socket)
     return 0
 
 
@@ -349,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_args(role)
     role.add_argument("--host", default="127.0.0.1")
     role.add_argument("--port", type=int, default=0)
+    role.add_argument("--unix-socket", help="also listen on this Unix domain socket (serve and the Ray actors use one "
+                                            "for a router on the same host)")
     role.set_defaults(func=cmd_role)
     inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
     inv.add_argument("--target", required=True, help="target checkpoint directory")

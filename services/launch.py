@@ -10,6 +10,8 @@ import asyncio
 import logging
 import os
 import signal
+import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +46,7 @@ SUPERVISOR_POLL_S = 1.0
 ROLE_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 VERIFIER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 DRAFTER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+UNIX_PATH_MAX = 108  # bytes of a Unix socket's path on Linux, its terminating NUL included
 
 
 def context_len(target: str, max_len: int | None) -> int:
@@ -80,12 +83,27 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
     return VerifierService(verifier, str(target))
 
 
-async def serve_verifier(service: VerifierService, host: str = "127.0.0.1", port: int = 0):
-    return await start_server(lambda s: roles_grpc.add_VerifierServicer_to_server(service, s), (VERIFIER_SERVICE,), host, port)
+async def serve_verifier(service: VerifierService, host: str = "127.0.0.1", port: int = 0, unix_socket: str | None = None):
+    return await start_server(lambda s: roles_grpc.add_VerifierServicer_to_server(service, s), (VERIFIER_SERVICE,), host,
+                              port, unix_socket)
 
 
-async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: int = 0):
-    return await start_server(lambda s: roles_grpc.add_DrafterServicer_to_server(service, s), (DRAFTER_SERVICE,), host, port)
+async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: int = 0, unix_socket: str | None = None):
+    return await start_server(lambda s: roles_grpc.add_DrafterServicer_to_server(service, s), (DRAFTER_SERVICE,), host,
+                              port, unix_socket)
+
+
+def role_socket(name: str) -> str | None:
+    """Where a role started by this process (`serve`) listens besides its port, for a router on the same host: a
+    Unix domain socket in the temp directory (None where that path is too long for one). Per step, a role round
+    trip over it took 0.02-0.09 ms less than over TCP loopback (README, "Unix sockets")."""
+    path = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{name}.sock")
+    return path if len(path.encode()) < UNIX_PATH_MAX else None
+
+
+def host_ip() -> str:
+    """This host's address as the roles report theirs (a role on the router's host is reached on its socket)."""
+    return socket.gethostbyname(socket.gethostname())
 
 
 def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | None) -> tuple[RemoteVerifier, object]:
@@ -141,13 +159,13 @@ def watch_supervisor() -> None:
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
-def run_role_process(kind: str, service, host: str, port: int) -> None:
+def run_role_process(kind: str, service, host: str, port: int, unix_socket: str | None = None) -> None:
     """Serve one role until SIGTERM/SIGINT; shared segments are removed on the way out."""
     tracing.setup_tracing(f"blockspec-{kind}")
 
     async def main() -> None:
         serve = serve_verifier if kind == "verifier" else serve_drafter
-        server, _, bound = await serve(service, host, port)
+        server, _, bound = await serve(service, host, port, unix_socket)
         print(f"LISTENING {bound}", flush=True)  # the supervisor reads the bound port from this line
         log.info("%s role listening on %s:%d", kind, host, bound)
         stop = asyncio.Event()

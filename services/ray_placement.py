@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
+import os
 import threading
 
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
-from blockspec.services.launch import role_env
+from blockspec.services.launch import host_ip, role_env, role_socket
 from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
@@ -30,21 +30,25 @@ class RoleActor:
         from blockspec.services.cli import parse_role_args
 
         args = parse_role_args(list(argv))
+        if args.unix_socket and not os.path.isdir(os.path.dirname(args.unix_socket)):  # another node's temp directory
+            args.unix_socket = None
         tracing.setup_tracing(f"blockspec-{args.role}")
         self.service = launch.role_service(args)
         serve = launch.serve_verifier if args.role == "verifier" else launch.serve_drafter
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="role-server", daemon=True).start()
         # Keep the server referenced: a collected grpc.aio server cancels all its calls.
-        self.server, _, port = asyncio.run_coroutine_threadsafe(serve(self.service, "0.0.0.0", 0), self.loop).result(300)
-        self._address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+        self.server, _, port = asyncio.run_coroutine_threadsafe(serve(self.service, "0.0.0.0", 0, args.unix_socket),
+                                                                self.loop).result(300)
+        self._host = launch.host_ip()
+        self._address = f"{self._host}:{port}"
+        self._unix = f"unix:{args.unix_socket}" if args.unix_socket else None
 
-    def address(self) -> str:
-        return self._address
+    def address(self, host: str | None = None) -> str:
+        """Its address for a caller on `host`: the Unix socket where the caller shares this actor's host."""
+        return self._unix if self._unix and host == self._host else self._address
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
@@ -63,7 +67,7 @@ def _gpu_shares(cfg: BlockspecConfig) -> tuple[float, float]:
     return role_fractions(cfg.model.gpu_memory_utilization)
 
 
-def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv):
+def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv, index: int = 0):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -73,10 +77,13 @@ def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv):
         bundles.append({"CPU": 1, **({"GPU": d_gpu} if d_gpu else {})})
     pg = placement_group(bundles, strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=300)
-    def actor(cls, index: int, argv, gpu: float, restarts: int):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+    def actor(cls, bundle: int, argv, gpu: float, restarts: int):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+        # A socket path named after this process: a restarted actor binds the same one (grpc removes the stale file).
+        path = role_socket(f"{argv[1]}-{index}") if cfg.server.unix_sockets else None
         return ray.remote(cls).options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpu, max_restarts=restarts,
-                                       max_task_retries=0, runtime_env={"env_vars": role_env()}).remote(list(argv))
+                                       max_task_retries=0, runtime_env={"env_vars": role_env()}).remote(
+            [*argv, *(("--unix-socket", path) if path else ())])
 
     verifier = actor(VerifierActor, 0, verifier_argv, v_gpu, 0)
     drafter = actor(DrafterActor, 1, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter
@@ -91,7 +98,7 @@ class RayRole:
 
     @property
     def address(self) -> str:
-        return self._ray.get(self._actor.address.remote(), timeout=2)
+        return self._ray.get(self._actor.address.remote(host_ip()), timeout=2)
 
     def alive(self) -> bool:
         return True
@@ -101,8 +108,6 @@ class RayRole:
 
 
 def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
-    import os
-
     import ray
 
     p = plan(cfg)
@@ -117,8 +122,8 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
 
     def start_roles():
         roles = []
-        for _ in range(cfg.server.replicas):
-            _, verifier, drafter = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv)
+        for r in range(cfg.server.replicas):
+            _, verifier, drafter = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv, r)
             roles.append((verifier, drafter))
         out = []
         for verifier, drafter in roles:  # the replicas load in parallel; wait for each

@@ -21,7 +21,7 @@ from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
-from blockspec.services.launch import ENV_SUPERVISOR, role_env, start_split_router
+from blockspec.services.launch import ENV_SUPERVISOR, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
 
 log = logging.getLogger(__name__)
@@ -86,18 +86,21 @@ def plan(cfg: BlockspecConfig) -> Plan:
 
 
 class RoleProcess:
-    """One role as a child process; it prints `LISTENING <port>` once serving. Restarted on the same port."""
+    """One role as a child process; it prints `LISTENING <port>` once serving. Restarted on the same port (and
+    socket). With a Unix socket path the role listens there too, and that is its address."""
 
-    def __init__(self, name: str, argv: tuple[str, ...], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, name: str, argv: tuple[str, ...], host: str = "127.0.0.1", port: int = 0,
+                 unix_socket: str | None = None) -> None:
         self.name, self.argv, self.host = name, argv, host
-        self.port = port
+        self.port, self.unix_socket = port, unix_socket
         self.restarts = 0
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
         # ENV_SUPERVISOR: the role ends when this process does.
+        socket_args = ("--unix-socket", self.unix_socket) if self.unix_socket else ()
         proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", *self.argv, "--host", self.host,
-                                 "--port", str(self.port)], stdout=subprocess.PIPE, text=True,
+                                 "--port", str(self.port), *socket_args], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, **role_env(), ENV_SUPERVISOR: str(os.getpid())})
         for line in proc.stdout:
             if line.startswith("LISTENING "):
@@ -107,7 +110,7 @@ class RoleProcess:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -161,9 +164,11 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     p = plan(cfg)
     resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 
+    def role(name: str, argv: tuple[str, ...]) -> RoleProcess:
+        return RoleProcess(name, argv, unix_socket=role_socket(name) if cfg.server.unix_sockets else None)
+
     def start_roles():
-        return [(RoleProcess(f"verifier-{r}", p.verifier_argv),
-                 RoleProcess(f"drafter-{r}", p.drafter_argv) if p.drafter_argv else None)
+        return [(role(f"verifier-{r}", p.verifier_argv), role(f"drafter-{r}", p.drafter_argv) if p.drafter_argv else None)
                 for r in range(cfg.server.replicas)]
 
     return serve_roles(cfg, p, host, port, grpc_port, start_roles)

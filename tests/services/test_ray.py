@@ -46,6 +46,10 @@ def test_streams_over_ray_equal_the_target_alone(ray_server, prompts, references
         assert ids == references["qwen3"][i], f"{ray_server['method']} prompt {i}"
     assert sum(f.acceptance.drafted for _, _, f in results) > 0
     assert len(actor_pids("ray::VerifierActor")) == 1 and len(actor_pids("ray::DrafterActor")) == 1
+    for title in ("ray::VerifierActor", "ray::DrafterActor"):  # on the router's host: reached on its Unix socket
+        sockets = [c.laddr for c in psutil.Process(actor_pids(title)[0]).net_connections(kind="unix")
+                   if "blockspec-" in (c.laddr or "")]
+        assert len(sockets) >= 2 and len(set(sockets)) == 1, f"{title}: {sockets}"
 
 
 def test_killed_drafter_actor_is_restarted_and_nothing_is_lost(ray_server, prompts, references):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -115,6 +116,27 @@ def test_role_processes_get_a_short_openmp_spin_unless_the_operator_sets_one(ser
     assert role_env() == ROLE_ENV_DEFAULTS
 
 
+def role_socket_use(pid: int) -> tuple[str | None, int, list]:
+    """A role's Unix socket path (its --unix-socket), how many sockets it holds on that path (listening and
+    accepted) and its TCP connections other than the listening one."""
+    proc = psutil.Process(pid)
+    argv = proc.cmdline()
+    path = argv[argv.index("--unix-socket") + 1] if "--unix-socket" in argv else None
+    held = sum(1 for c in proc.net_connections(kind="unix") if path and c.laddr == path)
+    return path, held, [c for c in proc.net_connections(kind="tcp") if c.status != psutil.CONN_LISTEN]
+
+
+def test_the_router_reaches_its_roles_on_unix_sockets(server, prompts, references):
+    """Roles on the router's host are reached on a Unix domain socket (a round trip 0.02-0.09 ms shorter than
+    over TCP loopback here); their TCP port stays open, unused by the router."""
+    assert generate(server["stub"], prompts[0])[0] == references["qwen3"][0]
+    for role in ("role verifier", "role drafter"):
+        (pid,) = role_pids(server["proc"], role)
+        path, held, tcp = role_socket_use(pid)
+        assert path and stat.S_ISSOCK(os.stat(path).st_mode), role
+        assert held >= 2 and not tcp, f"{role}: {held} sockets on {path}, TCP connections {tcp}"
+
+
 def test_killing_the_drafter_mid_stream_loses_nothing_and_speculation_resumes(server, prompts, references):
     call = server["stub"].Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[6]), max_tokens=128),
                                    timeout=120)
@@ -148,6 +170,7 @@ def test_roles_stop_when_the_server_is_killed(tiny_models, dflash_drafters, tmp_
     info = spawn_serve("--config", str(cfg), "--no-ray")
     pids = role_pids(info["proc"], "role verifier") + role_pids(info["proc"], "role drafter")
     assert len(pids) == 2
+    sockets = [role_socket_use(pid)[0] for pid in pids]
     info["channel"].close()
     info["proc"].kill()
     info["proc"].wait(10)
@@ -155,6 +178,7 @@ def test_roles_stop_when_the_server_is_killed(tiny_models, dflash_drafters, tmp_
     for proc in alive:
         proc.kill()
     assert not alive, "role processes outlived their server"
+    assert all(sockets) and not [path for path in sockets if os.path.exists(path)], f"Unix sockets left: {sockets}"
 
 
 def test_cancelled_streams_leave_no_slot_or_segment_behind(server, prompts):
