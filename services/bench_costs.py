@@ -28,24 +28,24 @@ class CostModel:
 
 def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats: int, device: str = "cpu"):
     """(decode seconds, {k: r(k+1)}, {k: c_d}) for a prefilled request: every verify is rolled back to the
-    same committed state first. Each forward is timed in the state the step loop runs it in, in interleaved
-    rounds: a decode right after a decode (plain decoding), a verify of k + 1 right after the proposal of
-    its k drafts (speculative decoding; after another decode without a proposer). Timed after the round's
-    previous forward (a verify of 8 before each decode), a decode read 0.86-0.90 ms where plain decoding's
-    own ran 0.83-0.87 in the same process, and r(6) 1.20-1.22 where the loops' verifies gave 1.24-1.32
-    (BENCHMARKS, runs AC). Each proposal is timed right after a verify of its width, as in the step loop.
-    proposer=None: no c_d."""
+    same committed state first. The target's forwards are timed in interleaved rounds, each right after a
+    decode: a decode follows a decode, as in plain decoding, and a verify meets the caches a target
+    forward leaves (what the drafter's proposal between two verifies costs the verify is the loop's, not
+    r's). Timed after the round's previous forward instead (a verify of 8 before each decode), a decode
+    read 3-12% dearer than a decode after a decode, and r(8) lower with it (BENCHMARKS, runs AC). Each
+    proposal is timed right after a verify of its width, as in the step loop. proposer=None: no c_d."""
     from blockspec.services.drafter.proposer import ProposeInput
     from blockspec.services.verifier.verifier import interleaved, rolled_back_verify
 
     verifier.roll_back([request_id])
     committed = list(verifier.committed(request_id))
     verifies = {k: rolled_back_verify(verifier, [request_id], k + 1) for k in (0, *ks)}
-    # The proposals see the committed state the verifies roll back to.
-    drafts = {} if proposer is None else {k: lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)])
-                                          for k in ks if k <= proposer.max_k}
-    seconds = interleaved(verifies, repeats, device, {k: drafts.get(k, verifies[0]) for k in verifies})
-    c_d = {k: s / seconds[0] for k, s in interleaved(drafts, repeats, device, verifies).items()} if drafts else {}
+    seconds = interleaved(verifies, repeats, device, dict.fromkeys(verifies, verifies[0]))
+    c_d = {}
+    if proposer is not None:  # the proposal sees the committed state the verifies roll back to
+        drafts = {k: lambda k=k: proposer.propose([ProposeInput(request_id, committed, k)])
+                  for k in ks if k <= proposer.max_k}
+        c_d = {k: s / seconds[0] for k, s in interleaved(drafts, repeats, device, verifies).items()}
     verifier.roll_back([request_id])
     return seconds[0], {k: seconds[k] / seconds[0] for k in ks}, c_d
 

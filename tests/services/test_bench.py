@@ -145,9 +145,9 @@ def test_accepted_per_position_sums_lists_of_any_length():
     assert accepted_per_position([]).tolist() == []
 
 
-def test_the_cost_model_times_each_forward_where_the_step_loop_runs_it():
-    """A decode right after a decode, a verify of k + 1 right after the proposal of k, a proposal right after its
-    verify: the states plain and speculative decoding run them in."""
+def test_the_cost_model_times_each_target_forward_after_a_decode():
+    """Every target forward right after a decode (a decode follows a decode in plain decoding), a proposal right
+    after a verify of its width (as in the step loop)."""
     from blockspec.services import bench_costs
 
     events = []
@@ -171,7 +171,7 @@ def test_the_cost_model_times_each_forward_where_the_step_loop_runs_it():
     decode, r, c_d = bench_costs.cost_ratios(Verifier(), Proposer(), "x", [3, 5], repeats=3)
     assert decode > 0 and set(r) == set(c_d) == {3, 5}
     # The target's forwards, each after its setup (an untimed round, then 3 timed ones), then the proposals.
-    forwards = [("verify", 1), ("verify", 1), ("propose", 3), ("verify", 4), ("propose", 5), ("verify", 6)]
+    forwards = [("verify", 1), ("verify", 1), ("verify", 1), ("verify", 4), ("verify", 1), ("verify", 6)]
     proposals = [("verify", 4), ("propose", 3), ("verify", 6), ("propose", 5)]
     assert events == forwards * 4 + proposals * 4
 
