@@ -33,10 +33,16 @@ class RouterServer:
         return any(s.stalled(limit_s) for s in self.schedulers)
 
     async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving, then each step loop, then close its role clients' streams (a remote role otherwise sees
+        its open stream cancelled when it stops and logs an error)."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         for scheduler in self.schedulers:
             await scheduler.stop()
+            for role in (scheduler.step_loop.verifier, scheduler.step_loop.drafter):
+                close = getattr(role, "close", None)  # RemoteVerifier, RemoteDrafter; in-process roles have none
+                if close is not None:
+                    close()
 
 
 async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
