@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -99,11 +98,6 @@ def role_socket(name: str) -> str | None:
     trip over it took 0.02-0.09 ms less than over TCP loopback (README, "Unix sockets")."""
     path = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{name}.sock")
     return path if len(path.encode()) < UNIX_PATH_MAX else None
-
-
-def host_ip() -> str:
-    """This host's address as the roles report theirs (a role on the router's host is reached on its socket)."""
-    return socket.gethostbyname(socket.gethostname())
 
 
 def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | None) -> tuple[RemoteVerifier, object]:

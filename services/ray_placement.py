@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
-from blockspec.services.launch import host_ip, role_env, role_socket
+from blockspec.services.launch import role_env, role_socket
 from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
@@ -40,16 +41,22 @@ class RoleActor:
         # Keep the server referenced: a collected grpc.aio server cancels all its calls.
         self.server, _, port = asyncio.run_coroutine_threadsafe(serve(self.service, "0.0.0.0", 0, args.unix_socket),
                                                                 self.loop).result(300)
-        self._host = launch.host_ip()
-        self._address = f"{self._host}:{port}"
+        self._address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
         self._unix = f"unix:{args.unix_socket}" if args.unix_socket else None
+        self._node = _node_id()
 
-    def address(self, host: str | None = None) -> str:
-        """Its address for a caller on `host`: the Unix socket where the caller shares this actor's host."""
-        return self._unix if self._unix and host == self._host else self._address
+    def address(self, node: str | None = None) -> str:
+        """Its address for a caller on Ray node `node`: the Unix socket where the caller shares this actor's node."""
+        return self._unix if self._unix and node == self._node else self._address
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 class VerifierActor(RoleActor):
@@ -98,7 +105,7 @@ class RayRole:
 
     @property
     def address(self) -> str:
-        return self._ray.get(self._actor.address.remote(host_ip()), timeout=2)
+        return self._ray.get(self._actor.address.remote(_node_id()), timeout=2)
 
     def alive(self) -> bool:
         return True
