@@ -199,9 +199,18 @@ class StepLoop:
         return self._finish(live, "cancelled")
 
     def cancel_all(self) -> list[FinishEvent]:
-        """Cancel every request wherever it is (a failed step: none can go on)."""
-        ids = [lv.request.request_id for lv in self._waiting] + [*self._prefilling, *self._running]
-        return [event for event in map(self.cancel, ids) if event is not None]
+        """Cancel every request wherever it is (a failed step: none can go on). One whose release fails ends all the
+        same, without its tokens (logged; a role may keep its slot)."""
+        events = []
+        for rid in [lv.request.request_id for lv in self._waiting] + [*self._prefilling, *self._running]:
+            try:
+                event = self.cancel(rid)
+            except Exception:
+                log.exception("releasing request %s failed; ending it anyway", rid)
+                event = FinishEvent(rid, "cancelled", (), RequestStats())
+            if event is not None:
+                events.append(event)
+        return events
 
     def step(self, emit: Callable[[list[TokenEvent | FinishEvent]], None] | None = None) -> list[TokenEvent | FinishEvent]:
         """Admit and prefill what fits, then one propose -> verify -> commit round for the running requests.

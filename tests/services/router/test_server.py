@@ -209,3 +209,32 @@ def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(tiny_mo
         r.close()
     assert failed.value.code() == grpc.StatusCode.INTERNAL
     assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
+
+
+def test_a_failing_release_after_a_failing_step_still_ends_the_streams(tiny_models, prompts, references):
+    """Cancelling the requests of a failed step fails too: the streams still end (INTERNAL, not at their deadline)
+    and the step thread serves the next request."""
+    def wrap(engine):
+        verify, release = engine.verifier.verify, engine.verifier.release
+
+        def failing_once(fn, name):
+            def call(*args):
+                if not getattr(call, "failed", False):
+                    call.failed = True
+                    raise RuntimeError(f"injected: {name}")
+                return fn(*args)
+            return call
+
+        engine.verifier.verify = failing_once(verify, "verify")
+        engine.verifier.release = failing_once(release, "release")
+
+    r = _router_with(tiny_models, wrap)
+    request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=32, num_speculative_tokens=4)
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            collect(r.stub.Generate(request, timeout=20))
+        ids, _, finish = collect(r.stub.Generate(request, timeout=20))
+    finally:
+        r.close()
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert ids == references["qwen3"][2][:32] and finish.reason == "length"
