@@ -7,13 +7,14 @@ BIN=${BIN:-.venv/bin}
 PAIR=${PAIR:-models/base}
 PROMPTS=${PROMPTS:-$PAIR/heldout_prompts.jsonl}
 N=${N:-128}
+CONFIG=${CONFIG:-deploy/config.yaml}  # the served runs' config (model paths relative to the repository root)
 # tokens / wall time. In-process all requests are submitted at once and run one at a time, so the wall
 # time is the last request's elapsed (it includes the queueing); through the server the client sends
 # them one after the other, so it is the sum.
 agg() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")]; t=sum(len(x["token_ids"]) for x in r); e=[x["stats"]["elapsed_s"] for x in r]; w=max(e) if sys.argv[1]=="max" else sum(e); print(round(t/w, 1))' "$1"; }
 served() {  # $1: extra serve flags
   local log; log=$(mktemp)
-  "$BIN/blockspec" serve --config deploy/config.yaml $1 --port 0 --grpc-port 0 >"$log" 2>&1 &
+  "$BIN/blockspec" serve --config "$CONFIG" $1 --port 0 --grpc-port 0 >"$log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 240); do grep -q '^SERVING' "$log" && break; sleep 0.5; done
   local port; port=$(sed -n 's/^SERVING grpc=\([0-9]*\).*/\1/p' "$log")
