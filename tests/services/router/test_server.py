@@ -186,47 +186,23 @@ def test_the_first_token_streams_before_its_step_drafts(tiny_models, prompts, re
     assert list(first.token_ids) + ids == references["qwen3"][1][:64] and finish.reason == "length"
 
 
-def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(tiny_models, prompts, references):
+def _failing_once(fn, name: str):
+    def call(*args):
+        if not getattr(call, "failed", False):
+            call.failed = True
+            raise RuntimeError(f"injected: {name}")
+        return fn(*args)
+    return call
+
+
+@pytest.mark.parametrize("failing", [("verify",), ("verify", "release")])
+def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(failing, tiny_models, prompts, references):
+    """A verify that fails ends the step's streams INTERNAL and the next request is served; with ("verify",
+    "release") cancelling the failed step's requests fails too, and the streams still end (not at their deadline:
+    the step thread goes on)."""
     def wrap(engine):
-        verify = engine.verifier.verify
-
-        def verify_failing_once(inputs):
-            if not getattr(verify_failing_once, "failed", False):
-                verify_failing_once.failed = True
-                raise RuntimeError("injected")
-            return verify(inputs)
-
-        engine.verifier.verify = verify_failing_once
-
-    r = _router_with(tiny_models, wrap)
-    request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=32, num_speculative_tokens=4)
-    try:
-        with pytest.raises(grpc.RpcError) as failed:
-            collect(r.stub.Generate(request, timeout=60))
-        ids, _, finish = collect(r.stub.Generate(request, timeout=60))
-        idle = r.engine.loop.idle
-    finally:
-        r.close()
-    assert failed.value.code() == grpc.StatusCode.INTERNAL
-    assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
-
-
-def test_a_failing_release_after_a_failing_step_still_ends_the_streams(tiny_models, prompts, references):
-    """Cancelling the requests of a failed step fails too: the streams still end (INTERNAL, not at their deadline)
-    and the step thread serves the next request."""
-    def wrap(engine):
-        verify, release = engine.verifier.verify, engine.verifier.release
-
-        def failing_once(fn, name):
-            def call(*args):
-                if not getattr(call, "failed", False):
-                    call.failed = True
-                    raise RuntimeError(f"injected: {name}")
-                return fn(*args)
-            return call
-
-        engine.verifier.verify = failing_once(verify, "verify")
-        engine.verifier.release = failing_once(release, "release")
+        for name in failing:
+            setattr(engine.verifier, name, _failing_once(getattr(engine.verifier, name), name))
 
     r = _router_with(tiny_models, wrap)
     request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=32, num_speculative_tokens=4)
@@ -234,7 +210,8 @@ def test_a_failing_release_after_a_failing_step_still_ends_the_streams(tiny_mode
         with pytest.raises(grpc.RpcError) as failed:
             collect(r.stub.Generate(request, timeout=20))
         ids, _, finish = collect(r.stub.Generate(request, timeout=20))
+        idle = r.engine.loop.idle
     finally:
         r.close()
     assert failed.value.code() == grpc.StatusCode.INTERNAL
-    assert ids == references["qwen3"][2][:32] and finish.reason == "length"
+    assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
