@@ -79,19 +79,32 @@ def open_handle(handle: TensorHandle) -> torch.Tensor:
 
 def cleanup_stale() -> list[str]:
     """Remove segments whose owner process no longer exists (left behind by a killed owner)."""
+    removed = remove_orphans(SHM_DIR, f"{PREFIX}-*")
+    if removed:
+        log.info("removed %d stale shared segments", len(removed))
+    return removed
+
+
+def remove_orphans(directory: Path, pattern: str, owner: int | None = None) -> list[str]:
+    """Delete the files in `directory` matching `pattern` whose name carries a process id as its second
+    dash-separated field: those of `owner`, or with owner None those whose process no longer exists."""
     removed = []
-    for path in SHM_DIR.glob(f"{PREFIX}-*"):
+    for path in directory.glob(pattern):
         try:
             pid = int(path.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if pid == owner or (owner is None and not _running(pid)):
             path.unlink(missing_ok=True)
             removed.append(path.name)
-        except PermissionError:
-            pass
-    if removed:
-        log.info("removed %d stale shared segments", len(removed))
     return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True

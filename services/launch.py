@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,7 @@ from blockspec.common.device import claim_gpu_share, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
+from blockspec.common.tensor_share import remove_orphans
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import verifier_needs
@@ -98,6 +100,13 @@ def role_socket(name: str) -> str | None:
     trip over it took 0.02-0.09 ms less than over TCP loopback (README, "Unix sockets")."""
     path = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{name}.sock")
     return path if len(path.encode()) < UNIX_PATH_MAX else None
+
+
+def remove_role_sockets(owner: int | None = None) -> list[str]:
+    """Delete role sockets (`role_socket`) left in the temp directory: those of the server `owner` (its roles are
+    gone: Ray actors ended by ray.kill never stop their gRPC server, which would remove its socket), or with
+    owner None those whose server no longer runs (a killed server). Returns the names removed."""
+    return remove_orphans(Path(tempfile.gettempdir()), "blockspec-*-*.sock", owner)
 
 
 def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | None) -> tuple[RemoteVerifier, object]:

@@ -16,7 +16,7 @@ from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
-from blockspec.services.launch import role_env, role_socket
+from blockspec.services.launch import remove_role_sockets, role_env, role_socket
 from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
         raise InvalidArgument("model.device", f"{cfg.model.device!r}: under Ray use 'cuda' (Ray assigns the GPU), "
                                               "or serve with --no-ray")
     cleanup_stale()
+    remove_role_sockets()  # of servers that were killed
     if ray_address:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
@@ -144,4 +145,5 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
         return serve_roles(cfg, p, host, port, grpc_port, start_roles)
     finally:
         ray.shutdown()
-        cleanup_stale()  # the actors' segments: their processes are gone now
+        cleanup_stale()  # the actors' segments and sockets: their processes are gone now
+        remove_role_sockets(os.getpid())

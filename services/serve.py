@@ -21,7 +21,7 @@ from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
-from blockspec.services.launch import ENV_SUPERVISOR, role_env, role_socket, start_split_router
+from blockspec.services.launch import ENV_SUPERVISOR, remove_role_sockets, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ def _answers(role) -> bool:
 def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) -> int:
     """Roles as supervised child processes (a verifier and a drafter per replica), router and HTTP here."""
     cleanup_stale()
+    remove_role_sockets()  # of servers that were killed
     p = plan(cfg)
     resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 

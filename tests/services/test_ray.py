@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -25,6 +27,8 @@ def ray_server(request, tiny_models, dflash_drafters, tmp_path_factory):
     info = spawn_serve("--config", str(cfg)) | {"method": request.param}
     yield info
     stop_serve(info)
+    # The actors end by ray.kill, their gRPC servers never stop: the server deletes their sockets itself.
+    assert not list(Path(tempfile.gettempdir()).glob(f"blockspec-{info['proc'].pid}-*.sock"))
 
 
 def actor_pids(title: str) -> list[int]:

@@ -137,6 +137,24 @@ def test_the_router_reaches_its_roles_on_unix_sockets(server, prompts, reference
         assert held >= 2 and not tcp, f"{role}: {held} sockets on {path}, TCP connections {tcp}"
 
 
+def test_role_sockets_of_gone_servers_are_removed(tmp_path, monkeypatch):
+    """A killed server's role sockets (and those of Ray actors ended by ray.kill) are deleted: at the next start
+    those whose server no longer runs, at a Ray server's stop its own."""
+    import tempfile
+
+    from blockspec.services.launch import remove_role_sockets
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = [f"blockspec-{int(gone.stdout)}-verifier-0.sock", f"blockspec-{os.getpid()}-drafter-0.sock",
+             "blockspec-x-drafter-0.sock", f"other-{int(gone.stdout)}-verifier-0.sock"]
+    for name in names:
+        (tmp_path / name).touch()
+    assert remove_role_sockets() == [names[0]]
+    assert remove_role_sockets(os.getpid()) == [names[1]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
 def test_killing_the_drafter_mid_stream_loses_nothing_and_speculation_resumes(server, prompts, references):
     call = server["stub"].Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[6]), max_tokens=128),
                                    timeout=120)
