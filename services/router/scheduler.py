@@ -124,6 +124,7 @@ class Scheduler:
             log.exception("step failed; failing the running requests")
             events = [FinishEvent(e.request_id, "error", e.token_ids, e.stats) for e in loop.cancel_all()]
             self._post(self._deliver, events, None)
+            self._post(self._set_load, loop.num_running, loop.num_waiting)  # all cancelled: the gauges show it
             return
         finally:
             self.step_started = None

@@ -9,7 +9,9 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.engine import Engine
 from blockspec.services.router.app import facts_from_engine, start_router
@@ -18,13 +20,13 @@ from blockspec.services.router.app import facts_from_engine, start_router
 class RouterThread:
     """A router on a free port, its asyncio loop in a background thread."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: RouterMetrics | None = None) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.router = asyncio.run_coroutine_threadsafe(
-            start_router([engine.loop], facts_from_engine(engine)), self.loop).result(60)
+            start_router([engine.loop], facts_from_engine(engine), metrics=metrics), self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
         self.stub = api_grpc.GenerationStub(self.channel)
 
@@ -151,11 +153,11 @@ def test_unparseable_and_unknown_field_requests_are_invalid_argument(router):
     assert collect(router.stub.Generate(api_pb2.GenerateRequest(text="ok", max_tokens=2), timeout=30))[2] is not None
 
 
-def _router_with(tiny_models, wrap) -> RouterThread:
+def _router_with(tiny_models, wrap, metrics: RouterMetrics | None = None) -> RouterThread:
     """A router over a fresh engine (draft_model) after wrap(engine) has patched one of its roles."""
     engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=4)
     wrap(engine)
-    return RouterThread(engine)
+    return RouterThread(engine, metrics)
 
 
 def test_the_first_token_streams_before_its_step_drafts(tiny_models, prompts, references):
@@ -204,14 +206,17 @@ def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(failing
         for name in failing:
             setattr(engine.verifier, name, _failing_once(getattr(engine.verifier, name), name))
 
-    r = _router_with(tiny_models, wrap)
+    registry = CollectorRegistry()
+    r = _router_with(tiny_models, wrap, RouterMetrics(registry))
     request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=32, num_speculative_tokens=4)
+    running = []  # the load gauges once the failed stream has ended (before the next request)
     try:
         with pytest.raises(grpc.RpcError) as failed:
             collect(r.stub.Generate(request, timeout=20))
+        running += [registry.get_sample_value(f"blockspec_requests_{g}", {"replica": "0"}) for g in ("running", "waiting")]
         ids, _, finish = collect(r.stub.Generate(request, timeout=20))
         idle = r.engine.loop.idle
     finally:
         r.close()
-    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert failed.value.code() == grpc.StatusCode.INTERNAL and running == [0.0, 0.0]
     assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
