@@ -193,9 +193,7 @@ class StepLoop:
                 return None
             self._waiting.remove(live)
             return self._finish(live, "cancelled")
-        self.verifier.release(request_id)
-        self.drafter.release(request_id)
-        self._texts.drop(request_id)
+        self._release(request_id)
         return self._finish(live, "cancelled")
 
     def cancel_all(self) -> list[FinishEvent]:
@@ -362,10 +360,14 @@ class StepLoop:
         if reason is None:
             return
         del self._running[rid]
-        self.verifier.release(rid)
-        self.drafter.release(rid)
-        self._texts.drop(rid)
+        self._release(rid)
         yield self._finish(live, reason)
+
+    def _release(self, request_id: str) -> None:
+        """Free what the request holds in both roles and in prompt lookup."""
+        self.verifier.release(request_id)
+        self.drafter.release(request_id)
+        self._texts.drop(request_id)
 
     @staticmethod
     def _finish(live: _Live, reason: str) -> FinishEvent:
