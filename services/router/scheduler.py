@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, StepReport, TokenEvent
@@ -44,7 +44,12 @@ class Scheduler:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args, future) for the step thread; None: stop
         self._thread: threading.Thread | None = None
         self._events_loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}
+        # The step loop knows a request by a key of its own, `request_id#n`: a client may reuse a request_id as soon
+        # as its stream has ended, while the old request runs on until its cancel's turn between steps, and neither
+        # stream gets the other's events.
+        self._keys: dict[str, str] = {}  # request_id of a live stream -> its key
+        self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}  # key -> the stream's events
+        self._serial = 0
         self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
         self._fallbacks_seen = 0
         self.steps = 0
@@ -80,17 +85,48 @@ class Scheduler:
         return await future
 
     async def submit(self, request: Request) -> asyncio.Queue[TokenEvent | FinishEvent]:
-        if request.request_id in self._queues:
-            raise ValueError(f"request {request.request_id!r} is already running")
+        """Queue a request; its events come on the returned queue. A caller cancelled while the submit waits for
+        the step in flight leaves nothing behind: the request is cancelled right after it joins."""
+        rid = request.request_id
+        if rid in self._keys:
+            raise ValueError(f"request {rid!r} is already running")
+        self._serial += 1
+        key = self._keys[rid] = f"{rid}#{self._serial}"
         queue_: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
-        self._queues[request.request_id] = queue_
-        await self._call(self.step_loop.submit, request)
+        self._queues[key] = queue_
+        try:
+            await self._call(self.step_loop.submit, replace(request, request_id=key))
+        except asyncio.CancelledError:  # the submit job runs all the same: a cancel job after it
+            self._cancel_job(rid)
+            raise
+        except BaseException:
+            self._keys.pop(rid, None)
+            self._queues.pop(key, None)
+            raise
         return queue_
 
     async def cancel(self, request_id: str) -> FinishEvent | None:
-        """Stop a request (client gone, deadline, stop sequence) and free its KV slots in both roles."""
-        self._queues.pop(request_id, None)
-        return await self._call(self.step_loop.cancel, request_id)
+        """Stop a request (client gone, deadline, stop sequence) and free its KV slots in both roles. None: it had
+        finished already, and its FinishEvent is on its queue by the time this returns."""
+        future = self._cancel_job(request_id)
+        return None if future is None else await future
+
+    def _cancel_job(self, request_id: str) -> asyncio.Future | None:
+        """Free the request_id now and queue the step loop's cancel of its key. Its queue takes the events of the
+        steps before the cancel's turn, then is dropped."""
+        key = self._keys.pop(request_id, None)
+        if key is None:
+            return None
+        future = asyncio.get_running_loop().create_future()
+
+        def done(f: asyncio.Future) -> None:  # the job has run (or never will): drop the queue; an error is seen
+            self._queues.pop(key, None)  # here too, for a cancel nobody awaits (a client gone during its submit)
+            if not f.cancelled():
+                f.exception()
+
+        future.add_done_callback(done)
+        self._jobs.put((self.step_loop.cancel, (key,), future))
+        return future
 
     # The step thread.
 
@@ -149,6 +185,9 @@ class Scheduler:
                 queue_.put_nowait(event)
             if isinstance(event, FinishEvent):
                 self._queues.pop(event.request_id, None)
+                rid = event.request_id.rpartition("#")[0]
+                if self._keys.get(rid) == event.request_id:
+                    del self._keys[rid]
 
     def _observe(self, events: list, done: _StepDone | None) -> None:
         m, loop = self.metrics, self.step_loop

@@ -44,7 +44,8 @@ class ModelFacts:
 
 
 def check_message(msg: object) -> None:
-    """A request that did not parse, or that carries fields this server does not know, is refused."""
+    """A request that did not parse, or that carries fields this server does not know (at any depth: a newer
+    client's sampling option is refused, not ignored), is refused."""
     if isinstance(msg, DecodeError):
         raise InvalidArgument("request", f"does not parse as {api_pb2.DESCRIPTOR.package} message ({msg}); "
                               "string fields must be valid UTF-8")
@@ -52,6 +53,10 @@ def check_message(msg: object) -> None:
     if len(unknown):
         numbers = sorted({f.field_number for f in unknown})
         raise InvalidArgument("request", f"unknown field number(s) {numbers} for {msg.DESCRIPTOR.full_name}")
+    for field, value in msg.ListFields():
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in value if field.is_repeated else [value]:
+                check_message(item)
 
 
 def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
@@ -71,15 +76,18 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     if any(not stop for stop in msg.stop):
         raise InvalidArgument("stop", "stop sequences must not be empty")
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
-    validate_request(ids, msg.max_tokens, k, context_len=facts.context_len, max_k=facts.max_k)
+    validate_request(ids, msg.max_tokens, k, context_len=facts.context_len, max_k=facts.max_k,
+                     k_field="num_speculative_tokens")
     return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), msg.max_tokens, k, sampling)
 
 
-def finish_message(event: FinishEvent, prompt_tokens: int, reason: str) -> api_pb2.Finish:
+def finish_message(event: FinishEvent, prompt_tokens: int, completion_tokens: int, reason: str) -> api_pb2.Finish:
+    """completion_tokens: the token ids the stream sent (a stop sequence ends it before what the engine
+    committed after it)."""
     st = event.stats
     return api_pb2.Finish(
         reason=reason,
-        usage=api_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(event.token_ids)),
+        usage=api_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
         acceptance=api_pb2.AcceptanceSummary(
             steps=st.steps, drafted=st.drafted, accepted=st.accepted, tau=st.tau,
             acceptance_rate=st.acceptance_rate or 0.0, accepted_per_pos=st.accepted_per_pos,
@@ -148,7 +156,7 @@ class GenerationService(api_grpc.GenerationServicer):
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
-        rid, finished = request.request_id, False
+        rid, finished, sent = request.request_id, False, 0  # sent: token ids the stream has carried
         try:
             while True:
                 event = await queue.get()
@@ -156,24 +164,26 @@ class GenerationService(api_grpc.GenerationServicer):
                 if not isinstance(event, FinishEvent):
                     delta, hit = stops.push(text.push(event.token_ids))
                     clock.sent(len(event.token_ids))
+                    sent += len(event.token_ids)
                     if not hit:
                         yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns)
                         continue
                     finished = True
-                    final = await scheduler.cancel(rid)  # stop generating; slots freed
-                    self._finished(span, clock, final, "stop_sequence")
+                    final = await self._stop(scheduler, rid, queue)
+                    self._finished(span, clock, final, sent, "stop_sequence")
                     yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns,
-                                                   finish=finish_message(final, len(request.prompt_ids), "stop_sequence"))
+                                                   finish=finish_message(final, len(request.prompt_ids), sent, "stop_sequence"))
                     return
                 finished = True
-                delta, _ = stops.push(text.flush())
-                delta += stops.flush()
+                delta, hit = stops.push(text.flush())  # the last characters may complete a stop sequence
+                delta += "" if hit else stops.flush()
                 if event.reason == "error":
                     span.set_status(Status(StatusCode.ERROR, "failed inside the engine"))
                     await self._abort(context, grpc.StatusCode.INTERNAL, "the request failed inside the engine; see server logs")
-                self._finished(span, clock, event, event.reason)
+                reason = "stop_sequence" if hit else event.reason
+                self._finished(span, clock, event, sent, reason)
                 yield api_pb2.GenerateResponse(request_id=rid, text=delta, total_ns=total_ns,
-                                               finish=finish_message(event, len(request.prompt_ids), event.reason))
+                                               finish=finish_message(event, len(request.prompt_ids), sent, reason))
                 return
         finally:
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
@@ -182,17 +192,26 @@ class GenerationService(api_grpc.GenerationServicer):
                     self.metrics.requests_finished.labels(reason="cancelled").inc()
                 await asyncio.shield(scheduler.cancel(rid))
 
-    def _finished(self, span, clock: _StreamClock, event: FinishEvent | None, reason: str) -> None:
+    @staticmethod
+    async def _stop(scheduler: Scheduler, rid: str, queue: asyncio.Queue) -> FinishEvent:
+        """End a request whose text hit a stop sequence. If it finished first (in the same step, or in a step the
+        step thread ran before the cancel's turn), its FinishEvent is on the queue."""
+        final = await scheduler.cancel(rid)
+        while final is None:
+            event = queue.get_nowait()
+            final = event if isinstance(event, FinishEvent) else None
+        return final
+
+    def _finished(self, span, clock: _StreamClock, event: FinishEvent, completion_tokens: int, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.requests_finished.labels(reason=reason).inc()
             self.metrics.request_latency.observe(time.perf_counter() - clock.started)
         attrs = {tracing.ATTR_FINISH_REASON: reason}
         if clock.ttft_s is not None:
             attrs[tracing.ATTR_TTFT_S] = clock.ttft_s
-        if event is not None:
-            st = event.stats
-            attrs.update({tracing.ATTR_COMPLETION_TOKENS: len(event.token_ids), tracing.ATTR_DRAFTED: st.drafted,
-                          tracing.ATTR_ACCEPTED: st.accepted, tracing.ATTR_TAU: st.tau})
+        st = event.stats
+        attrs.update({tracing.ATTR_COMPLETION_TOKENS: completion_tokens, tracing.ATTR_DRAFTED: st.drafted,
+                      tracing.ATTR_ACCEPTED: st.accepted, tracing.ATTR_TAU: st.tau})
         span.set_attributes(attrs)
 
     @staticmethod

@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from blockspec.common.errors import InvalidArgument
 
 
-def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, context_len: int, max_k: int) -> None:
-    """`k` = 0 means plain decoding; a speculative method needs 1 <= k <= max_k."""
+def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, context_len: int, max_k: int,
+                     k_field: str = "k") -> None:
+    """`k` = 0 means plain decoding; a speculative method needs 1 <= k <= max_k. k_field: what the caller calls k
+    (the gRPC API: num_speculative_tokens)."""
     if not prompt_ids:
         raise InvalidArgument("prompt", "must not be empty")
     if max_tokens < 1:
@@ -24,6 +26,6 @@ def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, cont
             f"{context_len} tokens; at most {context_len - len(prompt_ids)}",
         )
     if max_k == 0 and k != 0:
-        raise InvalidArgument("k", "this method drafts nothing; leave k unset")
+        raise InvalidArgument(k_field, "this method drafts nothing; leave it unset")
     if max_k > 0 and not 1 <= k <= max_k:
-        raise InvalidArgument("k", f"must be between 1 and {max_k}, got {k}")
+        raise InvalidArgument(k_field, f"must be between 1 and {max_k}, got {k}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -78,7 +79,7 @@ def test_concurrent_streams_equal_the_target_alone(router, prompts, references, 
     [
         ({"text": "", "max_tokens": 8}, "prompt: must not be empty"),
         ({"text": "hi", "max_tokens": 0}, "max_tokens: must be at least 1"),
-        ({"text": "hi", "max_tokens": 8, "num_speculative_tokens": 99}, "k: must be between 1 and 16"),
+        ({"text": "hi", "max_tokens": 8, "num_speculative_tokens": 99}, "num_speculative_tokens: must be between 1 and 16"),
         ({"text": "x " * 600, "max_tokens": 8}, "prompt: "),
         ({"max_tokens": 8}, "prompt: set prompt.text or prompt.token_ids"),
         ({"token_ids": api_pb2.TokenIds(ids=[1, 99999]), "max_tokens": 8}, "token_ids: id 99999 is outside"),
@@ -102,8 +103,26 @@ def test_stop_sequence_truncates_text_and_frees_the_request(router, tokenizer, r
     full = tokenizer.decode(references["qwen3"][3], skip_special_tokens=True)
     stop = full[20:24]
     req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=128, stop=[stop])
-    _, text, finish = collect(router.stub.Generate(req, timeout=60))
+    ids, text, finish = collect(router.stub.Generate(req, timeout=60))
     assert finish.reason == "stop_sequence" and text == full[: full.find(stop)]
+    assert finish.usage.completion_tokens == len(ids)  # what the stream carried, not what was committed after it
+
+
+@pytest.mark.parametrize(("max_tokens", "complete"), [(1, True), (12, True), (1, False)])
+def test_a_stop_sequence_in_the_last_step_ends_the_stream_with_its_finish(router, tokenizer, references, prompts,
+                                                                          max_tokens, complete):
+    """The stop sequence completes with the request's last token: its step also finished the request (max_tokens),
+    which the stop's cancel then no longer finds. Or (complete False) the last token is an incomplete character, so
+    the stop sequence completes only in the text flushed at the finish. Either way the reason is stop_sequence."""
+    texts = [tokenizer.decode(ref[:max_tokens], skip_special_tokens=True) for ref in references["qwen3"]]
+    i = next(i for i, t in enumerate(texts) if t.strip() and t.endswith("\ufffd") != complete)
+    stop = texts[i][-3:]
+    assert texts[i].find(stop) == len(texts[i]) - len(stop), "the stop must first appear at the end"
+    req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[i]), max_tokens=max_tokens, stop=[stop],
+                                  num_speculative_tokens=4)
+    ids, text, finish = collect(router.stub.Generate(req, timeout=60))
+    assert ids == references["qwen3"][i][:max_tokens] and text == texts[i][: -len(stop)]
+    assert finish.reason == "stop_sequence" and finish.usage.completion_tokens == max_tokens
 
 
 def test_cancelled_streams_leave_no_slot_behind(router, prompts):
@@ -115,13 +134,8 @@ def test_cancelled_streams_leave_no_slot_behind(router, prompts):
     deadline_call = router.stub.Generate(api_pb2.GenerateRequest(text="x", max_tokens=128), timeout=0.05)
     with pytest.raises(grpc.RpcError):
         list(deadline_call)
-    for _ in range(100):  # cancellation is processed between steps
-        if (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free:
-            break
-        import time
-
-        time.sleep(0.05)
-    assert (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free
+    # Cancellation is processed between steps.
+    assert _wait(lambda: (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free)
     assert router.engine.loop.idle
 
 
@@ -150,6 +164,11 @@ def test_unparseable_and_unknown_field_requests_are_invalid_argument(router):
     with pytest.raises(grpc.RpcError) as e:
         list(raw(unknown, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown field number(s) [100]" in e.value.details()
+    nested = b"\x12\x02hi\x20\x04" + b"\x32\x03\x90\x03\x01"  # text, max_tokens; sampling with field 50
+    with pytest.raises(grpc.RpcError) as e:
+        list(raw(nested, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown field number(s) [50] for blockspec.v1.SamplingParams" in e.value.details()
     assert collect(router.stub.Generate(api_pb2.GenerateRequest(text="ok", max_tokens=2), timeout=30))[2] is not None
 
 
@@ -220,3 +239,65 @@ def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(failing
         r.close()
     assert failed.value.code() == grpc.StatusCode.INTERNAL and running == [0.0, 0.0]
     assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
+
+
+def _slow_steps(seconds: float):
+    """wrap for _router_with: every proposal takes `seconds` (a step in flight the event loop can act during)."""
+    def wrap(engine):
+        propose = engine.loop.drafter.propose
+
+        def slow(inputs):
+            time.sleep(seconds)
+            return propose(inputs)
+
+        engine.loop.drafter.propose = slow
+    return wrap
+
+
+def test_a_request_id_is_free_again_once_its_stream_ended(tiny_models, prompts, references):
+    """A client that cancels and at once sends another request under the same request_id gets only that request's
+    tokens: the cancelled one runs on until its cancel's turn between steps, and its events are not the new one's."""
+    r = _router_with(tiny_models, _slow_steps(0.2))
+    try:
+        first = r.stub.Generate(api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[0]),
+                                                        max_tokens=64, num_speculative_tokens=4), timeout=60)
+        next(first)
+        first.cancel()
+        again = api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[1]), max_tokens=16,
+                                        num_speculative_tokens=4)
+        ids, _, finish = collect(r.stub.Generate(again, timeout=60))
+        idle = _wait(lambda: r.engine.loop.idle)
+    finally:
+        r.close()
+    assert ids == references["qwen3"][1][:16] and finish.reason == "length" and finish.usage.completion_tokens == 16
+    assert idle
+
+
+def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models, prompts, references):
+    """The deadline passes while the submit waits for the step in flight: the request is cancelled as soon as it
+    joins (it does not run to max_tokens with nobody listening), and its request_id can be sent again at once."""
+    r = _router_with(tiny_models, _slow_steps(1.0))
+    free = r.engine.verifier.free_slots
+    try:
+        busy = r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=8,
+                                                       num_speculative_tokens=4), timeout=60)
+        next(busy)  # a step is in flight from now on
+        late = api_pb2.GenerateRequest(request_id="b", token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=16,
+                                       num_speculative_tokens=4)
+        with pytest.raises(grpc.RpcError) as e:
+            collect(r.stub.Generate(late, timeout=0.3))
+        ids, _, finish = collect(r.stub.Generate(late, timeout=60))  # not ALREADY_EXISTS
+        collect(busy)
+        idle = _wait(lambda: r.engine.loop.idle and r.engine.verifier.free_slots == free)
+    finally:
+        r.close()
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ids == references["qwen3"][2][:16] and finish.reason == "length" and idle
+
+
+def _wait(condition, seconds: float = 10.0) -> bool:
+    """condition() once it holds, polled (the step thread acts between steps), or its last value."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
