@@ -165,6 +165,7 @@ class StepLoop:
         self._waiting: deque[_Live] = deque()
         self._prefilling: dict[str, _Live] = {}  # holding a slot, prompt partly in the cache
         self._running: dict[str, _Live] = {}
+        self._unsent: list[TokenEvent | FinishEvent] = []  # the events of the step's part under way (_phases)
         self.last_report: StepReport | None = None
 
     @property
@@ -199,7 +200,7 @@ class StepLoop:
     def cancel_all(self) -> list[FinishEvent]:
         """Cancel every request wherever it is (a failed step: none can go on). One whose release fails ends all the
         same, without its tokens (logged; a role may keep its slot)."""
-        events = []
+        events = [e for e in self._handed_on() if isinstance(e, FinishEvent)]  # finished in the failed step
         for rid in [lv.request.request_id for lv in self._waiting] + [*self._prefilling, *self._running]:
             try:
                 event = self.cancel(rid)
@@ -231,28 +232,35 @@ class StepLoop:
 
     def _phases(self) -> Iterator[list[TokenEvent | FinishEvent]]:
         """One step in two parts: the first tokens of the prompts prefilled now, then the round's events (each list
-        whole before it is handed on: a caller may cancel between two events)."""
-        yield self._admit()
-        yield list(self._step()) if self._running else []
+        whole before it is handed on: a caller may cancel between two events). Each part collects its events in
+        `_unsent` as it makes them: if it fails midway, cancel_all still ends the requests it finished."""
+        self._unsent = []
+        self._admit()
+        yield self._handed_on()
+        for event in self._step() if self._running else ():
+            self._unsent.append(event)
+        yield self._handed_on()
 
-    def _admit(self) -> list[TokenEvent | FinishEvent]:
+    def _handed_on(self) -> list[TokenEvent | FinishEvent]:
+        events, self._unsent = self._unsent, []
+        return events
+
+    def _admit(self) -> None:
         """Take queued requests while slots allow and prefill (chunked: at most prefill_chunk prompt tokens per step,
-        so running streams keep going); the events of every prompt now complete (its first token)."""
-        events: list[TokenEvent | FinishEvent] = []
+        so running streams keep going); the events of every prompt now complete (its first token) to `_unsent`."""
         self.last_report = None
         while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch
                and self.verifier.free_slots):
             live = self._waiting.popleft()
             live.stats.queued_s = time.perf_counter() - live.stats.started
+            self._prefilling[live.request.request_id] = live  # first: if the add fails, a failed step still ends it
             self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
-            self._prefilling[live.request.request_id] = live
         self._prefilled = bool(self._prefilling)
         if self._prefilling:
             for result in self.verifier.prefill(list(self._prefilling), self.prefill_chunk):
                 live = self._running[result.request_id] = self._prefilling.pop(result.request_id)
                 live.stats.first_token_s = time.perf_counter() - live.stats.started
-                events.extend(self._commit(live, result))
-        return events
+                self._unsent.extend(self._commit(live, result))
 
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
@@ -359,8 +367,8 @@ class StepLoop:
         reason = "stop" if result.eos else "length" if live.generated >= live.request.max_tokens else None
         if reason is None:
             return
+        self._release(rid)  # then forget it: if the release fails, a failed step still ends it
         del self._running[rid]
-        self._release(rid)
         yield self._finish(live, reason)
 
     def _release(self, request_id: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from blockspec.services.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent, TokenEvent
 from tests.conftest import NEW_TOKENS
@@ -154,3 +156,23 @@ def test_step_spans_only_while_a_tracer_provider_is_set(tiny_models, prompts, mo
     spans = [s for s in exporter.get_finished_spans() if s.name == tracing.SPAN_STEP]
     assert len(made) == len(spans) == n
     assert sum(s.attributes[tracing.ATTR_DRAFTED] for s in spans) >= sum(s.attributes[tracing.ATTR_ACCEPTED] for s in spans) > 0
+
+
+def test_a_step_that_fails_midway_still_ends_the_requests_it_finished(tiny_models, prompts):
+    """Two requests finish at their first token in one step; releasing the second fails. The first's finish was
+    made before the failure and the second is still held: cancel_all ends both (nothing waits forever)."""
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2)
+    release = engine.verifier.release
+
+    def failing_release(request_id):
+        if request_id == "b":
+            raise RuntimeError("injected: release")
+        release(request_id)
+
+    engine.verifier.release = failing_release
+    for rid in ("a", "b"):
+        engine.loop.submit(engine.request(rid, prompts[1], 1, 0))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.loop.step()
+    ended = {e.request_id for e in engine.loop.cancel_all()}
+    assert ended == {"a", "b"} and engine.loop.idle
