@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socketserver
 import threading
 from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -12,7 +13,18 @@ from prometheus_client import make_wsgi_app
 log = logging.getLogger(__name__)
 
 
+HANDLER_TIMEOUT_S = 10.0  # a connection that sends no complete request in this long is closed
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    """One thread per connection: an idle or slow client (a stuck scraper) cannot hold up a readiness probe."""
+
+    daemon_threads = True
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = HANDLER_TIMEOUT_S
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         log.debug(format, *args)
 
@@ -36,6 +48,6 @@ def http_app(readiness: Callable[[], tuple[bool, str]]):
 
 def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]]) -> WSGIServer:
     """Serve in a daemon thread; returns the server (server.server_port is the bound port)."""
-    server = make_server(host, port, http_app(readiness), handler_class=_QuietHandler)
+    server = make_server(host, port, http_app(readiness), server_class=_ThreadingServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     return server
