@@ -75,6 +75,7 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
         self._tap_buffer = None
         self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
+        self._segments: tuple[bytes, ...] | None = None  # the handles last attached to (Attach)
 
     def close(self) -> None:
         pass  # nothing held outside the process (the verifier's segments are the verifier's)
@@ -89,6 +90,17 @@ class DrafterService(roles_grpc.DrafterServicer):
         return self._info()
 
     async def Attach(self, info: roles_pb2.VerifierInfo, context: grpc.aio.ServicerContext) -> roles_pb2.DrafterInfo:
+        """Map the verifier's shared tensors. Attached to another verifier than before (it restarted: new segments),
+        the drafter drops everything it held for the old one and maps the new one's."""
+        segments = tuple(h.SerializeToString() for h in (info.embedding, info.lm_head, info.tap_buffer, info.draft_q_ids))
+        if self._segments is not None and segments != self._segments:
+            log.info("attached to another verifier: dropping %d requests and the old mappings", len(self._tokens))
+            for rid in list(self._tokens):
+                self._forget(rid)
+            self._tap_buffer = self._q_ids = self._q_probs = None
+            if self.dflash_model is not None:
+                self.proposer = None  # rebuilt over the new mappings below
+        self._segments = segments
         if info.HasField("draft_q_ids") and self._q_ids is None:
             self._q_ids, self._q_probs = _open(info.draft_q_ids), _open(info.draft_q_probs)
         if self.proposer is None:

@@ -147,14 +147,17 @@ class RemoteDrafter:
         info = stub.Attach(self.verifier.info, timeout=60 if wait else self.timeout_s, wait_for_ready=wait)
         self.max_k = info.max_k
         self._stream = StreamCall(stub.Steps)
-        self._sent.clear()  # a (re)started drafter knows nothing: send whole contexts
+        # Send whole contexts again (a restarted drafter knows nothing), and keep every request: one the drafter
+        # may still hold (a timed-out op is applied all the same) gets its release.
+        self._sent = dict.fromkeys(self._sent, 0)
 
     def _down(self, error: BaseException) -> None:
         log.warning("drafter failed (%s): continuing at k=0", error)
         if self._stream is not None:
             self._stream.close()
+        if self._channel is not None:  # a failed reconnect's too
             self._channel.close()
-        self._stream = None
+        self._stream = self._channel = None
         self._next_try = time.monotonic() + self.retry_s
 
     def release(self, request_id: str) -> None:
@@ -173,7 +176,7 @@ class RemoteDrafter:
             return [Draft(()) for _ in inputs]
         items = []
         for i in inputs:
-            sent = self._sent.get(i.request_id, 0)
+            sent = self._sent.setdefault(i.request_id, 0)  # known from now on: the drafter may hold it after this op
             item = roles_pb2.ProposeItem(request_id=i.request_id, committed_len=len(i.token_ids),
                                          new_token_ids=i.token_ids[sent:], k=i.k,
                                          feature_slot=self.verifier.slot_of(i.request_id))

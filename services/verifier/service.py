@@ -119,7 +119,8 @@ class VerifierService(roles_grpc.VerifierServicer):
             if req.prefill or req.prefill_continue:
                 for item in req.prefill:
                     v.add(item.request_id, list(item.prompt_ids), from_pb(item.sampling))
-                ids = [item.request_id for item in req.prefill] + list(req.prefill_continue)
+                # Prompts under way first, as the step loop orders them: new short prompts must not starve a long one.
+                ids = list(req.prefill_continue) + [item.request_id for item in req.prefill]
                 results += v.prefill(ids, req.prefill_budget or None)
             if req.verify:
                 results += v.verify([VerifyInput(i.request_id, tuple(i.draft_ids), self._draft_q(i)) for i in req.verify])

@@ -1,0 +1,94 @@
+"""The role protocol's bookkeeping over gRPC: a drafter op that timed out still gets its release, a drafter
+attached to a restarted verifier maps the new one, a verifier continues a prompt under way before new ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from blockspec.protos import roles_pb2
+from blockspec.services.drafter.service import DrafterService
+from blockspec.services.launch import serve_drafter, serve_verifier, verifier_service
+from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
+from blockspec.services.router.step_loop import Request, StepLoop
+from tests.services.test_split import Loop
+
+
+def test_a_drafter_op_that_timed_out_still_gets_its_release(tiny_models, dflash_drafters, prompts):
+    """Each request's only proposal times out (the drafter applies it all the same, taking a slot) and the request
+    finishes at k=0 while the drafter is down. The reconnected router releases both: a later request drafts."""
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
+    loop = Loop()
+    vsvc = verifier_service(target, "dflash", drafter, max_batch=2, max_len=256)
+    dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
+    vserver, _, vport = loop.run(serve_verifier(vsvc))
+    dserver, _, dport = loop.run(serve_drafter(dsvc))
+    run, slow = dsvc._run, []
+
+    def run_late(req):  # applied, but after the router's timeout
+        if slow:
+            slow.pop()
+            time.sleep(1.0)
+        return run(req)
+
+    dsvc._run = run_late
+    verifier = RemoteVerifier(f"127.0.0.1:{vport}")
+    remote = RemoteDrafter(f"127.0.0.1:{dport}", verifier, timeout_s=0.5, retry_s=1.2)
+    steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)
+    try:
+        for i in range(2):
+            slow.append(True)
+            steps.submit(Request(f"r{i}", tuple(prompts[0][:20]), max_tokens=4, k=3))
+            while not steps.idle:
+                steps.step()
+            time.sleep(1.3)  # past retry_s: the next proposal reconnects
+        fallbacks = remote.fallbacks
+        steps.submit(Request("fresh", tuple(prompts[0][:20]), max_tokens=12, k=3))
+        while not steps.idle:
+            steps.step()
+        assert fallbacks > 0 and remote.fallbacks == fallbacks, "the later request fell back: slots leaked"
+        assert "r0" not in dsvc._tokens and "r1" not in dsvc._tokens
+    finally:
+        remote.close()
+        verifier.close()
+        loop.run(vserver.stop(0))
+        loop.run(dserver.stop(0))
+        vsvc.close()
+        loop.close()
+
+
+def test_a_drafter_attached_to_a_restarted_verifier_maps_the_new_one(tiny_models, dflash_drafters):
+    """A verifier restarts (new segments) while the drafter runs on: attached again, the drafter must read the new
+    verifier's tap features and write its draft q where the new verifier reads it (the rejection rule's q)."""
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
+    old = verifier_service(target, "dflash", drafter, max_batch=2, max_len=256)
+    dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
+    asyncio.run(dsvc.Attach(old.info, None))
+    dsvc._tokens["gone"] = [1, 2, 3]  # a request of the old verifier's
+    new = verifier_service(target, "dflash", drafter, max_batch=2, max_len=256)
+    try:
+        old.close()
+        asyncio.run(dsvc.Attach(new.info, None))
+        dsvc._q_probs[0, 0, 0] = 0.5
+        new.verifier.tap_buffer[0, 0, 0] = 7.0
+        assert float(new.q_probs[0, 0, 0]) == 0.5 and float(dsvc._tap_buffer[0, 0, 0]) == 7.0
+        assert "gone" not in dsvc._tokens
+    finally:
+        new.close()
+
+
+def test_the_verifier_continues_a_prompt_under_way_before_new_ones(tiny_models, prompts):
+    """Chunked prefill over gRPC: a long prompt part-way in the cache goes on first, as the in-process step loop
+    orders it; new prompts first would let a stream of short ones starve it."""
+    target = str(tiny_models["qwen3"]["target"])
+    vsvc = verifier_service(target, "none", None, max_batch=2, max_len=512)
+    try:
+        long_ids = max(prompts, key=len)[:100]
+        vsvc._run(roles_pb2.VerifierRequest(seq=1, prefill=[roles_pb2.PrefillItem(request_id="long", prompt_ids=long_ids)],
+                                            prefill_budget=32))
+        vsvc._run(roles_pb2.VerifierRequest(seq=2, prefill=[roles_pb2.PrefillItem(request_id="short", prompt_ids=prompts[1][:8])],
+                                            prefill_continue=["long"], prefill_budget=32))
+        v = vsvc.verifier
+        assert len(long_ids) > 64 and v.runner.cache.lengths[v.slot_of("long")] == 64
+    finally:
+        vsvc.close()
