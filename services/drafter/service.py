@@ -76,6 +76,7 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._tap_buffer = None
         self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
         self._segments: tuple[bytes, ...] | None = None  # the handles last attached to (Attach)
+        self._sessions: dict[str, object] = {}  # request -> the stream (router) that last sent it
 
     def close(self) -> None:
         pass  # nothing held outside the process (the verifier's segments are the verifier's)
@@ -115,18 +116,32 @@ class DrafterService(roles_grpc.DrafterServicer):
 
     async def Steps(self, requests, context: grpc.aio.ServicerContext):
         # Each op on the server's own thread, as the verifier's (`VerifierService.Steps`): no hand-off to a worker.
+        session = object()  # the router on this stream: the requests it last sent end with it
         try:
             async for req in requests:
                 if self.proposer is None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dflash drafter not attached to a verifier")
-                yield self._handle(req)
+                yield self._handle(req, session)
         except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
             return
+        finally:
+            self._end_session(session)
+
+    def _end_session(self, session: object) -> None:
+        """A router's stream has ended (it stopped, reconnected after a timeout, or died): forget what it still
+        held. A request it sends again on a new stream belongs to that one (and is not forgotten here)."""
+        held = [rid for rid, owner in self._sessions.items() if owner is session]
+        for rid in held:
+            self._forget(rid)
+        if held:
+            log.info("a router's stream ended holding %d requests: forgotten", len(held))
 
     def _forget(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
         self._slots.pop(request_id, None)
-        self.proposer.release(request_id)
+        self._sessions.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _accept(self, item: roles_pb2.ProposeItem) -> bool:
         """Apply a delta versioned by committed length; False (stale) when it does not follow our view."""
@@ -135,6 +150,10 @@ class DrafterService(roles_grpc.DrafterServicer):
             return True  # a retry of a propose already applied: idempotent
         if item.committed_len == len(known) + len(item.new_token_ids):
             known.extend(item.new_token_ids)
+            self._slots[item.request_id] = item.feature_slot
+            return True
+        if item.committed_len == len(item.new_token_ids) and list(item.new_token_ids[: len(known)]) == known:
+            known.extend(item.new_token_ids[len(known) :])  # the whole context again (a reconnected router): go on
             self._slots[item.request_id] = item.feature_slot
             return True
         if item.committed_len > len(known):  # a gap (e.g. we restarted): the router resends everything
@@ -152,17 +171,19 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._q_probs[item.feature_slot, :n, :width] = draft.q.probs[:n]
         return roles_pb2.DraftItem(request_id=item.request_id, draft_ids=draft.token_ids[:n], q_width=width)
 
-    def _handle(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:
+    def _handle(self, req: roles_pb2.DrafterRequest, session: object = None) -> roles_pb2.DrafterResponse:
         with tracing.tracer().start_as_current_span(tracing.SPAN_DRAFTER_OP, context=tracing.remote_parent(req.traceparent),
                                                     attributes={tracing.ATTR_ROLE: "drafter", tracing.ATTR_ITEMS: len(req.items)}):
-            resp = self._run(req)
+            resp = self._run(req, session)
         resp.rss_bytes, resp.gpu_bytes = process_memory(ROLE_MEMORY_MAX_AGE_S)
         return resp
 
-    def _run(self, req: roles_pb2.DrafterRequest) -> roles_pb2.DrafterResponse:
+    def _run(self, req: roles_pb2.DrafterRequest, session: object = None) -> roles_pb2.DrafterResponse:
         started = time.perf_counter_ns()
         for rid in req.release:
             self._forget(rid)
+        for item in req.items:
+            self._sessions[item.request_id] = session
         fresh = [item for item in req.items if self._accept(item)]
         inputs = [ProposeInput(i.request_id, self._tokens[i.request_id], i.k, from_pb(i.sampling)) for i in fresh]
         drafts = dict(zip((i.request_id for i in fresh), self.proposer.propose(inputs))) if inputs else {}

@@ -70,6 +70,7 @@ class VerifierService(roles_grpc.VerifierServicer):
         self.shares = SharedTensors()
         self.info = share_target_tensors(verifier, self.shares, target_path)
         self.q_ids, self.q_probs = share_draft_q(verifier.runner.cache.num_slots, self.shares, self.info)
+        self._sessions: dict[str, object] = {}  # request -> the stream (router) that added it
 
     def close(self) -> None:
         self.shares.close()
@@ -87,11 +88,24 @@ class VerifierService(roles_grpc.VerifierServicer):
         # Each op runs on the server's own thread, one at a time. Handing it to a worker thread and back cost a
         # thread wake-up each way on every op: on the 2-core VM an empty op's round trip fell from 0.60 to 0.41 ms
         # and a verify's from 4.1 to 2.3 ms without the hand-off (README, "Overhead").
+        session = object()  # the router on this stream: what it adds and does not release ends with it
         try:
             async for req in requests:
-                yield self._handle(req)
+                yield self._handle(req, session)
         except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
             return
+        finally:
+            self._end_session(session)
+
+    def _end_session(self, session: object) -> None:
+        """A router's stream has ended (it stopped, or died mid-run): free the slots of what it still held, so a
+        router started again finds them (a clean stop has released everything before)."""
+        held = [rid for rid, owner in self._sessions.items() if owner is session]
+        for rid in held:
+            del self._sessions[rid]
+            self.verifier.release(rid)
+        if held:
+            log.warning("a router's stream ended holding %d requests: their slots are free again", len(held))
 
     def _draft_q(self, item: roles_pb2.VerifyItem) -> DraftDist | None:
         """The q rows the drafter left in the shared buffer for this request's draft (views, no copy)."""
@@ -100,25 +114,27 @@ class VerifierService(roles_grpc.VerifierServicer):
         slot, n = self.verifier.slot_of(item.request_id), len(item.draft_ids)
         return DraftDist(self.q_ids[slot, :n, : item.q_width], self.q_probs[slot, :n, : item.q_width])
 
-    def _handle(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
+    def _handle(self, req: roles_pb2.VerifierRequest, session: object = None) -> roles_pb2.VerifierResponse:
         with tracing.tracer().start_as_current_span(tracing.SPAN_VERIFIER_OP, context=tracing.remote_parent(req.traceparent),
                                                     attributes={tracing.ATTR_ROLE: "verifier",
                                                                 tracing.ATTR_ITEMS: len(req.prefill) + len(req.prefill_continue)
                                                                 + len(req.verify)}):
-            resp = self._run(req)
+            resp = self._run(req, session)
         resp.rss_bytes, resp.gpu_bytes = process_memory(ROLE_MEMORY_MAX_AGE_S)
         return resp
 
-    def _run(self, req: roles_pb2.VerifierRequest) -> roles_pb2.VerifierResponse:
+    def _run(self, req: roles_pb2.VerifierRequest, session: object = None) -> roles_pb2.VerifierResponse:
         started = time.perf_counter_ns()
         v = self.verifier
         try:
             for rid in req.release:
                 v.release(rid)
+                self._sessions.pop(rid, None)
             results = []
             if req.prefill or req.prefill_continue:
                 for item in req.prefill:
                     v.add(item.request_id, list(item.prompt_ids), from_pb(item.sampling))
+                    self._sessions[item.request_id] = session
                 # Prompts under way first, as the step loop orders them: new short prompts must not starve a long one.
                 ids = list(req.prefill_continue) + [item.request_id for item in req.prefill]
                 results += v.prefill(ids, req.prefill_budget or None)

@@ -11,6 +11,7 @@ from blockspec.services.drafter.service import DrafterService
 from blockspec.services.launch import serve_drafter, serve_verifier, verifier_service
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.step_loop import Request, StepLoop
+from tests.services.router.test_server import _wait
 from tests.services.test_split import Loop
 
 
@@ -25,11 +26,11 @@ def test_a_drafter_op_that_timed_out_still_gets_its_release(tiny_models, dflash_
     dserver, _, dport = loop.run(serve_drafter(dsvc))
     run, slow = dsvc._run, []
 
-    def run_late(req):  # applied, but after the router's timeout
+    def run_late(*args):  # applied, but after the router's timeout
         if slow:
             slow.pop()
             time.sleep(1.0)
-        return run(req)
+        return run(*args)
 
     dsvc._run = run_late
     verifier = RemoteVerifier(f"127.0.0.1:{vport}")
@@ -92,3 +93,47 @@ def test_the_verifier_continues_a_prompt_under_way_before_new_ones(tiny_models, 
         assert len(long_ids) > 64 and v.runner.cache.lengths[v.slot_of("long")] == 64
     finally:
         vsvc.close()
+
+
+def test_a_router_that_goes_away_leaves_no_request_in_the_roles(tiny_models, dflash_drafters, prompts):
+    """Roles run as their own services outlive a router that dies mid-run: when its streams end, both roles free
+    what it held, and the router started next finds every slot free and drafts."""
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
+    loop = Loop()
+    vsvc = verifier_service(target, "dflash", drafter, max_batch=2, max_len=256)
+    dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
+    vserver, _, vport = loop.run(serve_verifier(vsvc))
+    dserver, _, dport = loop.run(serve_drafter(dsvc))
+    prompt = tuple(max(prompts, key=len)[:20])
+    freed = []
+    try:
+        for _ in range(2):
+            verifier = RemoteVerifier(f"127.0.0.1:{vport}")
+            remote = RemoteDrafter(f"127.0.0.1:{dport}", verifier)
+            steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)
+            for i in range(2):
+                steps.submit(Request(f"r{i}", prompt, max_tokens=64, k=3))
+            for _ in range(3):
+                steps.step()
+            assert steps.num_running == 2 and remote.fallbacks == 0
+            remote.close()  # gone without a release
+            verifier.close()
+            freed.append(_wait(lambda: vsvc.verifier.free_slots == 2 and not dsvc._tokens
+                               and dsvc.proposer.cache.free_slots == 2))
+    finally:
+        loop.run(vserver.stop(0))
+        loop.run(dserver.stop(0))
+        vsvc.close()
+        loop.close()
+    assert freed == [True, True]
+
+
+def test_a_drafter_takes_a_whole_context_resent_over_what_it_holds(tiny_models, dflash_drafters):
+    """A router that reconnected resends whole contexts: where the drafter holds a prefix of one it goes on (before,
+    it took it for a gap and drafted nothing that step); a context that does not extend what it holds is stale."""
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
+    dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
+    dsvc._tokens.update({"same": [5, 6, 7], "other": [5, 6, 7]})
+    resent = roles_pb2.ProposeItem(request_id="same", committed_len=5, new_token_ids=[5, 6, 7, 8, 9], k=3)
+    assert dsvc._accept(resent) and dsvc._tokens["same"] == [5, 6, 7, 8, 9]
+    assert not dsvc._accept(roles_pb2.ProposeItem(request_id="other", committed_len=5, new_token_ids=[5, 6, 4, 8, 9], k=3))
