@@ -90,6 +90,8 @@ class RemoteVerifier:
         self.memory = (resp.rss_bytes, resp.gpu_bytes)
         if resp.error:
             raise RuntimeError(f"verifier: {resp.error}")
+        if resp.seq != req.seq:  # out of step with the stream: none of its results can be trusted
+            raise RuntimeError(f"verifier answered op {resp.seq} to op {req.seq}")
         out = []
         for r in resp.results:
             self._active[r.request_id] = r.slot
@@ -187,6 +189,8 @@ class RemoteDrafter:
             resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release,
                                                               traceparent=tracing.traceparent()), self.timeout_s)
             self.memory = (resp.rss_bytes, resp.gpu_bytes)
+            if resp.seq != self._seq:  # out of step with the stream: reconnect
+                raise RuntimeError(f"drafter answered op {resp.seq} to op {self._seq}")
         except Exception as e:
             self._down(e)
             self.fallbacks += len(inputs)

@@ -363,6 +363,9 @@ class StepLoop:
     def _commit(self, live: _Live, result: VerifyResult) -> Iterator[TokenEvent | FinishEvent]:
         live.token_ids.extend(result.token_ids)
         rid = live.request.request_id
+        if result.committed_len != len(live.token_ids):  # the verifier holds other tokens than the stream has sent
+            raise RuntimeError(f"request {rid}: the verifier committed {result.committed_len} tokens, the step loop "
+                               f"{len(live.token_ids)}")
         yield TokenEvent(rid, result.token_ids)
         reason = "stop" if result.eos else "length" if live.generated >= live.request.max_tokens else None
         if reason is None:

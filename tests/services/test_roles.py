@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from blockspec.protos import roles_pb2
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.launch import serve_drafter, serve_verifier, verifier_service
@@ -137,3 +139,44 @@ def test_a_drafter_takes_a_whole_context_resent_over_what_it_holds(tiny_models, 
     resent = roles_pb2.ProposeItem(request_id="same", committed_len=5, new_token_ids=[5, 6, 7, 8, 9], k=3)
     assert dsvc._accept(resent) and dsvc._tokens["same"] == [5, 6, 7, 8, 9]
     assert not dsvc._accept(roles_pb2.ProposeItem(request_id="other", committed_len=5, new_token_ids=[5, 6, 4, 8, 9], k=3))
+
+
+def test_a_reply_out_of_step_with_its_op_fails_the_step(tiny_models, prompts):
+    """The router reads each role's replies in order; one that answers another op (a bug on either side) fails the
+    step instead of committing another op's tokens."""
+    target = str(tiny_models["qwen3"]["target"])
+    loop = Loop()
+    vsvc = verifier_service(target, "none", None, max_batch=2, max_len=256)
+    vserver, _, vport = loop.run(serve_verifier(vsvc))
+    run = vsvc._run
+
+    def run_off_by_one(req, *args):
+        resp = run(req, *args)
+        resp.seq += req.seq >= 3
+        return resp
+
+    vsvc._run = run_off_by_one
+    verifier = RemoteVerifier(f"127.0.0.1:{vport}")
+    steps = StepLoop(verifier, RemoteDrafterless(), max_batch=2, prefill_chunk=None)
+    try:
+        steps.submit(Request("r", tuple(max(prompts, key=len)[:20]), max_tokens=16, k=0))
+        steps.step()  # ops 1 and 2: the prefill, a decode
+        with pytest.raises(RuntimeError, match="answered op 4 to op 3"):
+            steps.step()
+    finally:
+        verifier.close()
+        loop.run(vserver.stop(0))
+        vsvc.close()
+        loop.close()
+
+
+class RemoteDrafterless:
+    """A drafter role for plain decoding: drafts nothing."""
+
+    max_k = 0
+
+    def propose(self, inputs):
+        return []
+
+    def release(self, request_id: str) -> None:
+        pass

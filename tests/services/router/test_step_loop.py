@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from blockspec.services.engine import Engine
@@ -176,3 +178,17 @@ def test_a_step_that_fails_midway_still_ends_the_requests_it_finished(tiny_model
         engine.loop.step()
     ended = {e.request_id for e in engine.loop.cancel_all()}
     assert ended == {"a", "b"} and engine.loop.idle
+
+
+def test_a_verifier_that_committed_other_tokens_fails_the_step(tiny_models, prompts):
+    """The step loop's committed tokens and the verifier's must agree; a result that says otherwise is not streamed."""
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=1)
+    verify = engine.verifier.verify
+
+    def verify_one_off(inputs):
+        return [dataclasses.replace(r, committed_len=r.committed_len + 1) for r in verify(inputs)]
+
+    engine.verifier.verify = verify_one_off
+    engine.loop.submit(engine.request("a", prompts[1], 8, 0))
+    with pytest.raises(RuntimeError, match="the verifier committed"):
+        engine.loop.step()  # the prefill's result holds; the decode's does not
