@@ -220,7 +220,11 @@ class StepLoop:
         if emit is not None and events:
             emit(events)
             events = []
-        return events + next(phases)
+        try:
+            return events + next(phases)
+        except Exception:
+            self._unsent[:0] = events  # not handed on: cancel_all ends what they finished
+            raise
 
     def run(self, requests: Iterable[Request]) -> Iterator[TokenEvent | FinishEvent]:
         """Submit all requests and step until every one has finished; first tokens as soon as they are known."""

@@ -192,3 +192,19 @@ def test_a_verifier_that_committed_other_tokens_fails_the_step(tiny_models, prom
     engine.loop.submit(engine.request("a", prompts[1], 8, 0))
     with pytest.raises(RuntimeError, match="the verifier committed"):
         engine.loop.step()  # the prefill's result holds; the decode's does not
+
+
+def test_a_round_that_fails_still_ends_the_requests_its_prefill_finished(tiny_models, prompts):
+    """step() without emit hands a step's first tokens on with its round's events. Here request "a" finishes at its
+    first token and the round of "b" fails: cancel_all still ends both."""
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2)
+
+    def failing_verify(inputs):
+        raise RuntimeError("injected: verify")
+
+    engine.verifier.verify = failing_verify
+    engine.loop.submit(engine.request("a", prompts[1], 1, 0))
+    engine.loop.submit(engine.request("b", prompts[2], 8, 0))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.loop.step()
+    assert {e.request_id for e in engine.loop.cancel_all()} == {"a", "b"} and engine.loop.idle
