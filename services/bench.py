@@ -48,6 +48,7 @@ class Mode:
 
 
 FLAGS = ("adaptive", "replay", "lookup")
+SERVER = Mode("server")  # `bench --server`'s rows: Mode("server", k), k = 0 plain decoding (the baseline)
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -56,14 +57,15 @@ def parse_modes(text: str) -> list[Mode]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, rest = item.partition(":")
         k, *flags = rest.split(":")
-        tokens = [f.removeprefix("lookup") for f in flags if f.startswith("lookup") and f != "lookup"]
+        tokens = [f.removeprefix("lookup") for f in flags if f.startswith("lookup") and f.removeprefix("lookup").isdigit()]
+        takes_k = name not in ("none", "hf")
         flags = ["lookup" if f.startswith("lookup") and f.removeprefix("lookup").isdigit() else f for f in flags]
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
         known = name in ENGINE_METHODS and all(f in FLAGS for f in flags) and len(set(flags)) == len(flags)
         # replay needs a drafter, lookup a model drafter (ngram is a lookup already); adaptive excludes replay
         fits = (name != "none" or "replay" not in flags) and (name in ("draft_model", "dflash") or "lookup" not in flags)
-        bad_tokens = "0" in tokens or (tokens and "adaptive" in flags)  # adaptive k's widths stop at k + 1
+        bad_tokens = any(int(t) < 1 for t in tokens) or (tokens and "adaptive" in flags)  # adaptive k's widths stop at k + 1
         if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)) or bad_tokens:
             raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those with a "
                                              "model drafter ':lookup' or ':lookupN' (N >= 1 tokens a lookup drafts, "
@@ -73,8 +75,10 @@ def parse_modes(text: str) -> list[Mode]:
                               int(tokens[0]) if tokens else None))
         except ValueError:
             raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
-        if name not in ("none", "hf") and not modes[-1].k:
-            raise InvalidArgument("--modes", f"{item!r}: give k, e.g. {name}:5")
+        if takes_k and modes[-1].k < 1:
+            raise InvalidArgument("--modes", f"{item!r}: give k of at least 1, e.g. {name}:5")
+        if not takes_k and k:
+            raise InvalidArgument("--modes", f"{item!r}: {name} takes no k")
     return modes
 
 
@@ -218,9 +222,7 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
     stub = api_grpc.GenerationStub(channel)
 
     def one(p, at: float | None = None):
-        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens)
-        if k:
-            req.num_speculative_tokens = k
+        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens, num_speculative_tokens=k)
         if at is not None:
             time.sleep(max(pass_started + at - time.perf_counter(), 0.0))
         ids, finish, started, first = [], None, time.perf_counter() if at is None else pass_started + at, None
@@ -242,7 +244,7 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
     per_pos = accepted_per_position([a.accepted_per_pos for a in acc])
     tokens = sum(len(ids) for ids, *_ in results)
     times = latency([t for *_, t, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d in results])
-    return Row("server", k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
+    return Row(SERVER.name, k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
                acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
                **times), [ids for ids, *_ in results]
 
@@ -294,13 +296,14 @@ def machine(device: Device = CPU) -> str:
 def timed_passes(runners: dict, rounds: int, bar=None, after_round: Callable[[], None] | None = None) -> dict:
     """Each runner `rounds` times, the modes interleaved in another order every round (drift hits every mode
     alike), after_round() after each round -> {mode: (its median pass's row, with every pass's tokens/s and
-    TPOT, its first pass's outputs)}."""
-    ms, first = list(runners), {}
+    TPOT, every pass's outputs)}."""
+    ms = list(runners)
     samples: dict[Mode, list[Row]] = {m: [] for m in ms}
+    outputs_of: dict[Mode, list] = {m: [] for m in ms}
     for r in range(rounds):
         for m in ms[r % len(ms):] + ms[: r % len(ms)]:
             row, outputs = runners[m]()
-            first.setdefault(m, outputs)
+            outputs_of[m].append(outputs)
             samples[m].append(row)
             if bar is not None:
                 bar.update()
@@ -311,23 +314,26 @@ def timed_passes(runners: dict, rounds: int, bar=None, after_round: Callable[[],
         row = sorted(samples[m], key=lambda row: row.tokens_per_s)[len(samples[m]) // 2]
         row.rounds = [p.tokens_per_s for p in samples[m]]
         row.tpot_rounds = [p.tpot_ms for p in samples[m] if p.tpot_ms is not None]
-        medians[m] = (row, first[m])
+        medians[m] = (row, outputs_of[m])
     return medians
 
 
-def _against_plain(passes: dict, rate: float | None = None) -> list[Row]:
-    """timed_passes' median rows, each checked against plain decoding's outputs and compared with its tokens/s."""
-    plain, plain_outputs = passes[Mode("none")]
+def against_plain(passes: dict, rate: float | None = None, plain: Mode = Mode("none")) -> list[Row]:
+    """timed_passes' median rows, each compared with the `plain` mode's tokens/s; exact when every pass of the mode
+    gave plain decoding's first pass's outputs (without a plain mode: no ratio, exact unknown)."""
+    base, (plain_outputs, *_) = passes.get(plain, (None, (None,)))
     for row, outputs in passes.values():
-        row.exact, row.request_rate = outputs == plain_outputs, rate
-        row.speedup = row.tokens_per_s / plain.tokens_per_s
+        row.request_rate = rate
+        if base is not None:
+            row.exact = all(o == plain_outputs for o in outputs)
+            row.speedup = row.tokens_per_s / base.tokens_per_s
     return [row for row, _ in passes.values()]
 
 
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
               max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
               waves: int = 4, device: Device = CPU, request_rates: Sequence[float] = (), max_concurrency: int = 16) -> dict:
-    """Run every mode at every concurrency (transformers modes at the first), `rounds` passes each (draft_model
+    """Run every mode at every concurrency (transformers modes at 1), `rounds` passes each (draft_model
     and the hf-assisted modes with `assistant` as their draft model),
     interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
     exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`.
@@ -343,6 +349,8 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     if not any(m.name == "none" for m in modes):
         modes = [Mode("none"), *modes]  # the baseline every ratio needs
     plan = [(c, [m for m in modes if m.name in ENGINE_METHODS or c == 1]) for c in concurrency]  # transformers: c=1
+    if 1 not in concurrency and any(m.name not in ENGINE_METHODS for m in modes):
+        log.warning("the transformers modes run at concurrency 1 only, which --concurrency leaves out: they do not run")
     ks = sorted({m.k for m in modes if m.name == "dflash"})
     sampler = CostSampler(target, drafter, ks, device=device) if drafter and ks else None
     engine_modes = [m for m in modes if m.name in ENGINE_METHODS]
@@ -360,14 +368,14 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
             work = workload(prompts, c, waves)
             # The ceiling's costs, timed among the concurrency-1 passes they are compared with.
             sample = (lambda: sampler.sample(COST_REPEATS)) if sampler is not None and c == 1 else None
-            rows += _against_plain(timed_passes({m: runner(m, work, c) for m in ms}, rounds, bar, sample))
+            rows += against_plain(timed_passes({m: runner(m, work, c) for m in ms}, rounds, bar, sample))
         for rate in request_rates:
             work = workload(prompts, max_concurrency, waves)
             arrivals = arrival_times(len(work), rate)
             if arrivals[-1] > 60:
                 log.warning("at %g requests/s the %d requests of a pass arrive over %.0f s; %d modes x %d rounds",
                             rate, len(work), arrivals[-1], len(engine_modes), rounds)
-            rate_rows += _against_plain(timed_passes({m: runner(m, work, max_concurrency, arrivals) for m in engine_modes},
+            rate_rows += against_plain(timed_passes({m: runner(m, work, max_concurrency, arrivals) for m in engine_modes},
                                                rounds, bar), rate)
     if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
         sampler.sample(COST_REPEATS * rounds)

@@ -16,8 +16,8 @@ def describe(machine: str, pair: str, prompts: int, max_tokens: int, waves: int,
              rates: Sequence[float] = (), cap: int = 0) -> str:
     """The report's first paragraph: the machine, the pair, the workload and how each figure was taken."""
     text = (f"Machine: {machine}. Pair: {pair}. {prompts} prompts x {max_tokens} new tokens, greedy; a pass at "
-            f"concurrency c serves max({prompts}, {waves} c) requests (the prompts cycled), c at a time. Each figure is "
-            f"the median of {rounds} interleaved passes.")
+            f"concurrency c serves max({prompts}, {waves} c) requests (the prompts cycled), c at a time. Each row is "
+            f"the pass with the median tokens/s of {rounds} interleaved passes (its latencies are that pass's).")
     if sliced:
         text += " The cost model is timed in slices, one after each round of the concurrency-1 passes."
     if rates:

@@ -18,7 +18,7 @@ from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
 from blockspec.services.cli_models import add_model_commands
-from blockspec.services.cli_perf import add_perf_commands
+from blockspec.services.cli_perf import add_perf_commands, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +180,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidArgument("--target", "give a target checkpoint directory (or --server HOST:PORT)")
     from blockspec.services.engine import Engine
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidArgument("--threads", f"must be at least 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    if args.max_batch < 1:
+        raise InvalidArgument("--max-batch", f"must be at least 1, got {args.max_batch}")
     method = args.method or default_method(args.drafter)
     device, dtype = resolve_device(args.device, args.dtype)
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
@@ -197,30 +194,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
     stream_text = not args.json and len(prompts) == 1
-    streams = {r.request_id: (TextStream(engine.tokenizer), StopMatcher(args.stop or [])) for r in requests}
-    released = {r.request_id: "" for r in requests}
-    results: dict[str, dict] = {}
-    for event in engine.generate(requests):
-        rid = event.request_id
-        if rid in results:
-            continue  # stopped by a stop sequence: its cancellation is already reported
-        text, stops = streams[rid]
-        if isinstance(event, TokenEvent):
-            delta, hit = stops.push(text.push(event.token_ids))
-            released[rid] += delta
-            if hit:  # stop generating; the text ends before the stop sequence
-                results[rid] = _result(engine.loop.cancel(rid), "stop_sequence", released[rid])
-        else:
-            delta = stops.push(text.flush())[0] + stops.flush()
-            released[rid] += delta
-            results[rid] = _result(event, event.reason, released[rid])
-        if stream_text:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+    results = _generate_texts(engine, requests, args.stop or [], sys.stdout.write if stream_text else None)
     if stream_text:
         sys.stdout.write("\n")
     _print_results(args, [results[req.request_id] for req in requests], stream_text)
     return 0
+
+
+def _generate_texts(engine, requests: list, stop: list[str], write=None) -> dict[str, dict]:
+    """Each request's result (text, token ids, finish reason, stats); write(delta): stream the released text. A stop
+    sequence ends its request's text (and the request) wherever it completes: in a step that also finished the
+    request (whose FinishEvent then follows), or in the text flushed at the finish."""
+    streams = {r.request_id: (TextStream(engine.tokenizer), StopMatcher(stop)) for r in requests}
+    released = {r.request_id: "" for r in requests}
+    stopped: set[str] = set()  # hit a stop sequence, its finish still to come
+    results: dict[str, dict] = {}
+    for event in engine.generate(requests):
+        rid = event.request_id
+        if rid in results or (rid in stopped and isinstance(event, TokenEvent)):
+            continue  # stopped by a stop sequence: its cancellation is reported, or its finish comes next
+        text, stops = streams[rid]
+        if isinstance(event, TokenEvent):
+            delta, hit = stops.push(text.push(event.token_ids))
+            if hit:  # stop generating; the text ends before the stop sequence
+                stopped.add(rid)
+                final = engine.loop.cancel(rid)  # None: it finished in this step
+                if final is not None:
+                    results[rid] = _result(final, "stop_sequence", released[rid] + delta)
+        else:
+            delta, hit = stops.push(text.flush()) if rid not in stopped else ("", True)
+            delta += "" if hit else stops.flush()
+            results[rid] = _result(event, "stop_sequence" if hit else event.reason, released[rid] + delta)
+        released[rid] += delta
+        if write is not None:
+            write(delta)
+            sys.stdout.flush()
+    return results
 
 
 def _result(event: FinishEvent, reason: str, text: str) -> dict:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from blockspec.common.device import add_device_args, resolve as resolve_device
@@ -39,8 +43,8 @@ def add_perf_commands(sub) -> None:
                     "at each rate (Poisson, the same times for every mode), TTFT from arrival (engine modes; --server too)")
     bn.add_argument("--max-concurrency", type=int, default=16, help="open loop: requests in flight at most (default 16)")
     bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
-    bn.add_argument("--server-k", default="5", help="--server: comma list of k overrides (0: leave k unset, the "
-                                                    "server's default; what a server without a drafter needs)")
+    bn.add_argument("--server-k", default="0,5", help="--server: comma list of num_speculative_tokens per request "
+                    "(0: plain decoding on any server, the baseline of the ratios and of `exact`)")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
@@ -59,10 +63,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Side-by-side measurement of the modes at each concurrency; writes bench.md/json and plots to --out."""
     from blockspec.services import bench
 
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise InvalidArgument("--num-prompts", f"must be at least 1, got {args.num_prompts}")
     concurrency = _int_list("--concurrency", args.concurrency)
     rounds = _int_list("--rounds", str(args.rounds))[0]
     waves = _int_list("--waves", str(args.waves))[0]
@@ -70,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cap = _int_list("--max-concurrency", str(args.max_concurrency))[0]
     out = Path(args.out)
     if args.server:
-        return _bench_server(args, concurrency, waves, rates, cap, out)
+        return _bench_server(args, concurrency, rounds, waves, rates, cap, out)
     from blockspec.common.models import load_checkpoint
 
     target = Path(args.target)
@@ -86,34 +89,71 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_server(args: argparse.Namespace, concurrency: list[int], waves: int, rates: list[float], cap: int,
-                  out: Path) -> int:
-    """`bench --server`: the workload over a running server's gRPC API, per --server-k value, closed and open loop."""
+def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int, waves: int, rates: list[float],
+                  cap: int, out: Path) -> int:
+    """`bench --server`: the workload over a running server's gRPC API, each --server-k value (0: plain decoding, the
+    baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
+    import grpc
+
+    ks = _int_list("--server-k", args.server_k, minimum=0)
+    try:
+        rows, rate_rows, prompts = _server_passes(args, sorted(set(ks)), concurrency, rounds, waves, rates, cap)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidArgument("--server-k", e.details()) from None
+        print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    from blockspec.services.bench_report import markdown, plots
+
+    header = (f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens, greedy; a pass at concurrency c "
+              f"serves max({len(prompts)}, {waves} c) requests, c streams at a time. Each row is the pass with the median "
+              f"tokens/s of {rounds} interleaved passes; `server` is plain decoding (num_speculative_tokens 0), the "
+              "ratios' baseline.")
+    report = markdown(rows, None, header, rate_rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(report)
+    result = {"server": args.server, "prompts": len(prompts), "max_tokens": args.max_tokens, "waves": waves,
+              "rows": [asdict(r) for r in rows], "rate_rows": [asdict(r) for r in rate_rows]}
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    paths = plots(rows, out, rate_rows)
+    print(report)
+    print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(map(str, paths))}")
+    return 0
+
+
+def _server_passes(args: argparse.Namespace, ks: list[int], concurrency: list[int], rounds: int, waves: int,
+                   rates: list[float], cap: int) -> tuple[list, list, list]:
+    """(closed-loop rows, open-loop rows, the prompts' token ids): each k's passes interleaved per concurrency and
+    rate, against k = 0's where it ran."""
     import grpc
 
     from blockspec.protos import api_grpc, api_pb2
     from blockspec.services import bench
     from blockspec.services.bench_rate import arrival_times
-    from blockspec.services.bench_report import markdown
 
-    ks = _int_list("--server-k", args.server_k, minimum=0)  # 0: k left unset (a server without a drafter decodes plainly)
-    texts = _bench_prompts(args)
     with grpc.insecure_channel(args.server) as channel:
         stub = api_grpc.GenerationStub(channel)
-        prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
-    rows, rate_rows, outputs = [], [], {}  # workload size -> the first k's outputs
-    for k in ks:
-        for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
-            work = bench.workload(prompts, c, waves)
-            arrivals = arrival_times(len(work), rate) if rate else None
-            row, out_ids = bench.run_server_mode(args.server, k, work, args.max_tokens, c, arrivals)
-            row.exact, row.request_rate = out_ids == outputs.setdefault(len(work), out_ids), rate
-            (rate_rows if rate else rows).append(row)
-    report = markdown(rows, None, f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens.", rate_rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.md").write_text(report)
-    print(report)
-    return 0
+        prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in _bench_prompts(args)]
+    rows, rate_rows = [], []
+    for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
+        work = bench.workload(prompts, c, waves)
+        arrivals = arrival_times(len(work), rate) if rate else None
+        runners = {bench.Mode(bench.SERVER.name, k): functools.partial(bench.run_server_mode, args.server, k, work,
+                                                                       args.max_tokens, c, arrivals) for k in ks}
+        passes = bench.timed_passes(runners, rounds)
+        (rate_rows if rate else rows).extend(bench.against_plain(passes, rate, bench.SERVER))
+    return rows, rate_rows, prompts
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's CPU threads (None: its default)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise InvalidArgument("--threads", f"must be at least 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:

@@ -9,8 +9,8 @@ from blockspec.common.errors import InvalidArgument
 
 def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, context_len: int, max_k: int,
                      k_field: str = "k") -> None:
-    """`k` = 0 means plain decoding; a speculative method needs 1 <= k <= max_k. k_field: what the caller calls k
-    (the gRPC API: num_speculative_tokens)."""
+    """`k` = 0 means plain decoding (any method; a request may opt out of speculation), up to max_k a speculative
+    method's. k_field: what the caller calls k (the gRPC API: num_speculative_tokens)."""
     if not prompt_ids:
         raise InvalidArgument("prompt", "must not be empty")
     if max_tokens < 1:
@@ -27,5 +27,5 @@ def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, cont
         )
     if max_k == 0 and k != 0:
         raise InvalidArgument(k_field, "this method drafts nothing; leave it unset")
-    if max_k > 0 and not 1 <= k <= max_k:
-        raise InvalidArgument(k_field, f"must be between 1 and {max_k}, got {k}")
+    if max_k > 0 and not 0 <= k <= max_k:
+        raise InvalidArgument(k_field, f"must be between 0 (plain decoding) and {max_k}, got {k}")

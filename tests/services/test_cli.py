@@ -88,8 +88,8 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["x " * 600, "--method", "ngram"], "do not fit the model's context"),
         (["hi", "--max-tokens", "0"], "max_tokens: must be at least 1"),
         (["hi", "--max-tokens", "600"], "max_tokens: prompt"),
-        (["hi", "--method", "ngram", "-k", "0"], "k: must be between 1 and 16"),
-        (["hi", "--method", "ngram", "-k", "17"], "k: must be between 1 and 16"),
+        (["hi", "--method", "ngram", "-k", "-1"], "k: must be between 0 (plain decoding) and 16"),
+        (["hi", "--method", "ngram", "-k", "17"], "k: must be between 0 (plain decoding) and 16"),
         (["hi", "--method", "none", "-k", "3"], "k: this method drafts nothing"),
         (["hi", "--method", "ngram", "--drafter", "DRAFTER"], "drafter: method 'ngram' takes no drafter"),
         (["hi", "--method", "draft_model"], "drafter: method 'draft_model' needs a drafter"),
@@ -100,6 +100,8 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["hi", "--logit-bias", "9999=1"], "sampling.logit_bias: token id 9999 is outside"),
         (["hi", "--repetition-penalty", "0"], "sampling.repetition_penalty"),
         (["hi", "--method", "ngram", "--device", "tpu"], "--device: 'tpu' is not a device; use cpu, cuda or cuda:N"),
+        (["hi", "--method", "ngram", "--max-batch", "0"], "--max-batch: must be at least 1, got 0"),
+        (["hi", "--method", "ngram", "--threads", "0"], "--threads: must be at least 1, got 0"),
         *([] if torch.cuda.is_available() else
           [(["hi", "--method", "ngram", "--device", "cuda"], "--device: 'cuda': CUDA is not available on this machine")]),
     ],
@@ -135,3 +137,25 @@ def test_sampling_flags_strict_seed_and_stop(capsys, tiny_pair):
     code, out, _ = run_cli(capsys, *common, "--method", "none", "--stop", stop)
     stopped = json.loads(out)
     assert code == 0 and stopped["finish_reason"] == "stop_sequence" and stopped["text"] == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6])
+def test_a_stop_sequence_in_the_last_step_ends_the_text(capsys, tiny_models, tokenizer, max_tokens):
+    """--stop where the stop sequence completes with the request's last token (the step that finished it): the text
+    ends before it and the finish reason is stop_sequence (this once crashed: the request was already gone)."""
+    target = tiny_models["qwen3"]["target"]
+    texts = {p: tokenizer.decode(hf_greedy(target, tokenizer.encode(p), max_tokens), skip_special_tokens=True)
+             for p in ("def f(x):", "class A:", "import os", "x = 1", "return")}
+    n = min(max_tokens, 2)  # the stop's characters: the last token's, or the last two
+    prompt, text = next((p, t) for p, t in texts.items() if t[-n:].strip() and t.find(t[-n:]) == len(t) - n)
+    stop = text[-n:]
+    code, out, err = run_cli(capsys, "generate", prompt, "--target", str(target), "--method", "ngram", "--max-tokens",
+                             str(max_tokens), "--stop", stop, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["finish_reason"] == "stop_sequence" and result["text"] == text[: text.find(stop)]
+
+
+def test_bench_refuses_bad_counts(capsys):
+    for flag, value in (("--threads", "0"), ("--num-prompts", "0"), ("--num-prompts", "-3")):
+        code, out, err = run_cli(capsys, "bench", flag, value, "--modes", "none", "--concurrency", "1")
+        assert code == 2 and f"{flag}: must be at least 1, got {value}" in err

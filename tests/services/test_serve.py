@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -235,31 +236,40 @@ def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys)
 
 
 def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
-    """`blockspec bench --server`: the same workload over gRPC, per k and concurrency, with TTFT and TPOT as the
-    client sees them, every k's output checked against the first k's."""
+    """`blockspec bench --server`: the same workload over gRPC, per k and concurrency, passes interleaved, with TTFT
+    and TPOT as the client sees them; k=0 (plain decoding on the same server) is the baseline of the ratios and of
+    `exact`. A server that cannot be reached or refuses a k is a clear error, not a traceback."""
     from blockspec.services.cli import main
 
     assert main(["bench", "--server", "127.0.0.1:1", "--server-k", "3,-1"]) == 2
     assert "--server-k" in capsys.readouterr().err
+    assert main(["bench", "--server", "127.0.0.1:1", "--num-prompts", "1"]) == 1
+    assert "server 127.0.0.1:1: UNAVAILABLE" in capsys.readouterr().err
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
+    common = ["--prompts-file", str(prompts), "--max-tokens", "16", "--waves", "1", "--out", str(tmp_path / "out")]
+    assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "99", "--concurrency", "1", *common]) == 2
+    assert "--server-k: num_speculative_tokens: must be between 0 (plain decoding) and" in capsys.readouterr().err
     assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "1,0", "--concurrency", "1,2",
-                 "--request-rates", "30", "--max-concurrency", "2", "--prompts-file", str(prompts), "--max-tokens", "16",
-                 "--waves", "1", "--out", str(tmp_path / "out")]) == 0
+                 "--request-rates", "30", "--max-concurrency", "2", "--rounds", "2", *common]) == 0
     report = (tmp_path / "out" / "bench.md").read_text()
     closed, open_loop = report.split("Open loop")
     rows = [line.strip(" |").split(" | ") for line in closed.splitlines() if line.startswith("| server")]
-    # k=0: the request leaves k unset (the server's default; on a server without a drafter, plain decoding).
-    assert [(r[0], r[1]) for r in rows] == [("server k=1", "1"), ("server k=1", "2"), ("server", "1"), ("server", "2")]
+    assert [(r[0], r[1]) for r in rows] == [("server", "1"), ("server k=1", "1"), ("server", "2"), ("server k=1", "2")]
+    assert [r[4] for r in rows[::2]] == ["1.00x", "1.00x"] and all(r[4].endswith("x") for r in rows)  # vs plain
+    assert all(len(r[3].split("-")) == 2 for r in rows)  # the passes' min-max: two rounds
     # Open loop: requests sent at 30 per second, at most 2 streams; mode, rate, cap, ..., TTFT, TPOT, tau, exact.
     rate_rows = [line.strip(" |").split(" | ") for line in open_loop.splitlines() if line.startswith("| server")]
-    assert [(r[0], r[1], r[2]) for r in rate_rows] == [("server k=1", "30", "2"), ("server", "30", "2")]
+    assert [(r[0], r[1], r[2]) for r in rate_rows] == [("server", "30", "2"), ("server k=1", "30", "2")]
     assert all(0 < float(r[6].split(" / ")[0]) and r[-1] == "yes" for r in rate_rows)
     for r in rows:  # mode, concurrency, tokens/s, passes, vs plain, TTFT ms, TPOT ms, tau, acceptance, per position, exact
         (ttft, ttft_p99), (tpot, tpot_p99) = (map(float, cell.split(" / ")) for cell in r[5:7])  # p50 / p99, all / p99
         assert 0 < ttft <= ttft_p99 and 0 < tpot and 0 < tpot_p99 and r[-1] == "yes"
-    assert all(float(r[7]) >= 1 for r in rows)  # tau
+    assert [r[7] for r in rows[::2]] == ["-", "-"] and all(float(r[7]) >= 1 for r in rows[1::2])  # tau: k=1 rows
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert len(saved["rows"]) == 4 and len(saved["rows"][0]["rounds"]) == 2
+    assert (tmp_path / "out" / "tokens_per_s.png").is_file()
 
 
 def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters, tmp_path, prompts, references):

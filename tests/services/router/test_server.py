@@ -79,7 +79,7 @@ def test_concurrent_streams_equal_the_target_alone(router, prompts, references, 
     [
         ({"text": "", "max_tokens": 8}, "prompt: must not be empty"),
         ({"text": "hi", "max_tokens": 0}, "max_tokens: must be at least 1"),
-        ({"text": "hi", "max_tokens": 8, "num_speculative_tokens": 99}, "num_speculative_tokens: must be between 1 and 16"),
+        ({"text": "hi", "max_tokens": 8, "num_speculative_tokens": 99}, "num_speculative_tokens: must be between 0 (plain decoding) and 16"),
         ({"text": "x " * 600, "max_tokens": 8}, "prompt: "),
         ({"max_tokens": 8}, "prompt: set prompt.text or prompt.token_ids"),
         ({"token_ids": api_pb2.TokenIds(ids=[1, 99999]), "max_tokens": 8}, "token_ids: id 99999 is outside"),
