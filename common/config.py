@@ -28,6 +28,13 @@ class ServerConfig(_Section):
     unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
 
 
+    @field_validator("grpc_port")
+    @classmethod
+    def _own_port(cls, value: int, info) -> int:
+        if value and value == info.data.get("port"):
+            raise ValueError(f"must differ from server.port ({value}): HTTP and gRPC each need their own port")
+        return value
+
     @field_validator("workers")
     @classmethod
     def _one_worker(cls, value: int) -> int:

@@ -18,18 +18,29 @@ async def start_server(
     """Bind host:port (0 = any free port) and the Unix domain socket at `unix_socket` where given (grpc removes
     the file when the server stops, and a stale one when it binds), register the services, mark them SERVING;
     returns the bound port."""
+    # SO_REUSEPORT off (grpc turns it on): a second server on a taken port fails to bind instead of silently
+    # sharing the port, the kernel splitting the clients between the two.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.so_reuseport", 0)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    if unix_socket and server.add_insecure_port(f"unix:{unix_socket}") == 0:
-        raise OSError(f"cannot bind the Unix socket {unix_socket}")
+    bound = _bind(server, f"{host}:{port}")
+    if unix_socket:
+        _bind(server, f"unix:{unix_socket}")
     await server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, bound
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    """The bound port; an address that cannot be bound (taken, not ours) is an OSError naming it."""
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot bind {address} (in use by another process?)")
+    return bound

@@ -95,7 +95,11 @@ def remove_orphans(directory: Path, pattern: str, owner: int | None = None) -> l
         except (IndexError, ValueError):
             continue
         if pid == owner or (owner is None and not _running(pid)):
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except PermissionError:  # another user's (a sticky /dev/shm or /tmp): theirs to remove, not a reason to fail
+                log.warning("cannot remove %s (another user's); leaving it", path)
+                continue
             removed.append(path.name)
     return removed
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -27,6 +28,7 @@ from blockspec.services.router.http import start_http
 log = logging.getLogger(__name__)
 
 STALL_S = 30.0  # a step running longer than this makes /health answer 503
+DRAFTER_RETRY_S = 10.0  # a drafter that failed to restart is tried again after this long
 
 
 @dataclass(frozen=True)
@@ -226,21 +228,13 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        while not stop.is_set():
-            for verifier, drafter in replicas:
-                if drafter is not None and not drafter.alive():
-                    await asyncio.to_thread(drafter.restart)
-                if not verifier.alive():
-                    log.error("a verifier role exited; stopping")
-                    stop.set()
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
-        await router.stop(1)
+        try:
+            return await _supervise(replicas, stop, router, readiness)
+        finally:
+            await router.stop(1)
 
     try:
-        asyncio.run(main())
+        return asyncio.run(main())
     finally:
         http.shutdown()
         for verifier, drafter in replicas:
@@ -248,4 +242,28 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
                 if role is not None:
                     role.stop()
         tracing.shutdown_tracing()
+
+
+async def _supervise(replicas, stop: asyncio.Event, router, readiness) -> int:
+    """Every second until `stop`: restart a drafter that exited (if that fails, its requests go on at k=0 and it is
+    tried again DRAFTER_RETRY_S later); a verifier that exited stops the server with exit code 1 (a supervisor such
+    as systemd's Restart=on-failure starts it again); the router's gRPC health follows /health's readiness."""
+    retry_at: dict[int, float] = {}
+    while not stop.is_set():
+        for verifier, drafter in replicas:
+            if drafter is not None and not drafter.alive() and time.monotonic() >= retry_at.get(id(drafter), 0.0):
+                try:
+                    await asyncio.to_thread(drafter.restart)
+                except Exception as e:  # noqa: BLE001 - whatever kept it from starting: serve on at k=0
+                    log.error("restarting a drafter failed (%s); its requests continue at k=0; retrying in %.0f s",
+                              e, DRAFTER_RETRY_S)
+                    retry_at[id(drafter)] = time.monotonic() + DRAFTER_RETRY_S
+            if not verifier.alive():
+                log.error("a verifier role exited; stopping (exit code 1)")
+                return 1
+        await router.set_serving((await asyncio.to_thread(readiness))[0])
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            pass
     return 0

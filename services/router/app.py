@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health as grpc_health, health_pb2
 
 from blockspec.common.grpc_server import start_server
 from blockspec.common.telemetry import RouterMetrics
@@ -31,6 +31,12 @@ class RouterServer:
 
     def stalled(self, limit_s: float) -> bool:
         return any(s.stalled(limit_s) for s in self.schedulers)
+
+    async def set_serving(self, ready: bool) -> None:
+        """grpc.health.v1 as /health answers: NOT_SERVING while a role does not answer or a step is stalled."""
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving, then each step loop, then close its role clients' streams (a remote role otherwise sees

@@ -58,6 +58,28 @@ def test_segments_of_dead_owners_are_cleaned_up():
     assert not (SHM_DIR / name).exists()
 
 
+def test_another_users_orphan_is_left_without_failing(tmp_path, monkeypatch):
+    """/dev/shm and /tmp are sticky: another user's file of a dead process cannot be removed. That is no reason for
+    a server's start-up to fail (a root-run server once killed would crash-loop every later unit)."""
+    from pathlib import Path
+
+    from blockspec.common.tensor_share import remove_orphans
+
+    theirs, ours = tmp_path / "blockspec-999999-aa", tmp_path / "blockspec-999998-bb"
+    theirs.touch()
+    ours.touch()
+    unlink = Path.unlink
+
+    def sticky_unlink(path, missing_ok=False):
+        if path == theirs:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", sticky_unlink)
+    assert remove_orphans(tmp_path, "blockspec-*") == [ours.name]
+    assert theirs.exists() and not ours.exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device")
 def test_cuda_ipc_handle_maps_the_same_device_memory_in_another_process():

@@ -292,3 +292,57 @@ def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters
     # A clean stop: the router closed its role streams before the roles stopped (an open one is cancelled, and
     # grpc logs an ERROR with a traceback in the role).
     assert "Traceback" not in log.read_text() and "ERROR" not in log.read_text(), log.read_text()[-2000:]
+
+
+def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_verifier_exits_1(
+        tiny_models, dflash_drafters, tmp_path, prompts, references):
+    """The supervisor's three cases: a stopped verifier turns /health and the router's gRPC health NOT_SERVING (and
+    back); a drafter whose restart fails leaves the server serving at k=0 and is tried again until it starts; a
+    verifier that exits ends the server with exit code 1 (systemd's Restart=on-failure then starts it again)."""
+    import shutil
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(dflash_drafters["qwen3-trained"], drafter)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
+    info = spawn_serve("--config", str(cfg), "--no-ray")
+    health = health_pb2_grpc.HealthStub(info["channel"])
+
+    def states():
+        return http_status(info["http"]), health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+    def wait_for(condition, seconds=30.0):
+        deadline = time.monotonic() + seconds
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return condition()
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        (verifier,) = role_pids(info["proc"], "role verifier")
+        os.kill(verifier, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: states() == (503, not_serving)), states()
+        finally:
+            os.kill(verifier, signal.SIGCONT)
+        assert wait_for(lambda: states() == (200, serving)), states()
+
+        drafter.rename(tmp_path / "moved")  # the drafter's restart cannot load it
+        (pid,) = role_pids(info["proc"], "role drafter")
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(3)
+        ids, _, finish = generate(info["stub"], prompts[7], 32)
+        assert info["proc"].poll() is None and ids == references["qwen3"][7][:32] and finish.acceptance.drafted == 0
+        (tmp_path / "moved").rename(drafter)
+        assert wait_for(lambda: role_pids(info["proc"], "role drafter") and http_status(info["http"]) == 200)
+        ids, _, finish = generate(info["stub"], prompts[7], 32)
+        assert ids == references["qwen3"][7][:32] and finish.acceptance.drafted > 0, "the drafter is back"
+
+        info["channel"].close()
+        os.kill(verifier, signal.SIGKILL)
+        assert info["proc"].wait(30) == 1
+    finally:
+        if info["proc"].poll() is None:
+            stop_serve(info)
