@@ -192,6 +192,8 @@ def check_same_tokenizer(target: Checkpoint, drafter: Checkpoint) -> None:
         t, d = getattr(target.tokenizer, name, None), getattr(drafter.tokenizer, name, None)
         if t != d:
             problems.append(f"{name} {d!r} vs {t!r}")
+    if drafter.config.vocab_size > target.config.vocab_size:  # padded logits: it could draft ids the target lacks
+        problems.append(f"its logits cover {drafter.config.vocab_size} ids, the target's {target.config.vocab_size}")
     if problems:
         raise ModelLoadError(
             str(drafter.path), f"drafter tokenizer differs from the target's ({target.path}): " + "; ".join(problems)

@@ -55,6 +55,9 @@ def rejection_accept(draft_ids: Sequence[int], logp: torch.Tensor, q: DraftDist 
     for i, x in enumerate(draft_ids):
         p = logp[i].exp()
         q_row = q.dense(i, vocab) if q is not None else torch.nn.functional.one_hot(torch.tensor(x), vocab).double()
+        if float(q_row[x]) <= 0:  # the draft is not from q: accepting on p alone would not be lossless
+            raise ValueError(f"draft token {x} at position {position + i} has q = 0: the draft and its distribution "
+                             "do not match")
         u = float(uniforms(seed, position + i, STREAM_ACCEPT, 1)[0])
         if u * float(q_row[x]) < float(p[x]):
             continue

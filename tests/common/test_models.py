@@ -55,3 +55,15 @@ def test_tokenizer_mismatch_is_refused_saying_how(tmp_path, tiny_models):
     other = build_tiny_checkpoint(tmp_path / "other-vocab", "qwen3", tokenizer=tiny_tokenizer(300))
     with pytest.raises(ModelLoadError, match=r"drafter tokenizer differs.*vocabulary sizes 300 \(drafter\) vs 320"):
         check_same_tokenizer(load_checkpoint(tiny_models["qwen3"]["target"]), load_checkpoint(other))
+
+
+def test_a_drafter_whose_logits_cover_more_ids_than_the_target_is_refused(tmp_path, tiny_models):
+    """The same tokenizer, but padded logits (vocab_size past the target's): its drafts or their q could name ids
+    the target does not have (an index error in the rejection rule, a bad embedding lookup)."""
+    target = load_checkpoint(tiny_models["qwen3"]["target"])
+    padded = copy_of(tiny_models["qwen3"]["target"], tmp_path)
+    cfg = json.loads((padded / "config.json").read_text())
+    cfg["vocab_size"] = target.config.vocab_size + 64
+    (padded / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=rf"its logits cover {target.config.vocab_size + 64} ids"):
+        check_same_tokenizer(target, load_checkpoint(padded, with_weights=False))

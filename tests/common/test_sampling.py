@@ -71,6 +71,7 @@ def test_noise_is_a_function_of_seed_stream_and_position_only():
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"temperature": -1.0}, "sampling.temperature"), ({"temperature": math.inf}, "sampling.temperature"),
+    ({"temperature": 1e-320}, "sampling.temperature: must be 0 (greedy) or at least 1e-05"),
     ({"top_p": 0.0}, "sampling.top_p"), ({"top_k": -2}, "sampling.top_k"), ({"rule": "typical"}, "sampling.rule"),
     ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"), ({"presence_penalty": 3.0}, "sampling.presence_penalty"),
     ({"no_repeat_ngram_size": -1}, "sampling.no_repeat_ngram_size"), ({"logit_bias": ((500, 1.0),)}, "sampling.logit_bias"),
@@ -111,3 +112,12 @@ def test_rejection_rule_keeps_p_whatever_q_and_strict_rule_samples_p():
     # Accepting whatever was drafted returns q, which the same bound rejects.
     naive = _rule_output_distribution(p, q, 2, n, lambda d, lp, _q, s, pos: type(strict_accept(d, lp, s, pos))(2, tuple(d) + (0,)))
     assert float((naive - p).abs().max()) > bound
+
+
+def test_a_draft_its_q_does_not_cover_fails_instead_of_being_accepted():
+    """q(x) = 0 for a drafted x means the draft and its distribution do not match (rows misaligned, a stale shared
+    buffer): u * q(x) < p(x) would accept it whatever p, which is not lossless. The rule refuses it."""
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1], dtype=torch.float64)
+    q = DraftDist(torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]]))  # the draft, 3, is not in q's support
+    with pytest.raises(ValueError, match="draft token 3 at position 10 has q = 0"):
+        rejection_accept([3], p.log().expand(2, -1), q, 1, 10)
