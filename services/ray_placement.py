@@ -21,6 +21,8 @@ from blockspec.services.serve import plan, serve_roles
 
 log = logging.getLogger(__name__)
 
+ALIVE_TIMEOUT_S = 5.0  # RayRole.alive: how long a verifier actor may take to answer before it counts as busy
+
 
 class RoleActor:
     """Serves one role (`blockspec role ...` arguments) from inside a Ray actor process."""
@@ -98,16 +100,26 @@ def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv, index:
 
 
 class RayRole:
-    """A role actor as `serve_roles` sees it: a current address; Ray itself restarts it."""
+    """A role actor as `serve_roles` sees it: a current address, and whether it lives. Ray restarts a drafter
+    itself (it always counts as alive here); a verifier is not restarted, and once Ray reports it dead the server
+    stops (exit code 1) instead of answering 503 for ever."""
 
-    def __init__(self, ray, actor) -> None:
-        self._ray, self._actor = ray, actor
+    def __init__(self, ray, actor, restarted_by_ray: bool) -> None:
+        self._ray, self._actor, self._restarted_by_ray = ray, actor, restarted_by_ray
 
     @property
     def address(self) -> str:
         return self._ray.get(self._actor.address.remote(_node_id()), timeout=2)
 
     def alive(self) -> bool:
+        if self._restarted_by_ray:
+            return True
+        try:
+            self._ray.get(self._actor.pid.remote(), timeout=ALIVE_TIMEOUT_S)
+        except self._ray.exceptions.RayActorError:
+            return False
+        except self._ray.exceptions.GetTimeoutError:  # busy or slow is not dead; /health reports a role that hangs
+            pass
         return True
 
     def stop(self) -> None:
@@ -138,7 +150,8 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
             ray.get(verifier.address.remote(), timeout=300)
             if drafter is not None:
                 ray.get(drafter.address.remote(), timeout=300)
-            out.append((RayRole(ray, verifier), RayRole(ray, drafter) if drafter is not None else None))
+            out.append((RayRole(ray, verifier, restarted_by_ray=False),
+                        RayRole(ray, drafter, restarted_by_ray=True) if drafter is not None else None))
         return out
 
     try:

@@ -258,7 +258,7 @@ async def _supervise(replicas, stop: asyncio.Event, router, readiness) -> int:
                     log.error("restarting a drafter failed (%s); its requests continue at k=0; retrying in %.0f s",
                               e, DRAFTER_RETRY_S)
                     retry_at[id(drafter)] = time.monotonic() + DRAFTER_RETRY_S
-            if not verifier.alive():
+            if not await asyncio.to_thread(verifier.alive):  # a Ray actor's answer may take a moment
                 log.error("a verifier role exited; stopping (exit code 1)")
                 return 1
         await router.set_serving((await asyncio.to_thread(readiness))[0])

@@ -77,3 +77,15 @@ def test_killed_drafter_actor_is_restarted_and_nothing_is_lost(ray_server, promp
             break
         time.sleep(1)
     assert drafted > 0, "speculation must resume after Ray restarts the drafter"
+
+
+def test_a_killed_verifier_actor_stops_the_server_with_exit_code_1(ray_server):
+    """Ray does not restart a verifier (its KV cache and committed tokens are gone with it): the server stops with
+    exit code 1, so its supervisor (KubeRay, systemd) starts it again, instead of answering 503 for ever. Last in
+    this module: it ends the module's server."""
+    if ray_server["method"] != "dflash":
+        pytest.skip("one method is enough")
+    (pid,) = actor_pids("ray::VerifierActor")
+    ray_server["channel"].close()
+    os.kill(pid, signal.SIGKILL)
+    assert ray_server["proc"].wait(60) == 1
