@@ -184,8 +184,36 @@ def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, v
         raise InvalidArgument("--drafter-address", f"method {p.method} needs a drafter role address")
     if cfg.server.replicas != 1:
         raise InvalidArgument("server.replicas", "with --verifier-address the router serves exactly one replica")
-    return serve_roles(cfg, p, host, port, grpc_port,
-                       lambda: [(ExternalRole(verifier), ExternalRole(drafter) if p.drafter_argv else None)])
+
+    def start_roles():
+        _warn_role_settings(cfg, p, verifier)
+        return [(ExternalRole(verifier), ExternalRole(drafter) if p.drafter_argv else None)]
+
+    return serve_roles(cfg, p, host, port, grpc_port, start_roles)
+
+
+def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
+    """Router only: the roles run with their own command lines, so the config's role-side keys (max_batch beyond
+    the verifier's slots, max_model_len, device, dtype, invariant, the drafter's modules) do not reach them. Say
+    where the running verifier differs, and the role command lines this config implies."""
+    from blockspec.protos import roles_grpc, roles_pb2
+
+    try:
+        with grpc.insecure_channel(verifier) as channel:
+            info = roles_grpc.VerifierStub(channel).Info(roles_pb2.InfoRequest(), timeout=300, wait_for_ready=True)
+    except grpc.RpcError as e:
+        log.warning("router only: cannot ask the verifier at %s for its settings (%s)", verifier, e.code().name)
+        return
+    differs = []
+    if cfg.server.max_batch > info.num_slots:
+        differs.append(f"server.max_batch {cfg.server.max_batch} > its {info.num_slots} slots (at most "
+                       f"{info.num_slots} requests step together)")
+    if cfg.model.max_model_len and cfg.model.max_model_len != info.max_len:
+        differs.append(f"model.max_model_len {cfg.model.max_model_len} != its {info.max_len}")
+    if differs:
+        log.warning("router only: the verifier at %s runs with its own command line: %s. This config implies: %s; %s",
+                    verifier, "; ".join(differs), " ".join(p.verifier_argv),
+                    " ".join(p.drafter_argv) if p.drafter_argv else "no drafter")
 
 
 def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles) -> int:

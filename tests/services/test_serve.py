@@ -346,3 +346,31 @@ def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_veri
     finally:
         if info["proc"].poll() is None:
             stop_serve(info)
+
+
+def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_drafters, tmp_path, prompts, references):
+    """`serve --verifier-address --drafter-address` (the compose deployment): streams equal the target alone, and
+    a config whose role-side keys the running roles do not have is named in a warning, with the role command lines
+    it implies (the roles run with their own)."""
+    from blockspec.services.serve import RoleProcess
+
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
+    common = ["--target", target, "--method", "dflash", "--drafter", drafter, "--max-batch", "2"]
+    roles = [RoleProcess("verifier-x", ("role", "verifier", *common)), RoleProcess("drafter-x", ("role", "drafter", *common))]
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=target, drafter=drafter))  # max_batch 4: more than the verifier's 2 slots
+    log = tmp_path / "serve.log"
+    try:
+        with log.open("w") as stderr:
+            info = spawn_serve("--config", str(cfg), "--verifier-address", roles[0].address, "--drafter-address",
+                               roles[1].address, stderr=stderr)
+        try:
+            ids, _, finish = generate(info["stub"], prompts[3], 64)
+        finally:
+            stop_serve(info)
+    finally:
+        for role in roles:
+            role.stop()
+    assert ids == references["qwen3"][3][:64] and finish.acceptance.drafted > 0
+    text = log.read_text()
+    assert "server.max_batch 4 > its 2 slots" in text and "role verifier --target" in text
