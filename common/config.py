@@ -61,7 +61,7 @@ class ModelSection(_Section):
     spec_decode: SpecDecodeConfig = SpecDecodeConfig()
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    max_model_len: int | None = Field(None, ge=16)  # KV cache per request; default: the model's context
+    max_model_len: int | None = Field(None, ge=16)  # KV cache per request; default: the model's context, at most 4096
     device: str = "cpu"  # both roles of a replica: cpu, cuda or cuda:N (common/device.py)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # target and drafter (the drafter reads the target's tensors)
     invariant: bool = False  # decode with the verify query width: token-identical in bf16 too (README, Exactness)

@@ -22,6 +22,18 @@ DEFAULT_K = 5
 DEFAULT_MAX_LEN = 4096  # KV cache per slot when the model's context is longer
 
 
+def serving_len(model_context: int, max_len: int | None) -> int:
+    """Tokens per request (the KV cache per slot): max_len (max_model_len), at most the model's context; unset,
+    the model's context up to DEFAULT_MAX_LEN (said in the log when that cuts it)."""
+    if max_len is not None and max_len > model_context:
+        raise InvalidArgument("max_model_len", f"{max_len} exceeds the model's context of {model_context} tokens "
+                                               "(max_position_embeddings)")
+    if max_len is None and model_context > DEFAULT_MAX_LEN:
+        log.warning("serving %d of the model's %d-token context per request; max_model_len raises it (KV cache per "
+                    "slot)", DEFAULT_MAX_LEN, model_context)
+    return max_len or min(model_context, DEFAULT_MAX_LEN)
+
+
 class Engine:
     """Generate with speculative decoding in this process; the same roles the services run apart."""
 
@@ -47,7 +59,7 @@ class Engine:
             raise InvalidArgument("prompt_lookup_tokens", "is not allowed with invariant mode or adaptive k (wider "
                                                           "verifies than k + 1)")
         checkpoint = load_checkpoint(target)
-        max_len = max_len or min(checkpoint.config.max_position_embeddings, DEFAULT_MAX_LEN)
+        max_len = serving_len(checkpoint.config.max_position_embeddings, max_len)
         dflash_model = None
         if method == "dflash":
             from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter

@@ -28,7 +28,7 @@ from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import verifier_needs
 from blockspec.services.drafter.service import DrafterService
-from blockspec.services.engine import DEFAULT_K, DEFAULT_MAX_LEN
+from blockspec.services.engine import DEFAULT_K, serving_len
 from blockspec.services.router.app import RouterServer, start_router
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.server import ModelFacts
@@ -51,8 +51,7 @@ UNIX_PATH_MAX = 108  # bytes of a Unix socket's path on Linux, its terminating N
 
 
 def context_len(target: str, max_len: int | None) -> int:
-    cfg = load_checkpoint(target, with_weights=False).config
-    return min(max_len or DEFAULT_MAX_LEN, cfg.max_position_embeddings)
+    return serving_len(load_checkpoint(target, with_weights=False).config.max_position_embeddings, max_len)
 
 
 def role_service(args) -> VerifierService | DrafterService:

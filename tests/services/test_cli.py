@@ -101,6 +101,7 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["hi", "--repetition-penalty", "0"], "sampling.repetition_penalty"),
         (["hi", "--method", "ngram", "--device", "tpu"], "--device: 'tpu' is not a device; use cpu, cuda or cuda:N"),
         (["hi", "--method", "ngram", "--max-batch", "0"], "--max-batch: must be at least 1, got 0"),
+        (["hi", "--method", "ngram", "--max-model-len", "99999"], "max_model_len: 99999 exceeds the model's context of"),
         (["hi", "--method", "ngram", "--threads", "0"], "--threads: must be at least 1, got 0"),
         *([] if torch.cuda.is_available() else
           [(["hi", "--method", "ngram", "--device", "cuda"], "--device: 'cuda': CUDA is not available on this machine")]),
