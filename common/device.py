@@ -54,9 +54,13 @@ def add_device_args(parser, default_device: str = "cpu") -> None:
 VERIFIER_SHARE = 0.8  # of model.gpu_memory_utilization when both roles share a GPU; the drafter gets the rest
 
 
-def role_fractions(utilization: float) -> tuple[float, float]:
-    """(verifier, drafter): the fractions of one GPU's memory each role may use (Ray asks for the same)."""
-    return round(utilization * VERIFIER_SHARE, 3), round(utilization * (1 - VERIFIER_SHARE), 3)
+def role_fractions(utilization: float, with_drafter: bool = True, replicas: int = 1) -> tuple[float, float]:
+    """(verifier, drafter): the fractions of one GPU's memory each role may use (Ray asks for the same), when
+    `replicas` replicas share the GPU. Without a drafter (plain decoding) the verifier has the whole of it."""
+    share = utilization / replicas
+    if not with_drafter:
+        return round(share, 3), 0.0
+    return round(share * VERIFIER_SHARE, 3), round(share * (1 - VERIFIER_SHARE), 3)
 
 
 def tensor_bytes(tensors, dtype: torch.dtype) -> int:

@@ -272,6 +272,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.services.serve import serve_processes
 
     cfg = load_config(args.config)
+    if args.ray_address and (args.no_ray or args.verifier_address):
+        raise InvalidArgument("--ray-address", "serves on Ray: not with --no-ray or --verifier-address")
+    if args.drafter_address and not args.verifier_address:
+        raise InvalidArgument("--drafter-address", "goes with --verifier-address (the router alone)")
     host = args.host or cfg.server.host
     port = cfg.server.port if args.port is None else args.port
     grpc_port = cfg.server.grpc_port if args.grpc_port is None else args.grpc_port

@@ -69,18 +69,18 @@ class DrafterActor(RoleActor):
     pass
 
 
-def _gpu_shares(cfg: BlockspecConfig) -> tuple[float, float]:
+def _gpu_shares(cfg: BlockspecConfig, with_drafter: bool) -> tuple[float, float]:
     """Fractions of one GPU for verifier and drafter (model.device cuda: both on the same GPU); 0 on the CPU."""
     if not cfg.model.device.startswith("cuda"):
         return 0.0, 0.0
-    return role_fractions(cfg.model.gpu_memory_utilization)
+    return role_fractions(cfg.model.gpu_memory_utilization, with_drafter)
 
 
 def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv, index: int = 0):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    v_gpu, d_gpu = _gpu_shares(cfg)
+    v_gpu, d_gpu = _gpu_shares(cfg, drafter_argv is not None)
     bundles = [{"CPU": 1, **({"GPU": v_gpu} if v_gpu else {})}]
     if drafter_argv:
         bundles.append({"CPU": 1, **({"GPU": d_gpu} if d_gpu else {})})

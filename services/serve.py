@@ -48,7 +48,9 @@ def _check_dir(key: str, path: str) -> None:
         raise InvalidArgument(key, e.message + f" ({path})") from None
 
 
-def plan(cfg: BlockspecConfig) -> Plan:
+def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
+    """The roles' command lines for this config; `replicas_per_gpu` replicas share model.device's memory (--no-ray
+    puts every replica there, Ray gives each its own)."""
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
     if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):  # one verify width / a table up to k + 1
@@ -70,12 +72,13 @@ def plan(cfg: BlockspecConfig) -> Plan:
               "--dtype", m.dtype]
     if m.max_model_len:
         common += ["--max-model-len", str(m.max_model_len)]
-    if method != "none" and spec.draft_model_dtype != m.dtype:
+    if method != "none" and "draft_model_dtype" in spec.model_fields_set and spec.draft_model_dtype != m.dtype:
         log.warning("spec_decode.draft_model_dtype %s: the drafter runs in model.dtype, %s (the dflash drafter reads "
                     "the target's embedding, LM head and tap features in place)", spec.draft_model_dtype, m.dtype)
     verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
     verifier += ["--invariant"] if m.invariant else []
-    shares = role_fractions(m.gpu_memory_utilization) if m.device.startswith("cuda") else None
+    shares = (role_fractions(m.gpu_memory_utilization, method != "none", replicas_per_gpu)
+              if m.device.startswith("cuda") else None)
     verifier += ["--gpu-memory-fraction", str(shares[0])] if shares else []
     drafter_argv = None
     if method != "none":
@@ -164,7 +167,7 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     """Roles as supervised child processes (a verifier and a drafter per replica), router and HTTP here."""
     cleanup_stale()
     remove_role_sockets()  # of servers that were killed
-    p = plan(cfg)
+    p = plan(cfg, replicas_per_gpu=cfg.server.replicas)  # every replica on model.device
     resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 
     def role(name: str, argv: tuple[str, ...]) -> RoleProcess:

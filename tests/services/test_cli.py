@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +161,11 @@ def test_bench_refuses_bad_counts(capsys):
     for flag, value in (("--threads", "0"), ("--num-prompts", "0"), ("--num-prompts", "-3")):
         code, out, err = run_cli(capsys, "bench", flag, value, "--modes", "none", "--concurrency", "1")
         assert code == 2 and f"{flag}: must be at least 1, got {value}" in err
+
+
+def test_serve_refuses_flags_that_do_not_go_together(capsys):
+    config = str(Path(__file__).resolve().parents[2] / "deploy" / "config.yaml")
+    for extra, message in ((["--no-ray", "--ray-address", "auto"], "--ray-address: serves on Ray"),
+                           (["--drafter-address", "h:1"], "--drafter-address: goes with --verifier-address")):
+        code, out, err = run_cli(capsys, "serve", "--config", config, *extra)
+        assert code == 2 and message in err

@@ -82,6 +82,27 @@ def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tin
     assert SlotKVCache.nbytes(64, 16, 8, 4096, 128, torch.bfloat16) == 16 * gib
 
 
+def test_replicas_sharing_a_gpu_split_it_and_plain_decoding_gives_the_verifier_all(tiny_models, dflash_drafters):
+    """--no-ray puts every replica on model.device: their shares add up to gpu_memory_utilization, not each to it.
+    Without a drafter the verifier's share is the whole of it (not 80% of it)."""
+    def fractions(p):
+        return [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv) if argv]
+
+    cfg = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9)
+    assert fractions(plan(cfg, replicas_per_gpu=2)) == [0.36, 0.09]
+    plain = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9, spec_decode={"enabled": False})
+    assert fractions(plan(plain)) == [0.9] and fractions(plan(plain, replicas_per_gpu=3)) == [0.3]
+
+
+def test_the_drafter_dtype_warning_is_for_a_dtype_the_operator_set(tiny_models, dflash_drafters, caplog):
+    """spec_decode.draft_model_dtype defaults to bfloat16 and model.dtype to float32: a config that sets neither
+    must not warn on every start; one that sets a differing draft_model_dtype is told it does not apply."""
+    plan(config(tiny_models, dflash_drafters))
+    assert "draft_model_dtype" not in caplog.text
+    plan(config(tiny_models, dflash_drafters, spec_decode={"draft_model_dtype": "float16"}))
+    assert "spec_decode.draft_model_dtype float16: the drafter runs in model.dtype, float32" in caplog.text
+
+
 def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_drafters):
     """The share check counts the verifier before it exists: the count must equal what it then holds."""
     from blockspec.common.models import load_checkpoint
@@ -97,8 +118,8 @@ def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_d
 def test_ray_places_both_roles_on_one_gpu_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
     from blockspec.services.ray_placement import _gpu_shares, serve_ray
 
-    assert _gpu_shares(config(tiny_models, dflash_drafters)) == (0.0, 0.0)
-    verifier, drafter = _gpu_shares(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9))
+    assert _gpu_shares(config(tiny_models, dflash_drafters), True) == (0.0, 0.0)
+    verifier, drafter = _gpu_shares(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9), True)
     assert verifier > drafter > 0 and verifier + drafter == pytest.approx(0.9)
     with pytest.raises(InvalidArgument, match="model.device: 'cuda:1': under Ray use 'cuda'"):
         serve_ray(config(tiny_models, dflash_drafters, device="cuda:1"), "127.0.0.1", 0, 0, None)
