@@ -28,13 +28,6 @@ class ServerConfig(_Section):
     unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
 
 
-    @field_validator("grpc_port")
-    @classmethod
-    def _own_port(cls, value: int, info) -> int:
-        if value and value == info.data.get("port"):
-            raise ValueError(f"must differ from server.port ({value}): HTTP and gRPC each need their own port")
-        return value
-
     @field_validator("workers")
     @classmethod
     def _one_worker(cls, value: int) -> int:
@@ -102,10 +95,18 @@ def parse_config(raw: object, source: str = "config") -> BlockspecConfig:
     if not isinstance(raw, dict):
         raise InvalidArgument(source, f"expected a mapping at the top level, got {type(raw).__name__}")
     try:
-        return BlockspecConfig.model_validate(raw)
+        cfg = BlockspecConfig.model_validate(raw)
     except ValidationError as e:
         problems = [_describe(err) for err in e.errors()]
         raise InvalidArgument(source, "; ".join(problems)) from None
+    check_ports(cfg.server.port, cfg.server.grpc_port)
+    return cfg
+
+
+def check_ports(port: int, grpc_port: int, field: str = "server.grpc_port") -> None:
+    """HTTP and gRPC each need their own port (0: any free one)."""
+    if port and port == grpc_port:
+        raise InvalidArgument(field, f"{grpc_port} is not allowed: must differ from the HTTP port ({port})")
 
 
 def load_config(path: str | Path) -> BlockspecConfig:

@@ -37,7 +37,7 @@ def markdown(rows: list[Row], costs: CostModel | None, header: str, rate_rows: S
                      f"{_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | {_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | "
                      f"{_fmt(r.tau, '.2f')} | "
                      f"{_fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
-                     f"{'-' if r.exact is None else 'yes' if r.exact else 'NO'} |")
+                     f"{_exact(r.exact)} |")
     looked = [f"{Mode(r.mode, r.k).label} {r.looked_up:.0%} at concurrency {r.concurrency}" for r in rows if r.looked_up is not None]
     if looked:
         lines += ["", "Request-steps drafted by prompt lookup (the drafter drafted the rest): " + "; ".join(looked) + "."]
@@ -60,8 +60,13 @@ def _rate_table(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         lines.append(f"| {Mode(r.mode, r.k).label} | {r.request_rate:g} | {r.concurrency} | {r.tokens_per_s:.1f} | "
                      f"{_spread(r.rounds, '.0f')} | {_ratio(r.speedup)} | {_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | "
-                     f"{_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | {_fmt(r.tau, '.2f')} | {'yes' if r.exact else 'NO'} |")
+                     f"{_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | {_fmt(r.tau, '.2f')} | {_exact(r.exact)} |")
     return lines
+
+
+def _exact(exact: bool | None) -> str:
+    """The `exact` cell: "-" where no plain decoding ran to compare with."""
+    return "-" if exact is None else "yes" if exact else "NO"
 
 
 def _fmt(x: float | None, spec: str) -> str:

@@ -222,8 +222,7 @@ def _generate_texts(engine, requests: list, stop: list[str], write=None) -> dict
                 if final is not None:
                     results[rid] = _result(final, "stop_sequence", released[rid] + delta)
         else:
-            delta, hit = stops.push(text.flush()) if rid not in stopped else ("", True)
-            delta += "" if hit else stops.flush()
+            delta, hit = stops.finish(text.flush()) if rid not in stopped else ("", True)
             results[rid] = _result(event, "stop_sequence" if hit else event.reason, released[rid] + delta)
         released[rid] += delta
         if write is not None:
@@ -268,7 +267,7 @@ def cmd_role(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from blockspec.common.config import load_config
+    from blockspec.common.config import check_ports, load_config
     from blockspec.services.serve import serve_processes
 
     cfg = load_config(args.config)
@@ -279,6 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or cfg.server.host
     port = cfg.server.port if args.port is None else args.port
     grpc_port = cfg.server.grpc_port if args.grpc_port is None else args.grpc_port
+    check_ports(port, grpc_port, "--grpc-port" if args.grpc_port is not None or args.port is not None else "server.grpc_port")
     if args.verifier_address:
         from blockspec.services.serve import serve_external
 

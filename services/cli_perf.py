@@ -15,6 +15,7 @@ from blockspec.common.errors import InvalidArgument
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
+DEFAULT_SERVER_K = 5  # bench --server's speculative k beside plain decoding (the shipped config's)
 ASSISTANT_MODES = "draft_model:3,draft_model:3:lookup,hf-assisted:5,hf-assisted-default:20"  # k: the best of 3 / 5 here; 20 is transformers' default
 
 
@@ -43,8 +44,9 @@ def add_perf_commands(sub) -> None:
                     "at each rate (Poisson, the same times for every mode), TTFT from arrival (engine modes; --server too)")
     bn.add_argument("--max-concurrency", type=int, default=16, help="open loop: requests in flight at most (default 16)")
     bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
-    bn.add_argument("--server-k", default="0,5", help="--server: comma list of num_speculative_tokens per request "
-                    "(0: plain decoding on any server, the baseline of the ratios and of `exact`)")
+    bn.add_argument("--server-k", help="--server: comma list of num_speculative_tokens per request (0: plain decoding "
+                    "on any server, the baseline of the ratios and of `exact`; default 0 and the server's default k, "
+                    "0 alone on a server without a drafter)")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
@@ -95,12 +97,13 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
     import grpc
 
-    ks = _int_list("--server-k", args.server_k, minimum=0)
+    ks = _int_list("--server-k", args.server_k, minimum=0) if args.server_k else None
     try:
-        rows, rate_rows, prompts = _server_passes(args, sorted(set(ks)), concurrency, rounds, waves, rates, cap)
+        rows, rate_rows, prompts = _server_passes(args, ks, concurrency, rounds, waves, rates, cap)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise InvalidArgument("--server-k", e.details()) from None
+            raise InvalidArgument("--server-k" if "num_speculative_tokens" in e.details() else "request",
+                                  e.details()) from None
         print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     from blockspec.services.bench_report import markdown, plots
@@ -121,10 +124,11 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     return 0
 
 
-def _server_passes(args: argparse.Namespace, ks: list[int], concurrency: list[int], rounds: int, waves: int,
+def _server_passes(args: argparse.Namespace, ks: list[int] | None, concurrency: list[int], rounds: int, waves: int,
                    rates: list[float], cap: int) -> tuple[list, list, list]:
     """(closed-loop rows, open-loop rows, the prompts' token ids): each k's passes interleaved per concurrency and
-    rate, against k = 0's where it ran."""
+    rate, against k = 0's where it ran. ks None: 0 and the server's default k (ModelInfo), 0 alone without a
+    drafter."""
     import grpc
 
     from blockspec.protos import api_grpc, api_pb2
@@ -134,6 +138,10 @@ def _server_passes(args: argparse.Namespace, ks: list[int], concurrency: list[in
     with grpc.insecure_channel(args.server) as channel:
         stub = api_grpc.GenerationStub(channel)
         prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in _bench_prompts(args)]
+        if ks is None:
+            max_k = stub.ModelInfo(api_pb2.ModelInfoRequest(), timeout=60).max_speculative_tokens
+            ks = [0, min(DEFAULT_SERVER_K, max_k)] if max_k else [0]
+    ks = sorted(set(ks))
     rows, rate_rows = [], []
     for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
         work = bench.workload(prompts, c, waves)

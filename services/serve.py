@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 STALL_S = 30.0  # a step running longer than this makes /health answer 503
 DRAFTER_RETRY_S = 10.0  # a drafter that failed to restart is tried again after this long
+EXTERNAL_DOWN_S = 10.0  # router only: a verifier whose health check fails this long is gone (the router exits 1)
 
 
 @dataclass(frozen=True)
@@ -144,13 +145,22 @@ def role_healthy(address: str, timeout_s: float = 1.0) -> bool:
 
 
 class ExternalRole:
-    """A role started by someone else (compose, systemd): only its address; nothing to supervise."""
+    """A role started by someone else (compose, systemd): only its address. A watched one (the verifier: the router
+    cannot go on without it) counts as gone once its health check has failed for EXTERNAL_DOWN_S in a row, and the
+    router then exits 1 for its supervisor to restart both; an unwatched one (the drafter) never does: its requests
+    run at k=0 meanwhile and the router reconnects when it is back."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, address: str, watched: bool = False) -> None:
+        self.address, self.watched = address, watched
+        self._down_since: float | None = None
 
     def alive(self) -> bool:
-        return True
+        if not self.watched or role_healthy(self.address):
+            self._down_since = None
+            return True
+        now = time.monotonic()
+        self._down_since = self._down_since or now
+        return now - self._down_since < EXTERNAL_DOWN_S
 
     def stop(self) -> None:
         pass
@@ -190,7 +200,7 @@ def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, v
 
     def start_roles():
         _warn_role_settings(cfg, p, verifier)
-        return [(ExternalRole(verifier), ExternalRole(drafter) if p.drafter_argv else None)]
+        return [(ExternalRole(verifier, watched=True), ExternalRole(drafter) if p.drafter_argv else None)]
 
     return serve_roles(cfg, p, host, port, grpc_port, start_roles)
 
@@ -245,7 +255,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
     replicas = state["replicas"] = start_roles()
 
-    async def main() -> None:
+    async def main() -> int:
         # A drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
         pairs = [(v.address, (lambda d=d: d.address) if d else None) for v, d in replicas]
         router = await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,

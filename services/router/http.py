@@ -21,6 +21,10 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
 
+    def handle_error(self, request, client_address) -> None:
+        """A connection that timed out or broke: logged at debug level, not a traceback on stderr."""
+        log.debug("HTTP connection from %s ended with an error", client_address, exc_info=True)
+
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = HANDLER_TIMEOUT_S

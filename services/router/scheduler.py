@@ -28,6 +28,15 @@ STOP_WAIT_S = 30.0  # stop(): how long the step in flight may take to finish
 
 
 @dataclass(frozen=True)
+class Stream:
+    """A submitted request as its caller holds it: its events, and the key to cancel it by (not its request_id,
+    which a later stream may take as soon as this one has finished)."""
+
+    key: str  # `request_id#n`: the step loop's id for the request
+    events: asyncio.Queue  # TokenEvent | FinishEvent
+
+
+@dataclass(frozen=True)
 class _StepDone:
     """A finished step as the step thread saw it (the next one may be under way when the event loop takes it)."""
 
@@ -84,39 +93,38 @@ class Scheduler:
         self._jobs.put((fn, args, future))
         return await future
 
-    async def submit(self, request: Request) -> asyncio.Queue[TokenEvent | FinishEvent]:
-        """Queue a request; its events come on the returned queue. A caller cancelled while the submit waits for
+    async def submit(self, request: Request) -> Stream:
+        """Queue a request; its events come on the returned stream. A caller cancelled while the submit waits for
         the step in flight leaves nothing behind: the request is cancelled right after it joins."""
         rid = request.request_id
         if rid in self._keys:
             raise ValueError(f"request {rid!r} is already running")
         self._serial += 1
         key = self._keys[rid] = f"{rid}#{self._serial}"
-        queue_: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
-        self._queues[key] = queue_
+        stream = Stream(key, asyncio.Queue())
+        self._queues[key] = stream.events
         try:
             await self._call(self.step_loop.submit, replace(request, request_id=key))
         except asyncio.CancelledError:  # the submit job runs all the same: a cancel job after it
-            self._cancel_job(rid)
+            self._cancel_job(key)
             raise
         except BaseException:
-            self._keys.pop(rid, None)
-            self._queues.pop(key, None)
+            self._forget(key)
             raise
-        return queue_
+        return stream
 
-    async def cancel(self, request_id: str) -> FinishEvent | None:
-        """Stop a request (client gone, deadline, stop sequence) and free its KV slots in both roles. None: it had
-        finished already, and its FinishEvent is on its queue by the time this returns."""
-        future = self._cancel_job(request_id)
+    async def cancel(self, key: str) -> FinishEvent | None:
+        """Stop a stream's request (client gone, deadline, stop sequence) and free its KV slots in both roles. None:
+        it had finished already, and its FinishEvent is on the stream's queue by the time this returns."""
+        future = self._cancel_job(key)
         return None if future is None else await future
 
-    def _cancel_job(self, request_id: str) -> asyncio.Future | None:
-        """Free the request_id now and queue the step loop's cancel of its key. Its queue takes the events of the
-        steps before the cancel's turn, then is dropped."""
-        key = self._keys.pop(request_id, None)
-        if key is None:
+    def _cancel_job(self, key: str) -> asyncio.Future | None:
+        """Free the stream's request_id now and queue the step loop's cancel of its key (None: it has finished). Its
+        queue takes the events of the steps before the cancel's turn, then is dropped."""
+        if key not in self._queues:
             return None
+        self._forget(key, keep_queue=True)
         future = asyncio.get_running_loop().create_future()
 
         def done(f: asyncio.Future) -> None:  # the job has run (or never will): drop the queue; an error is seen
@@ -127,6 +135,14 @@ class Scheduler:
         future.add_done_callback(done)
         self._jobs.put((self.step_loop.cancel, (key,), future))
         return future
+
+    def _forget(self, key: str, keep_queue: bool = False) -> None:
+        """The key's request_id is free again (if the key still holds it); its queue is dropped unless kept."""
+        rid = key.rpartition("#")[0]
+        if self._keys.get(rid) == key:
+            del self._keys[rid]
+        if not keep_queue:
+            self._queues.pop(key, None)
 
     # The step thread.
 
@@ -159,8 +175,7 @@ class Scheduler:
         except Exception:
             log.exception("step failed; failing the running requests")
             events = [FinishEvent(e.request_id, "error", e.token_ids, e.stats) for e in loop.cancel_all()]
-            self._post(self._deliver, events, None)
-            self._post(self._set_load, loop.num_running, loop.num_waiting)  # all cancelled: the gauges show it
+            self._post(self._deliver_failed, events, loop.num_running, loop.num_waiting)
             return
         finally:
             self.step_started = None
@@ -184,10 +199,13 @@ class Scheduler:
             if queue_ is not None:
                 queue_.put_nowait(event)
             if isinstance(event, FinishEvent):
-                self._queues.pop(event.request_id, None)
-                rid = event.request_id.rpartition("#")[0]
-                if self._keys.get(rid) == event.request_id:
-                    del self._keys[rid]
+                self._forget(event.request_id)
+
+    def _deliver_failed(self, events: list, running: int, waiting: int) -> None:
+        """A failed step's ends: the load gauges first (all cancelled), then the streams, in one callback, so a client
+        that sees its stream fail never reads the failed requests in the gauges."""
+        self._set_load(running, waiting)
+        self._deliver(events, None)
 
     def _observe(self, events: list, done: _StepDone | None) -> None:
         m, loop = self.metrics, self.step_loop

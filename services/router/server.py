@@ -21,7 +21,7 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import from_pb, validate
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.router.scheduler import Scheduler
+from blockspec.services.router.scheduler import Scheduler, Stream
 from blockspec.services.router.step_loop import FinishEvent, Request
 from blockspec.services.router.stops import StopMatcher
 from blockspec.services.router.validation import validate_request
@@ -150,7 +150,7 @@ class GenerationService(api_grpc.GenerationServicer):
                              tracing.ATTR_PROMPT_TOKENS: len(request.prompt_ids)})
         scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
         try:
-            queue = await scheduler.submit(request)
+            stream = await scheduler.submit(request)
         except ValueError as e:
             await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
         if self.metrics is not None:
@@ -159,7 +159,7 @@ class GenerationService(api_grpc.GenerationServicer):
         rid, finished, sent = request.request_id, False, 0  # sent: token ids the stream has carried
         try:
             while True:
-                event = await queue.get()
+                event = await stream.events.get()
                 total_ns = time.perf_counter_ns() - started
                 if not isinstance(event, FinishEvent):
                     delta, hit = stops.push(text.push(event.token_ids))
@@ -169,14 +169,13 @@ class GenerationService(api_grpc.GenerationServicer):
                         yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns)
                         continue
                     finished = True
-                    final = await self._stop(scheduler, rid, queue)
+                    final = await self._stop(scheduler, stream)
                     self._finished(span, clock, final, sent, "stop_sequence")
                     yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns,
                                                    finish=finish_message(final, len(request.prompt_ids), sent, "stop_sequence"))
                     return
                 finished = True
-                delta, hit = stops.push(text.flush())  # the last characters may complete a stop sequence
-                delta += "" if hit else stops.flush()
+                delta, hit = stops.finish(text.flush())  # the last characters may complete a stop sequence
                 if event.reason == "error":
                     span.set_status(Status(StatusCode.ERROR, "failed inside the engine"))
                     await self._abort(context, grpc.StatusCode.INTERNAL, "the request failed inside the engine; see server logs")
@@ -190,15 +189,15 @@ class GenerationService(api_grpc.GenerationServicer):
                 span.set_attribute(tracing.ATTR_FINISH_REASON, "cancelled")
                 if self.metrics is not None:
                     self.metrics.requests_finished.labels(reason="cancelled").inc()
-                await asyncio.shield(scheduler.cancel(rid))
+                await asyncio.shield(scheduler.cancel(stream.key))
 
     @staticmethod
-    async def _stop(scheduler: Scheduler, rid: str, queue: asyncio.Queue) -> FinishEvent:
+    async def _stop(scheduler: Scheduler, stream: Stream) -> FinishEvent:
         """End a request whose text hit a stop sequence. If it finished first (in the same step, or in a step the
-        step thread ran before the cancel's turn), its FinishEvent is on the queue."""
-        final = await scheduler.cancel(rid)
+        step thread ran before the cancel's turn), its FinishEvent is on the stream's queue."""
+        final = await scheduler.cancel(stream.key)
         while final is None:
-            event = queue.get_nowait()
+            event = stream.events.get_nowait()
             final = event if isinstance(event, FinishEvent) else None
         return final
 

@@ -27,3 +27,9 @@ class StopMatcher:
         """End of stream: what was held back is plain text after all."""
         held, self._held = self._held, ""
         return held
+
+    def finish(self, delta: str) -> tuple[str, bool]:
+        """The stream's last text in -> (the rest to release, whether a stop sequence completed in it); held text is
+        released unless a stop sequence cut it."""
+        released, hit = self.push(delta)
+        return (released, True) if hit else (released + self.flush(), False)

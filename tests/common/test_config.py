@@ -40,7 +40,8 @@ def test_the_operators_config_loads_with_our_defaults(tmp_path):
     [
         ({"server": {"port": 70000}}, "server.port: 70000 is not allowed: Input should be less than or equal to 65535"),
         ({"server": {"prot": 1}}, "server.prot: unknown key"),
-        ({"server": {"grpc_port": 8000}}, "server.grpc_port: 8000 is not allowed: must differ from server.port (8000)"),
+        ({"server": {"grpc_port": 8000}}, "server.grpc_port: 8000 is not allowed: must differ from the HTTP port (8000)"),
+        ({"server": {"port": 8001}}, "server.grpc_port: 8001 is not allowed: must differ from the HTTP port (8001)"),
         ({"model": {"tensor_parallel_size": 2}}, "model.tensor_parallel_size: 2 is not allowed: tensor parallelism is not supported"),
         ({"model": {"gpu_memory_utilization": 1.5}}, "model.gpu_memory_utilization: 1.5 is not allowed"),
         ({"model": {"spec_decode": {"num_speculative_tokens": 0}}}, "model.spec_decode.num_speculative_tokens: 0 is not allowed: Input should be greater than or equal to 1"),

@@ -35,6 +35,7 @@ def test_a_drafter_op_that_timed_out_still_gets_its_release(tiny_models, dflash_
         return run(*args)
 
     dsvc._run = run_late
+    dsvc._end_session = lambda session: None  # the release must come from the router's books, not from the stream's end
     verifier = RemoteVerifier(f"127.0.0.1:{vport}")
     remote = RemoteDrafter(f"127.0.0.1:{dport}", verifier, timeout_s=0.5, retry_s=1.2)
     steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)

@@ -251,6 +251,9 @@ def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
     common = ["--prompts-file", str(prompts), "--max-tokens", "16", "--waves", "1", "--out", str(tmp_path / "out")]
     assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "99", "--concurrency", "1", *common]) == 2
     assert "--server-k: num_speculative_tokens: must be between 0 (plain decoding) and" in capsys.readouterr().err
+    assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--concurrency", "1", "--rounds", "1", *common]) == 0
+    by_default = (tmp_path / "out" / "bench.md").read_text()  # 0 and the server's default k (ModelInfo)
+    assert "| server | 1 |" in by_default and "| server k=5 | 1 |" in by_default
     assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "1,0", "--concurrency", "1,2",
                  "--request-rates", "30", "--max-concurrency", "2", "--rounds", "2", *common]) == 0
     report = (tmp_path / "out" / "bench.md").read_text()
@@ -307,7 +310,9 @@ def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_veri
     shutil.copytree(dflash_drafters["qwen3-trained"], drafter)
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
-    info = spawn_serve("--config", str(cfg), "--no-ray")
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        info = spawn_serve("--config", str(cfg), "--no-ray", stderr=stderr)
     health = health_pb2_grpc.HealthStub(info["channel"])
 
     def states():
@@ -332,7 +337,7 @@ def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_veri
         drafter.rename(tmp_path / "moved")  # the drafter's restart cannot load it
         (pid,) = role_pids(info["proc"], "role drafter")
         os.kill(pid, signal.SIGKILL)
-        time.sleep(3)
+        assert wait_for(lambda: "restarting a drafter failed" in log.read_text())
         ids, _, finish = generate(info["stub"], prompts[7], 32)
         assert info["proc"].poll() is None and ids == references["qwen3"][7][:32] and finish.acceptance.drafted == 0
         (tmp_path / "moved").rename(drafter)
@@ -349,9 +354,9 @@ def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_veri
 
 
 def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_drafters, tmp_path, prompts, references):
-    """`serve --verifier-address --drafter-address` (the compose deployment): streams equal the target alone, and
-    a config whose role-side keys the running roles do not have is named in a warning, with the role command lines
-    it implies (the roles run with their own)."""
+    """`serve --verifier-address --drafter-address` (the compose deployment): streams equal the target alone; a
+    config whose role-side keys the running roles do not have is named in a warning, with the role command lines
+    it implies (the roles run with their own); a verifier that is gone ends the router with exit code 1."""
     from blockspec.services.serve import RoleProcess
 
     target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
@@ -366,11 +371,14 @@ def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_draft
                                roles[1].address, stderr=stderr)
         try:
             ids, _, finish = generate(info["stub"], prompts[3], 64)
+            roles[0].proc.kill()  # the verifier is gone: the router exits 1 for its supervisor to restart both
+            code = info["proc"].wait(60)
         finally:
-            stop_serve(info)
+            if info["proc"].poll() is None:
+                stop_serve(info)
     finally:
         for role in roles:
             role.stop()
-    assert ids == references["qwen3"][3][:64] and finish.acceptance.drafted > 0
+    assert ids == references["qwen3"][3][:64] and finish.acceptance.drafted > 0 and code == 1
     text = log.read_text()
     assert "server.max_batch 4 > its 2 slots" in text and "role verifier --target" in text
