@@ -1,5 +1,5 @@
-"""The role protocol's bookkeeping over gRPC: a drafter op that timed out still gets its release, a drafter
-attached to a restarted verifier maps the new one, a verifier continues a prompt under way before new ones."""
+"""The role protocol's bookkeeping over gRPC: a timed-out drafter op still gets its release, a drafter maps a
+restarted verifier, roles free a gone router's requests, prompts under way are prefilled first, replies match ops."""
 
 from __future__ import annotations
 
@@ -17,15 +17,27 @@ from tests.services.router.test_server import _wait
 from tests.services.test_split import Loop
 
 
-def test_a_drafter_op_that_timed_out_still_gets_its_release(tiny_models, dflash_drafters, prompts):
-    """Each request's only proposal times out (the drafter applies it all the same, taking a slot) and the request
-    finishes at k=0 while the drafter is down. The reconnected router releases both: a later request drafts."""
+@pytest.fixture
+def roles(tiny_models, dflash_drafters):
+    """A dflash verifier and drafter role (2 slots) behind gRPC on free ports: their services and addresses."""
     target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
     loop = Loop()
     vsvc = verifier_service(target, "dflash", drafter, max_batch=2, max_len=256)
     dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
     vserver, _, vport = loop.run(serve_verifier(vsvc))
     dserver, _, dport = loop.run(serve_drafter(dsvc))
+    yield {"verifier": vsvc, "drafter": dsvc, "verifier_address": f"127.0.0.1:{vport}",
+           "drafter_address": f"127.0.0.1:{dport}"}
+    loop.run(vserver.stop(0))
+    loop.run(dserver.stop(0))
+    vsvc.close()
+    loop.close()
+
+
+def test_a_drafter_op_that_timed_out_still_gets_its_release(roles, prompts):
+    """Each request's only proposal times out (the drafter applies it all the same, taking a slot) and the request
+    finishes at k=0 while the drafter is down. The reconnected router releases both: a later request drafts."""
+    dsvc = roles["drafter"]
     run, slow = dsvc._run, []
 
     def run_late(*args):  # applied, but after the router's timeout
@@ -36,8 +48,8 @@ def test_a_drafter_op_that_timed_out_still_gets_its_release(tiny_models, dflash_
 
     dsvc._run = run_late
     dsvc._end_session = lambda session: None  # the release must come from the router's books, not from the stream's end
-    verifier = RemoteVerifier(f"127.0.0.1:{vport}")
-    remote = RemoteDrafter(f"127.0.0.1:{dport}", verifier, timeout_s=0.5, retry_s=1.2)
+    verifier = RemoteVerifier(roles["verifier_address"])
+    remote = RemoteDrafter(roles["drafter_address"], verifier, timeout_s=0.5, retry_s=1.2)
     steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)
     try:
         for i in range(2):
@@ -55,10 +67,6 @@ def test_a_drafter_op_that_timed_out_still_gets_its_release(tiny_models, dflash_
     finally:
         remote.close()
         verifier.close()
-        loop.run(vserver.stop(0))
-        loop.run(dserver.stop(0))
-        vsvc.close()
-        loop.close()
 
 
 def test_a_drafter_attached_to_a_restarted_verifier_maps_the_new_one(tiny_models, dflash_drafters):
@@ -98,36 +106,25 @@ def test_the_verifier_continues_a_prompt_under_way_before_new_ones(tiny_models, 
         vsvc.close()
 
 
-def test_a_router_that_goes_away_leaves_no_request_in_the_roles(tiny_models, dflash_drafters, prompts):
+def test_a_router_that_goes_away_leaves_no_request_in_the_roles(roles, prompts):
     """Roles run as their own services outlive a router that dies mid-run: when its streams end, both roles free
     what it held, and the router started next finds every slot free and drafts."""
-    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
-    loop = Loop()
-    vsvc = verifier_service(target, "dflash", drafter, max_batch=2, max_len=256)
-    dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
-    vserver, _, vport = loop.run(serve_verifier(vsvc))
-    dserver, _, dport = loop.run(serve_drafter(dsvc))
+    vsvc, dsvc = roles["verifier"], roles["drafter"]
     prompt = tuple(max(prompts, key=len)[:20])
     freed = []
-    try:
-        for _ in range(2):
-            verifier = RemoteVerifier(f"127.0.0.1:{vport}")
-            remote = RemoteDrafter(f"127.0.0.1:{dport}", verifier)
-            steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)
-            for i in range(2):
-                steps.submit(Request(f"r{i}", prompt, max_tokens=64, k=3))
-            for _ in range(3):
-                steps.step()
-            assert steps.num_running == 2 and remote.fallbacks == 0
-            remote.close()  # gone without a release
-            verifier.close()
-            freed.append(_wait(lambda: vsvc.verifier.free_slots == 2 and not dsvc._tokens
-                               and dsvc.proposer.cache.free_slots == 2))
-    finally:
-        loop.run(vserver.stop(0))
-        loop.run(dserver.stop(0))
-        vsvc.close()
-        loop.close()
+    for _ in range(2):
+        verifier = RemoteVerifier(roles["verifier_address"])
+        remote = RemoteDrafter(roles["drafter_address"], verifier)
+        steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)
+        for i in range(2):
+            steps.submit(Request(f"r{i}", prompt, max_tokens=64, k=3))
+        for _ in range(3):
+            steps.step()
+        assert steps.num_running == 2 and remote.fallbacks == 0
+        remote.close()  # gone without a release
+        verifier.close()
+        freed.append(_wait(lambda: vsvc.verifier.free_slots == 2 and not dsvc._tokens
+                           and dsvc.proposer.cache.free_slots == 2))
     assert freed == [True, True]
 
 
