@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from blockspec.common.errors import ModelLoadError
 
@@ -151,9 +151,12 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(str(path), f"no *.safetensors weights (found {', '.join(found)}); save with safetensors")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                weights[name] = st.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    weights[name] = st.get_tensor(name)
+        except (SafetensorError, OSError) as e:  # truncated, corrupt or unreadable: name the file, not a traceback
+            raise ModelLoadError(str(f), f"cannot read the weights ({e})") from None
     return weights
 
 

@@ -268,7 +268,7 @@ def cmd_role(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
-    from blockspec.services.serve import serve_processes
+    from blockspec.services.serve import RoleStartError, serve_processes
 
     cfg = load_config(args.config)
     if args.ray_address and (args.no_ray or args.verifier_address):
@@ -284,7 +284,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
     if args.no_ray:
-        return serve_processes(cfg, host, port, grpc_port)
+        try:
+            return serve_processes(cfg, host, port, grpc_port)
+        except RoleStartError as e:  # the role printed why (a checkpoint it cannot read, a port taken, ...)
+            print(f"blockspec: error: {e}", file=sys.stderr)
+            return 1
     from blockspec.services.ray_placement import serve_ray
 
     return serve_ray(cfg, host, port, grpc_port, args.ray_address)

@@ -91,6 +91,10 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
     return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
 
 
+class RoleStartError(RuntimeError):
+    """A role process that ended before it served (its own error on stderr): `serve` exits 1 with one line."""
+
+
 class RoleProcess:
     """One role as a child process; it prints `LISTENING <port>` once serving. Restarted on the same port (and
     socket). With a Unix socket path the role listens there too, and that is its address."""
@@ -112,7 +116,7 @@ class RoleProcess:
             if line.startswith("LISTENING "):
                 self.port = int(line.split()[1])
                 return proc
-        raise RuntimeError(f"{self.name} role exited before serving (code {proc.wait()})")
+        raise RoleStartError(f"the {self.name} role exited before serving (code {proc.wait()}); its error is above")
 
     @property
     def address(self) -> str:

@@ -67,3 +67,13 @@ def test_a_drafter_whose_logits_cover_more_ids_than_the_target_is_refused(tmp_pa
     (padded / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=rf"its logits cover {target.config.vocab_size + 64} ids"):
         check_same_tokenizer(target, load_checkpoint(padded, with_weights=False))
+
+
+def test_unreadable_weights_name_the_file(tmp_path, tiny_models):
+    """A truncated safetensors file (a copy cut short, a full disk) is a load error naming the file, not a
+    safetensors traceback."""
+    broken = copy_of(tiny_models["qwen3"]["target"], tmp_path)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=rf"{weights}: cannot read the weights"):
+        load_checkpoint(broken)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -382,3 +383,23 @@ def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_draft
     assert ids == references["qwen3"][3][:64] and finish.acceptance.drafted > 0 and code == 1
     text = log.read_text()
     assert "server.max_batch 4 > its 2 slots" in text and "role verifier --target" in text
+
+
+def test_a_drafter_that_cannot_load_ends_serve_with_one_line_naming_its_file(tiny_models, dflash_drafters, tmp_path):
+    """At start-up a drafter checkpoint that cannot be read ends `serve` with exit code 1: the role names the file
+    it could not read, the server the role that ended (before: two tracebacks, neither naming the checkpoint)."""
+    import shutil
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(dflash_drafters["qwen3-trained"], drafter)
+    weights = next(drafter.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
+    proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg), "--no-ray"],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"{weights}: cannot read the weights" in proc.stderr
+    # The verifier reads the drafter's checkpoint too (its tap layers): whichever role starts first says so.
+    assert re.search(r"blockspec: error: the (verifier|drafter)-0 role exited before serving \(code 2\); its error is "
+                     r"above", proc.stderr)
