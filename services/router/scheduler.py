@@ -87,11 +87,11 @@ class Scheduler:
             if job is not None and not job[2].done():
                 job[2].set_exception(RuntimeError("the scheduler has stopped"))
 
-    async def _call(self, fn, *args):
-        """fn(*args) on the step thread, between two steps."""
+    def _job(self, fn, *args) -> asyncio.Future:
+        """fn(*args) queued for the step thread, between two steps: its result comes on the returned future."""
         future = asyncio.get_running_loop().create_future()
         self._jobs.put((fn, args, future))
-        return await future
+        return future
 
     async def submit(self, request: Request) -> Stream:
         """Queue a request; its events come on the returned stream. A caller cancelled while the submit waits for
@@ -104,7 +104,7 @@ class Scheduler:
         stream = Stream(key, asyncio.Queue())
         self._queues[key] = stream.events
         try:
-            await self._call(self.step_loop.submit, replace(request, request_id=key))
+            await self._job(self.step_loop.submit, replace(request, request_id=key))
         except asyncio.CancelledError:  # the submit job runs all the same: a cancel job after it
             self._cancel_job(key)
             raise
@@ -125,15 +125,14 @@ class Scheduler:
         if key not in self._queues:
             return None
         self._forget(key, keep_queue=True)
-        future = asyncio.get_running_loop().create_future()
 
         def done(f: asyncio.Future) -> None:  # the job has run (or never will): drop the queue; an error is seen
             self._queues.pop(key, None)  # here too, for a cancel nobody awaits (a client gone during its submit)
             if not f.cancelled():
                 f.exception()
 
+        future = self._job(self.step_loop.cancel, key)
         future.add_done_callback(done)
-        self._jobs.put((self.step_loop.cancel, (key,), future))
         return future
 
     def _forget(self, key: str, keep_queue: bool = False) -> None:
