@@ -220,7 +220,9 @@ def test_greedy_with_penalties_equals_transformers_generate(pair, settings):
         done = [e for e in engine.generate([engine.request("a", prompt, 48, k, SamplingParams(**settings))])
                 if isinstance(e, FinishEvent)]
         assert list(done[0].token_ids) == reference, f"{method} k={k} with {settings}"
-        assert method == "none" or done[0].stats.accepted > 0
+        # The drafting models must have drafts accepted; ngram drafts the context's repeats, which a penalty works
+        # against (on an Intel VM's tiny pair none of its 53 drafts passed under repetition_penalty 1.3).
+        assert method in ("none", "ngram") or done[0].stats.accepted > 0, f"{method} k={k}: nothing accepted"
     assert reference != hf_greedy(paths.target, prompt, 48), "the settings must change the output on this prompt"
 
 
