@@ -6,6 +6,10 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // bf16 weights (the drafter's option, see cpu_block.py): panels [O / 64, I / 2, 64, 2] with
 // panel[j][c][t] = w[64 p + c][2 j + t], so one 512-bit load holds two inputs of 16 features and
@@ -104,6 +108,73 @@ static void panel_bf16(const float* xr, const uint16_t* pp, float* yp, int64_t N
 
 static bool bf16_supported() { return BF16_KERNEL; }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Intel AMX (Sapphire Rapids and later): TDPBF16PS multiplies a tile of 16 rows x 16 pairs of bf16 inputs by
+// 16 pairs x 16 output features and adds the pairs' products into 16 x 16 fp32 sums, pair after pair in input
+// order: the same sums as `vdpbf16ps` above. Up to 16 rows of x go in one A tile (padded with zero rows); the
+// B tile is 16 pairs of one panel's rows, 16 of its 64 features (a 64-byte slice of each 256-byte row).
+static bool amx_ready() {  // Linux hands a process the tile state only when asked (once per process)
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the sums (16 rows x 16 fp32), 4: x (16 rows x 16 pairs), 5 and 6: the weights (16 pairs x 16
+// features). Loaded at every call: the configuration is the thread's, and other code (oneDNN) may change it.
+static void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// y [N, O] from xs [N16, J] (bf16 pairs, N16 = N rounded up to 16, the extra rows zero) and bf16 panels;
+// J % 16 == 0, P panels.
+static void amx_panels(const uint32_t* xs, const uint16_t* wp, float* yp, int64_t N, int64_t J, int64_t P) {
+  const int64_t O = P * 64;
+  amx_configure();
+  alignas(64) float out[16 * 64];
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    for (int64_t p = 0; p < P; ++p) {
+      const uint16_t* panel = wp + p * J * 128;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t j = 0; j < J; j += 16) {
+        _tile_loadd(4, xs + n0 * J + j, J * 4);
+        const uint16_t* w = panel + j * 128;
+        _tile_loadd(5, w, 256); _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, w + 32, 256); _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, w + 64, 256); _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, w + 96, 256); _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, out, 256); _tile_stored(1, out + 16, 256); _tile_stored(2, out + 32, 256); _tile_stored(3, out + 48, 256);
+      for (int64_t n = 0; n < std::min<int64_t>(16, N - n0); ++n)
+        std::memcpy(yp + (n0 + n) * O + p * 64, out + n * 64, 64 * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+#define AMX_KERNEL 1
+#else
+#define AMX_KERNEL 0
+#endif
+
+// Whether linear_bf16 runs on AMX tiles: off until `set_amx(true)` (cpu_block.py), which turns it on where the
+// extension was compiled for AMX and the kernel grants the tile state; returns what holds now.
+static bool use_amx = false;
+static bool set_amx(bool on) {
+#if AMX_KERNEL
+  use_amx = on && amx_ready();
+#endif
+  return use_amx;
+}
+
 // y [N, O] = x [N, I] @ w.T for bf16 panels (above).
 static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
   const int64_t P = packed.size(0), J = packed.size(1), O = P * 64;
@@ -111,10 +182,16 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
   TORCH_CHECK(J * 2 == I && packed.size(2) == 64 && packed.size(3) == 2, "bf16 weight not packed for this input");
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
 #if defined(__AVX512BF16__)
-  std::vector<uint32_t> xs(N * J);  // pairs of bf16, the even input low
+  std::vector<uint32_t> xs((N + 15) / 16 * 16 * J);  // pairs of bf16, the even input low (zero rows past N: AMX)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t j = 0; j < J; ++j)
       xs[n * J + j] = bf16_bits(xp[n * I + 2 * j]) | (bf16_bits(xp[n * I + 2 * j + 1]) << 16);
+#if AMX_KERNEL
+  if (use_amx && J % 16 == 0) {  // one thread: a drafter's projection is a few microseconds of tiles
+    amx_panels(xs.data(), wp, yp, N, J, P);
+    return;
+  }
+#endif
 #else
   std::vector<float> xs(N * I);  // bf16 values as fp32, 8 at a time (I % 16 == 0)
   for (int64_t i = 0; i < N * I; i += 8) {
@@ -432,4 +509,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("propose", &propose);
   m.def("linear_bf16", &linear_bf16);
   m.def("bf16_supported", &bf16_supported);
+  m.def("set_amx", &set_amx);
 }

@@ -30,11 +30,15 @@ fp32: with AVX512-BF16 (`vdpbf16ps`), or on AVX2 by widening each weight to fp32
 and adding the exact products with FMA. Norms, attention, the convolutions and the walk stay fp32.
 Half the bytes (and with AVX512-BF16 twice the products per instruction): a proposal at concurrency 1
 and k = 7 costs less, on drafts that differ from the fp32 ones only where two candidates nearly tie
-(tau in the README). Where the CPU has neither, the weights stay fp32.
+(tau in the README). Where the CPU has neither, the weights stay fp32. Where the compiler targets Intel's
+AMX tiles (Sapphire Rapids and later) and Linux grants the process their state, the bf16 projections run
+as tile products instead (`TDPBF16PS`, one thread: a few microseconds each; BLOCKSPEC_DRAFTER_AMX=0 keeps
+`vdpbf16ps`): the same bf16 operands and fp32 sums, rounded within a few ulp of the vector path's.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,6 +47,7 @@ import torch
 from blockspec.common import cpu_kernels
 
 ENV_BF16 = "BLOCKSPEC_DRAFTER_BF16"  # "0": the drafter's CPU path keeps fp32 weights
+ENV_AMX = "BLOCKSPEC_DRAFTER_AMX"  # "0": bf16 projections on AVX512-BF16 even where the CPU has AMX tiles
 
 _SOURCE = cpu_kernels.PANEL_SOURCE + (Path(__file__).parent / "cpu_block.cpp").read_text()
 
@@ -65,6 +70,8 @@ class CpuDrafter:
         # bf16 weights (projections and LM head; activations, norms, attention and sums stay fp32) where
         # asked for and the CPU has AVX512-BF16 or AVX2. Every projection input (hidden, intermediate, taps) is even.
         self.bf16 = bool(bf16 and self.usable and ext.bf16_supported())
+        # AMX tiles for the bf16 projections where the CPU and the kernel allow them (one switch per process).
+        self.amx = bool(self.bf16 and ext.set_amx(os.environ.get(ENV_AMX, "1") != "0"))
         self._prepared_for: tuple | None = None
         self._copied: list[torch.Tensor] = []  # the weights the prepared lists hold copies of
         self._prepared: tuple[list[torch.Tensor], tuple, tuple, tuple] = ([], (), (), ())

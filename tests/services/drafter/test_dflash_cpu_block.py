@@ -173,17 +173,47 @@ needs_bf16 = pytest.mark.skipif(not cpu_block._extension.get().bf16_supported(),
                                 reason="this CPU has neither AVX512-BF16 nor AVX2: the drafter keeps fp32 weights")
 
 
+@pytest.fixture(params=[False, True], ids=["vector", "amx"])
+def amx(request):
+    """The bf16 projections on vector instructions, then on AMX tiles (skipped where the CPU or the kernel has
+    none); the process's setting is put back after."""
+    ext = cpu_block._extension.get()
+    before = ext.set_amx(False)
+    if request.param and not ext.set_amx(True):
+        pytest.skip("no AMX tiles here (an Intel CPU from Sapphire Rapids on, and a kernel that grants them)")
+    yield request.param
+    ext.set_amx(before)
+
+
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
-def test_bf16_projection_is_the_product_of_bf16_rounded_operands(rows):
-    """fp32 sums of bf16(x) * bf16(w): what torch gives on the rounded operands, up to summation order."""
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 17, 40])
+@pytest.mark.parametrize("features", [(192, 96), (320, 64), (128, 112)])
+def test_bf16_projection_is_the_product_of_bf16_rounded_operands(rows, features, amx):
+    """fp32 sums of bf16(x) * bf16(w): what torch gives on the rounded operands, up to summation order, on
+    vectors and on AMX tiles (blocks of 16 rows; 112 inputs are not whole tiles of 32 and take the vectors)."""
     torch.manual_seed(rows)
-    w = torch.nn.Parameter(torch.randn(192, 96) * 0.1)
-    x = torch.randn(rows, 96)
+    w = torch.nn.Parameter(torch.randn(*features) * 0.1)
+    x = torch.randn(rows, features[1])
     got = cpu_block._extension.get().linear_bf16(x, cpu_kernels.packed((w,), bf16=True))
     want = x.bfloat16().float() @ w.detach().bfloat16().float().T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - x @ w.detach().T).abs().max() > 1e-5  # really rounded: not the fp32 product
+
+
+@needs_bf16
+def test_the_drafter_takes_amx_tiles_where_the_cpu_has_them(drafter, monkeypatch):
+    """AMX is on by default where it can be, and BLOCKSPEC_DRAFTER_AMX=0 keeps the vector instructions."""
+    ext = cpu_block._extension.get()
+    before = ext.set_amx(False)
+    try:
+        has_amx = ext.set_amx(True)
+        assert CpuDrafter(drafter, True, bf16=True).amx == has_amx
+        assert not CpuDrafter(drafter, True, bf16=False).amx
+        monkeypatch.setenv(cpu_block.ENV_AMX, "0")
+        assert not CpuDrafter(drafter, True, bf16=True).amx
+        assert not ext.set_amx(False)
+    finally:
+        ext.set_amx(before)
 
 
 @needs_bf16
