@@ -1,12 +1,13 @@
 // The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_shared.cpp
 // (v16, load16, linear_into, attend_head).
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -108,11 +109,13 @@ static void panel_bf16(const float* xr, const uint16_t* pp, float* yp, int64_t N
 
 static bool bf16_supported() { return BF16_KERNEL; }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // Intel AMX (Sapphire Rapids and later): TDPBF16PS multiplies a tile of 16 rows x 16 pairs of bf16 inputs by
 // 16 pairs x 16 output features and adds the pairs' products into 16 x 16 fp32 sums, pair after pair in input
-// order: the same sums as `vdpbf16ps` above. Up to 16 rows of x go in one A tile (padded with zero rows); the
-// B tile is 16 pairs of one panel's rows, 16 of its 64 features (a 64-byte slice of each 256-byte row).
+// order: the products of `vdpbf16ps` above, rounded in another order inside a pair (within a few ulp of it; 10-65%
+// of the outputs bit for bit equal at 2048-64 inputs). Up to 16 rows of x go in one A tile (padded with zero
+// rows); the B tile is 16 pairs of one panel's rows, 16 of its 64 features (a 64-byte slice of each 256-byte
+// row). Inputs in whole tiles of 32 only (J % 16 == 0); others take the vector path.
 static bool amx_ready() {  // Linux hands a process the tile state only when asked (once per process)
   static const bool ok = [] {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -166,14 +169,15 @@ static void amx_panels(const uint32_t* xs, const uint16_t* wp, float* yp, int64_
 #endif
 
 // Whether linear_bf16 runs on AMX tiles: off until `set_amx(true)` (cpu_block.py), which turns it on where the
-// extension was compiled for AMX and the kernel grants the tile state; returns what holds now.
-static bool use_amx = false;
+// extension was compiled for AMX and the kernel grants the tile state; returns what holds now (`amx_on` too).
+static std::atomic<bool> use_amx{false};
 static bool set_amx(bool on) {
 #if AMX_KERNEL
   use_amx = on && amx_ready();
 #endif
   return use_amx;
 }
+static bool amx_on() { return use_amx; }
 
 // y [N, O] = x [N, I] @ w.T for bf16 panels (above).
 static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
@@ -510,4 +514,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16);
   m.def("bf16_supported", &bf16_supported);
   m.def("set_amx", &set_amx);
+  m.def("amx_on", &amx_on);
 }

@@ -33,8 +33,8 @@ and k = 7 costs less, on drafts that differ from the fp32 ones only where two ca
 (tau in the README). Where the CPU has neither, the weights stay fp32. Where the compiler targets Intel's
 AMX tiles (Sapphire Rapids and later) and Linux grants the process their state, the bf16 projections run
 as tile products instead (`TDPBF16PS`, one thread: 5-16 us for 8 rows, the call included;
-BLOCKSPEC_DRAFTER_AMX=0 keeps `vdpbf16ps`): the same bf16 operands and fp32 sums, rounded within a few ulp
-of the vector path's.
+BLOCKSPEC_DRAFTER_AMX=0 keeps `vdpbf16ps`; inputs in whole tiles of 32): the same bf16 operands and fp32 sums,
+rounded within a few ulp of the vector path's.
 """
 
 from __future__ import annotations
@@ -71,13 +71,19 @@ class CpuDrafter:
         # bf16 weights (projections and LM head; activations, norms, attention and sums stay fp32) where
         # asked for and the CPU has AVX512-BF16 or AVX2. Every projection input (hidden, intermediate, taps) is even.
         self.bf16 = bool(bf16 and self.usable and ext.bf16_supported())
-        # AMX tiles for the bf16 projections where the CPU and the kernel allow them (one switch per process).
-        self.amx = bool(self.bf16 and ext.set_amx(os.environ.get(ENV_AMX, "1") != "0"))
+        if self.bf16:  # AMX tiles for the bf16 projections where the CPU and the kernel allow them
+            ext.set_amx(os.environ.get(ENV_AMX, "1") != "0")
         self._prepared_for: tuple | None = None
         self._copied: list[torch.Tensor] = []  # the weights the prepared lists hold copies of
         self._prepared: tuple[list[torch.Tensor], tuple, tuple, tuple] = ([], (), (), ())
         self._proposer_state: tuple = ()  # `bind`: the calling proposer's cache, RoPE tables, embedding, vocabulary
         self._bound: tuple = (None, None, ())  # `propose`'s fixed arguments, for (prepared lists, LM head panels)
+
+    @property
+    def amx(self) -> bool:
+        """Whether this drafter's bf16 projections run on AMX tiles now: one switch per process, which the last
+        CpuDrafter built with bf16 weights set from BLOCKSPEC_DRAFTER_AMX."""
+        return self.bf16 and _extension.get().amx_on()
 
     def _prepare(self) -> tuple[list[torch.Tensor], tuple, tuple, tuple]:
         """The weight lists of `block` and `context` and the fixed arguments of `propose` around the block

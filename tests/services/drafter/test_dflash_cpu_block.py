@@ -178,7 +178,8 @@ def amx(request):
     """The bf16 projections on vector instructions, then on AMX tiles (skipped where the CPU or the kernel has
     none); the process's setting is put back after."""
     ext = cpu_block._extension.get()
-    before = ext.set_amx(False)
+    before = ext.amx_on()
+    ext.set_amx(False)
     if request.param and not ext.set_amx(True):
         pytest.skip("no AMX tiles here (an Intel CPU from Sapphire Rapids on, and a kernel that grants them)")
     yield request.param
@@ -204,14 +205,16 @@ def test_bf16_projection_is_the_product_of_bf16_rounded_operands(rows, features,
 def test_the_drafter_takes_amx_tiles_where_the_cpu_has_them(drafter, monkeypatch):
     """AMX is on by default where it can be, and BLOCKSPEC_DRAFTER_AMX=0 keeps the vector instructions."""
     ext = cpu_block._extension.get()
-    before = ext.set_amx(False)
+    before = ext.amx_on()
     try:
         has_amx = ext.set_amx(True)
-        assert CpuDrafter(drafter, True, bf16=True).amx == has_amx
+        ext.set_amx(False)
+        first = CpuDrafter(drafter, True, bf16=True)
+        assert first.amx == has_amx == ext.amx_on()  # built with bf16 weights: the switch turned on where it can be
         assert not CpuDrafter(drafter, True, bf16=False).amx
         monkeypatch.setenv(cpu_block.ENV_AMX, "0")
         assert not CpuDrafter(drafter, True, bf16=True).amx
-        assert not ext.set_amx(False)
+        assert not ext.amx_on() and not first.amx  # one switch per process: the earlier drafter follows it
     finally:
         ext.set_amx(before)
 
