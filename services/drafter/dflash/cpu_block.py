@@ -4,7 +4,7 @@ The drafter runs once per speculative step, over a block of 8 slots, against a t
 costs a millisecond or two per step. In torch it is about 150 small operations (norms, RoPE, the
 dynamic convolutions, attention over the cached context, the MLP), and their dispatch cost, not their
 arithmetic, made a proposal cost most of a target decode. Here the same computation is one call (the
-C++ is `cpu_block.cpp`, built on first use like `common/cpu_kernels.py`):
+C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, built on first use like `common/cpu_kernels.py`):
 
 * `block`: the block [anchor, MASK...] of every request through all layers and the final norm,
   attending to the request's cached context K/V (read in place, no gathered copy) and to the whole
@@ -50,7 +50,8 @@ from blockspec.common import cpu_kernels
 ENV_BF16 = "BLOCKSPEC_DRAFTER_BF16"  # "0": the drafter's CPU path keeps fp32 weights
 ENV_AMX = "BLOCKSPEC_DRAFTER_AMX"  # "0": bf16 projections on AVX512-BF16 even where the CPU has AMX tiles
 
-_SOURCE = cpu_kernels.PANEL_SOURCE + (Path(__file__).parent / "cpu_block.cpp").read_text()
+_SOURCE = cpu_kernels.PANEL_SOURCE + "".join((Path(__file__).parent / name).read_text()
+                                                for name in ("cpu_bf16.cpp", "cpu_block.cpp"))
 
 _extension = cpu_kernels.Extension("blockspec_dflash_cpu", _SOURCE, "the drafter's torch forward")
 
