@@ -283,15 +283,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from blockspec.services.serve import serve_external
 
         return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
-    if args.no_ray:
-        try:
+    try:
+        if args.no_ray:
             return serve_processes(cfg, host, port, grpc_port)
-        except RoleStartError as e:  # the role printed why (a checkpoint it cannot read, a port taken, ...)
-            print(f"blockspec: error: {e}", file=sys.stderr)
-            return 1
-    from blockspec.services.ray_placement import serve_ray
+        from blockspec.services.ray_placement import serve_ray
 
-    return serve_ray(cfg, host, port, grpc_port, args.ray_address)
+        return serve_ray(cfg, host, port, grpc_port, args.ray_address)
+    except RoleStartError as e:  # a role that ended before it served (it printed why), or no room on Ray for one
+        print(f"blockspec: error: {e}", file=sys.stderr)
+        return 1
 
 
 def parse_role_args(argv: list[str]) -> argparse.Namespace:

@@ -17,11 +17,12 @@ from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.launch import remove_role_sockets, role_env, role_socket
-from blockspec.services.serve import plan, serve_roles
+from blockspec.services.serve import RoleStartError, plan, serve_roles
 
 log = logging.getLogger(__name__)
 
 ALIVE_TIMEOUT_S = 5.0  # RayRole.alive: how long a verifier actor may take to answer before it counts as busy
+PLACEMENT_TIMEOUT_S = 300.0  # how long the replicas' placement groups may wait for the cluster's resources
 
 
 class RoleActor:
@@ -69,23 +70,60 @@ class DrafterActor(RoleActor):
     pass
 
 
-def _gpu_shares(cfg: BlockspecConfig, with_drafter: bool) -> tuple[float, float]:
-    """Fractions of one GPU for verifier and drafter (model.device cuda: both on the same GPU); 0 on the CPU."""
+def _gpu_shares(cfg: BlockspecConfig, with_drafter: bool, replicas_per_gpu: int = 1) -> tuple[float, float]:
+    """Fractions of one GPU for verifier and drafter (model.device cuda: both on the same GPU), with
+    `replicas_per_gpu` replicas sharing each GPU; 0 on the CPU."""
     if not cfg.model.device.startswith("cuda"):
         return 0.0, 0.0
-    return role_fractions(cfg.model.gpu_memory_utilization, with_drafter)
+    return role_fractions(cfg.model.gpu_memory_utilization, with_drafter, replicas_per_gpu)
 
 
-def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv, index: int = 0):
-    from ray.util.placement_group import placement_group
+def replicas_per_gpu(cfg: BlockspecConfig, with_drafter: bool, cluster: dict) -> int:
+    """How many replicas share each GPU: one a GPU while the cluster's GPUs last; past that they share them
+    evenly, as --no-ray's replicas share model.device. Refuses, naming the key, what the cluster (Ray's
+    `cluster_resources()`) can never hold, instead of waiting for resources that will not come."""
+    replicas, roles = cfg.server.replicas, 2 if with_drafter else 1
+    if cluster.get("CPU", 0) < replicas * roles:
+        raise InvalidArgument("server.replicas", f"{replicas} replica(s) of {roles} role(s) need {replicas * roles} "
+                                                 f"CPUs on Ray (one a role); the cluster has {cluster.get('CPU', 0):g}")
+    if not cfg.model.device.startswith("cuda"):
+        return 1
+    gpus = int(cluster.get("GPU", 0))
+    if gpus < 1:
+        raise InvalidArgument("model.device", f"{cfg.model.device!r}, but the Ray cluster has no GPU "
+                                              f"({cluster.get('GPU', 0):g}); serve on 'cpu' or join a cluster with GPUs")
+    return -(-replicas // gpus)
+
+
+def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """One ready STRICT_PACK placement group per replica: [verifier bundle, drafter bundle] on one node. A group
+    the cluster cannot place within `timeout_s` (its resources taken by other jobs) ends the start with
+    RoleStartError naming the replica, what it asked for and what was free; the groups are removed then."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    v_gpu, d_gpu = _gpu_shares(cfg, with_drafter, per_gpu)
+    bundles = [{"CPU": 1, **({"GPU": v_gpu} if v_gpu else {})}]
+    if with_drafter:
+        bundles.append({"CPU": 1, **({"GPU": d_gpu} if d_gpu else {})})
+    groups = [placement_group(bundles, strategy="STRICT_PACK") for _ in range(cfg.server.replicas)]
+    for index, pg in enumerate(groups):  # requested together: they are placed in parallel
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            free = {k: round(v, 3) for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            for group in groups:
+                remove_placement_group(group)
+            raise RoleStartError(f"server.replicas: Ray found no room for replica {index} (bundles {bundles}) within "
+                                 f"{timeout_s:g} s; free now: {free}") from None
+    return groups
+
+
+def start_replica(ray, cfg: BlockspecConfig, pg, verifier_argv, drafter_argv, per_gpu: int = 1, index: int = 0):
+    """The replica's verifier and drafter actors in its placement group `pg` (from `place_replicas`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    v_gpu, d_gpu = _gpu_shares(cfg, drafter_argv is not None)
-    bundles = [{"CPU": 1, **({"GPU": v_gpu} if v_gpu else {})}]
-    if drafter_argv:
-        bundles.append({"CPU": 1, **({"GPU": d_gpu} if d_gpu else {})})
-    pg = placement_group(bundles, strategy="STRICT_PACK")
-    ray.get(pg.ready(), timeout=300)
+    v_gpu, d_gpu = _gpu_shares(cfg, drafter_argv is not None, per_gpu)
+
     def actor(cls, bundle: int, argv, gpu: float, restarts: int):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         # A socket path named after this process: a restarted actor binds the same one (grpc removes the stale file).
@@ -96,7 +134,7 @@ def start_replica(ray, cfg: BlockspecConfig, verifier_argv, drafter_argv, index:
 
     verifier = actor(VerifierActor, 0, verifier_argv, v_gpu, 0)
     drafter = actor(DrafterActor, 1, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter
-    return pg, verifier, drafter
+    return verifier, drafter
 
 
 class RayRole:
@@ -129,7 +167,7 @@ class RayRole:
 def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
     import ray
 
-    p = plan(cfg)
+    p = plan(cfg)  # the config's own errors before Ray starts
     if cfg.model.device.startswith("cuda:"):  # Ray sets each actor's CUDA_VISIBLE_DEVICES: its GPU is "cuda"
         raise InvalidArgument("model.device", f"{cfg.model.device!r}: under Ray use 'cuda' (Ray assigns the GPU), "
                                               "or serve with --no-ray")
@@ -140,11 +178,11 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
         ray.init(num_cpus=max(os.cpu_count() or 1, 2 * cfg.server.replicas), include_dashboard=False, log_to_driver=False)
 
-    def start_roles():
-        roles = []
-        for r in range(cfg.server.replicas):
-            _, verifier, drafter = start_replica(ray, cfg, p.verifier_argv, p.drafter_argv, r)
-            roles.append((verifier, drafter))
+    with_drafter = p.drafter_argv is not None
+
+    def start_roles(q, per_gpu: int):
+        groups = place_replicas(ray, cfg, with_drafter, per_gpu)
+        roles = [start_replica(ray, cfg, pg, q.verifier_argv, q.drafter_argv, per_gpu, r) for r, pg in enumerate(groups)]
         out = []
         for verifier, drafter in roles:  # the replicas load in parallel; wait for each
             ray.get(verifier.address.remote(), timeout=300)
@@ -155,7 +193,9 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
         return out
 
     try:
-        return serve_roles(cfg, p, host, port, grpc_port, start_roles)
+        per_gpu = replicas_per_gpu(cfg, with_drafter, ray.cluster_resources())  # what never fits: refused before HTTP
+        q = plan(cfg, replicas_per_gpu=per_gpu)  # the roles' memory shares, as Ray's GPU fractions
+        return serve_roles(cfg, q, host, port, grpc_port, lambda: start_roles(q, per_gpu))
     finally:
         ray.shutdown()
         cleanup_stale()  # the actors' segments and sockets: their processes are gone now

@@ -125,6 +125,52 @@ def test_ray_places_both_roles_on_one_gpu_and_refuses_a_gpu_index(tiny_models, d
         serve_ray(config(tiny_models, dflash_drafters, device="cuda:1"), "127.0.0.1", 0, 0, None)
 
 
+def replicas_config(tiny_models, dflash_drafters, replicas: int, **model) -> object:
+    return parse_config({"model": {"target_model_path": str(tiny_models["qwen3"]["target"]),
+                                   "draft_model_path": str(dflash_drafters["qwen3-trained"]), **model},
+                         "server": {"replicas": replicas}})
+
+
+def test_ray_shares_gpus_past_one_replica_each_and_refuses_what_the_cluster_cannot_hold(tiny_models, dflash_drafters):
+    from blockspec.services.ray_placement import replicas_per_gpu
+
+    cuda = {"device": "cuda", "gpu_memory_utilization": 0.9}
+    three = replicas_config(tiny_models, dflash_drafters, 3, **cuda)
+    assert replicas_per_gpu(three, True, {"CPU": 16.0, "GPU": 4.0}) == 1
+    assert replicas_per_gpu(three, True, {"CPU": 16.0, "GPU": 2.0}) == 2  # 2 + 1: the fuller GPU sets the share
+    assert replicas_per_gpu(replicas_config(tiny_models, dflash_drafters, 3), True, {"CPU": 6.0}) == 1  # the CPU
+    with pytest.raises(InvalidArgument, match="server.replicas: 3 replica.s. of 2 role.s. need 6 CPUs on Ray .one a "
+                                              "role.; the cluster has 5"):
+        replicas_per_gpu(three, True, {"CPU": 5.0, "GPU": 4.0})
+    assert replicas_per_gpu(three, False, {"CPU": 5.0, "GPU": 4.0}) == 1  # plain decoding: one role a replica
+    with pytest.raises(InvalidArgument, match="model.device: 'cuda', but the Ray cluster has no GPU"):
+        replicas_per_gpu(three, True, {"CPU": 16.0})
+
+
+def test_ray_places_two_replicas_on_one_gpu_and_names_a_replica_it_cannot_place(tiny_models, dflash_drafters):
+    """A local Ray cluster that declares one GPU (Ray counts it; nothing runs on it): two replicas split it as
+    --no-ray's would; a third, with the GPU taken, fails within its timeout with the replica and the free resources
+    named, and its group is removed."""
+    ray = pytest.importorskip("ray")
+    from blockspec.services.ray_placement import place_replicas, replicas_per_gpu
+    from blockspec.services.serve import RoleStartError
+
+    ray.init(num_cpus=5, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        two = replicas_config(tiny_models, dflash_drafters, 2, device="cuda", gpu_memory_utilization=0.9)
+        per_gpu = replicas_per_gpu(two, True, ray.cluster_resources())
+        groups = place_replicas(ray, two, True, per_gpu, timeout_s=60)
+        assert per_gpu == 2 and [[b["GPU"] for b in g.bundle_specs] for g in groups] == [[0.36, 0.09]] * 2
+        one = replicas_config(tiny_models, dflash_drafters, 1, device="cuda", gpu_memory_utilization=0.9)
+        with pytest.raises(RoleStartError, match=r"server.replicas: Ray found no room for replica 0 \(bundles .*within "
+                                                 r"2 s; free now: .*'GPU': 0.1"):
+            place_replicas(ray, one, True, replicas_per_gpu(one, True, ray.cluster_resources()), timeout_s=2)
+        assert ray.util.placement_group_table()  # the two placed groups stay; the failed one was removed
+        assert sorted(t["state"] for t in ray.util.placement_group_table().values()) == ["CREATED", "CREATED", "REMOVED"]
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_on_cuda_in_bfloat16_invariant_mode_equals_plain_decoding(tiny_models, dflash_drafters, prompts):
