@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from blockspec.common.auth import ApiKeys
 from blockspec.common.device import check_device_name
 from blockspec.common.errors import InvalidArgument
 
@@ -26,7 +27,14 @@ class ServerConfig(_Section):
     replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
     prefill_chunk_tokens: int = Field(512, ge=1)  # prompt tokens prefilled per step: long prompts never stall streams
     unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
+    api_keys_file: str | None = None  # API keys, `KEY` or `TENANT KEY` a line (common/auth.py); None: no key needed
 
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_load(cls, value: str | None) -> str | None:
+        if value is not None:
+            ApiKeys.load(value)  # its ValueError names the line; the config's error names the key
+        return value
 
     @field_validator("workers")
     @classmethod

@@ -13,14 +13,14 @@ MAX_MESSAGE = 64 * 1024 * 1024
 
 async def start_server(
     register: Callable[[grpc.aio.Server], None], service_names: Sequence[str], host: str, port: int,
-    unix_socket: str | None = None,
+    unix_socket: str | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Bind host:port (0 = any free port) and the Unix domain socket at `unix_socket` where given (grpc removes
     the file when the server stops, and a stale one when it binds), register the services, mark them SERVING;
-    returns the bound port."""
+    returns the bound port. `interceptors` see every call first (the router's API keys)."""
     # SO_REUSEPORT off (grpc turns it on): a second server on a taken port fails to bind instead of silently
     # sharing the port, the kernel splitting the clients between the two.
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+    server = grpc.aio.server(interceptors=tuple(interceptors), options=[("grpc.max_receive_message_length", MAX_MESSAGE),
                                       ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.so_reuseport", 0)])
     register(server)
     health_servicer = health.aio.HealthServicer()

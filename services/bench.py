@@ -214,11 +214,10 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
     if all are busy then, and its TTFT counts from its arrival."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import grpc
-
+    from blockspec.common.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
 
-    channel = grpc.insecure_channel(address)
+    channel = client_channel(address)
     stub = api_grpc.GenerationStub(channel)
 
     def one(p, at: float | None = None):

@@ -94,9 +94,10 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
 
     import grpc
 
+    from blockspec.common.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
 
-    channel = grpc.insecure_channel(args.server)
+    channel = client_channel(args.server)
     stub = api_grpc.GenerationStub(channel)
     stream_text = not args.json and len(prompts) == 1
 

@@ -129,13 +129,12 @@ def _server_passes(args: argparse.Namespace, ks: list[int] | None, concurrency: 
     """(closed-loop rows, open-loop rows, the prompts' token ids): each k's passes interleaved per concurrency and
     rate, against k = 0's where it ran. ks None: 0 and the server's default k (ModelInfo), 0 alone without a
     drafter."""
-    import grpc
-
+    from blockspec.common.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
     from blockspec.services import bench
     from blockspec.services.bench_rate import arrival_times
 
-    with grpc.insecure_channel(args.server) as channel:
+    with client_channel(args.server) as channel:
         stub = api_grpc.GenerationStub(channel)
         prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in _bench_prompts(args)]
         if ks is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from blockspec.common import tracing
+from blockspec.common.auth import ApiKeys
 from blockspec.common.device import claim_gpu_share, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
@@ -121,7 +122,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                              max_batch: int, host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
                              metrics: RouterMetrics | None = None, adaptive_k: bool = False,
                              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False,
-                             prompt_lookup_tokens: int | None = None) -> RouterServer:
+                             prompt_lookup_tokens: int | None = None, api_keys: ApiKeys | None = None) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
@@ -135,7 +136,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
-    return await start_router(loops, facts, host, port, metrics)
+    return await start_router(loops, facts, host, port, metrics, api_keys)
 
 
 def role_env() -> dict[str, str]:

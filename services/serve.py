@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common import tracing
+from blockspec.common.auth import ApiKeys
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import resolve as resolve_device, role_fractions
 from blockspec.common.errors import InvalidArgument
@@ -254,7 +255,10 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         return True, "ok\n"
 
     tracing.setup_tracing("blockspec-router")
-    http = start_http(host, port, readiness)
+    keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
+    if keys is None:
+        log.warning("server.api_keys_file is not set: every client is served (README, \"API keys\")")
+    http = start_http(host, port, readiness, keys)
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
     replicas = state["replicas"] = start_roles()
@@ -267,7 +271,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
                                           adaptive_k=cfg.model.spec_decode.adaptive_k,
                                           prompt_lookup=cfg.model.spec_decode.prompt_lookup,
                                           prompt_lookup_tokens=cfg.model.spec_decode.prompt_lookup_tokens,
-                                          prefill_chunk=cfg.server.prefill_chunk_tokens)
+                                          prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys)
         state["router"] = router
         print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
         stop = asyncio.Event()

@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health, health_pb2
 
+from blockspec.common.auth import ApiKeys, AuthInterceptor
 from blockspec.common.grpc_server import start_server
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_pb2
@@ -52,14 +53,15 @@ class RouterServer:
 
 
 async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
-                       metrics: RouterMetrics | None = None) -> RouterServer:
-    """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up."""
+                       metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None) -> RouterServer:
+    """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up. With api_keys,
+    every method but health needs one of them (common/auth.py)."""
     schedulers = [Scheduler(loop, metrics, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
     service = GenerationService(schedulers, facts, metrics)
     server, health_servicer, bound = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,),
-                                                        host, port)
+                                                        host, port, interceptors=(AuthInterceptor(api_keys),) if api_keys else ())
     log.info("router listening on %s:%d", host, bound)
     return RouterServer(server, schedulers, health_servicer, bound)
 

@@ -10,6 +10,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
+from blockspec.common.auth import ApiKeys, guard_wsgi
+
 log = logging.getLogger(__name__)
 
 
@@ -50,8 +52,10 @@ def http_app(readiness: Callable[[], tuple[bool, str]]):
     return app
 
 
-def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]]) -> WSGIServer:
-    """Serve in a daemon thread; returns the server (server.server_port is the bound port)."""
-    server = make_server(host, port, http_app(readiness), server_class=_ThreadingServer, handler_class=_QuietHandler)
+def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]], api_keys: ApiKeys | None = None) -> WSGIServer:
+    """Serve in a daemon thread; returns the server (server.server_port is the bound port). With api_keys, every
+    path but /health needs one of them."""
+    app = http_app(readiness) if api_keys is None else guard_wsgi(http_app(readiness), api_keys)
+    server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     return server

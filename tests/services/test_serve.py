@@ -276,6 +276,36 @@ def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
     assert (tmp_path / "out" / "tokens_per_s.png").is_file()
 
 
+def test_a_server_with_api_keys_serves_only_clients_that_send_one(tiny_models, dflash_drafters, tokenizer, tmp_path,
+                                                                   monkeypatch, capsys):
+    """server.api_keys_file end to end: the public API and /metrics refuse a call without a known key, health
+    answers anyone, and `blockspec generate --server` sends $BLOCKSPEC_API_KEY."""
+    from blockspec.common.auth import ENV_API_KEY
+    from blockspec.services.cli import main
+    from tests.conftest import hf_greedy
+
+    key = "serve-test-key-0123456789"
+    (tmp_path / "keys").write_text(f"team-a {key}\n")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("  max_batch: 4", f"  max_batch: 2\n  api_keys_file: {tmp_path / 'keys'}"))
+    info = spawn_serve("--config", str(cfg), "--no-ray")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(info["stub"], [5, 6, 7], 4)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert http_status(info["http"]) == 200 and http_status(info["http"], "/metrics") == 401
+        address = f"127.0.0.1:{info['grpc']}"
+        assert main(["generate", "hi", "--server", address, "--max-tokens", "4"]) == 1
+        assert "UNAUTHENTICATED: missing or unknown API key" in capsys.readouterr().err
+        monkeypatch.setenv(ENV_API_KEY, key)
+        assert main(["generate", "def f(x):", "--server", address, "--max-tokens", "16", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["token_ids"] == hf_greedy(tiny_models["qwen3"]["target"], tokenizer.encode("def f(x):"), 16)
+    finally:
+        stop_serve(info)
+
+
 def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters, tmp_path, prompts, references):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
