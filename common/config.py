@@ -18,6 +18,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class RateLimit(_Section):
+    """A tenant's budget a minute (None: unlimited); a bucket holds one minute's worth and refills evenly."""
+
+    requests_per_minute: int | None = Field(None, ge=1)  # Generate calls
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + max_tokens, reserved at admission (unused: refunded)
+
+
+class RateLimits(RateLimit):
+    """server.rate_limit: the limits of every tenant (an API key's, or "default" without keys), and `tenants`
+    where one has its own."""
+
+    tenants: dict[str, RateLimit] = Field(default_factory=dict)
+
+
 class ServerConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)  # HTTP: /health, /metrics; 0 = any free port (printed)
@@ -28,6 +42,7 @@ class ServerConfig(_Section):
     prefill_chunk_tokens: int = Field(512, ge=1)  # prompt tokens prefilled per step: long prompts never stall streams
     unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
     api_keys_file: str | None = None  # API keys, `KEY` or `TENANT KEY` a line (common/auth.py); None: no key needed
+    rate_limit: RateLimits = Field(default_factory=RateLimits)  # per tenant (services/router/limits.py)
 
     @field_validator("api_keys_file")
     @classmethod

@@ -67,6 +67,8 @@ class RouterMetrics:
         # Requests and latency as clients see it.
         self.requests_finished = Counter("blockspec_requests_finished", "Finished streams by finish reason",
                                          labelnames=("reason",), **kw)
+        self.rate_limited = Counter("blockspec_rate_limited", "Requests refused by their tenant's rate limit "
+                                    "(server.rate_limit), by tenant and limit", ["tenant", "limit"], **kw)
         self.request_errors = Counter("blockspec_request_errors", "Requests answered with an error, by gRPC status",
                                       labelnames=("code",), **kw)
         self.time_to_first_token = Histogram("blockspec_time_to_first_token_seconds",

@@ -31,6 +31,7 @@ from blockspec.services.drafter.proposers import verifier_needs
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.engine import DEFAULT_K, serving_len
 from blockspec.services.router.app import RouterServer, start_router
+from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.server import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, StepLoop
@@ -122,7 +123,8 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                              max_batch: int, host: str = "127.0.0.1", port: int = 0, default_k: int = DEFAULT_K,
                              metrics: RouterMetrics | None = None, adaptive_k: bool = False,
                              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False,
-                             prompt_lookup_tokens: int | None = None, api_keys: ApiKeys | None = None) -> RouterServer:
+                             prompt_lookup_tokens: int | None = None, api_keys: ApiKeys | None = None,
+                             limits: TenantLimits | None = None) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
@@ -136,7 +138,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
-    return await start_router(loops, facts, host, port, metrics, api_keys)
+    return await start_router(loops, facts, host, port, metrics, api_keys, limits)
 
 
 def role_env() -> dict[str, str]:

@@ -25,6 +25,7 @@ from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.launch import ENV_SUPERVISOR, remove_role_sockets, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
+from blockspec.services.router.limits import TenantLimits
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,8 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
                                           adaptive_k=cfg.model.spec_decode.adaptive_k,
                                           prompt_lookup=cfg.model.spec_decode.prompt_lookup,
                                           prompt_lookup_tokens=cfg.model.spec_decode.prompt_lookup_tokens,
-                                          prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys)
+                                          prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
+                                          limits=TenantLimits(cfg.server.rate_limit))
         state["router"] = router
         print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
         stop = asyncio.Event()

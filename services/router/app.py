@@ -14,6 +14,7 @@ from blockspec.common.auth import ApiKeys, AuthInterceptor
 from blockspec.common.grpc_server import start_server
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_pb2
+from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.server import GenerationService, ModelFacts
 from blockspec.services.router.step_loop import StepLoop
@@ -53,13 +54,14 @@ class RouterServer:
 
 
 async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
-                       metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None) -> RouterServer:
+                       metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None,
+                       limits: TenantLimits | None = None) -> RouterServer:
     """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up. With api_keys,
-    every method but health needs one of them (common/auth.py)."""
+    every method but health needs one of them (common/auth.py); limits: each tenant's rate limits."""
     schedulers = [Scheduler(loop, metrics, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
-    service = GenerationService(schedulers, facts, metrics)
+    service = GenerationService(schedulers, facts, metrics, api_keys, limits)
     server, health_servicer, bound = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,),
                                                         host, port, interceptors=(AuthInterceptor(api_keys),) if api_keys else ())
     log.info("router listening on %s:%d", host, bound)

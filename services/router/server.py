@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -16,11 +17,13 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.trace import Status, StatusCode
 
 from blockspec.common import tracing
+from blockspec.common.auth import ApiKeys
 from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import from_pb, validate
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.router.limits import DEFAULT_TENANT, OverLimit, TenantLimits
 from blockspec.services.router.scheduler import Scheduler, Stream
 from blockspec.services.router.step_loop import FinishEvent, Request
 from blockspec.services.router.stops import StopMatcher
@@ -119,15 +122,19 @@ class _StreamClock:
 
 
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts, metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts, metrics: RouterMetrics | None = None,
+                 api_keys: ApiKeys | None = None, limits: TenantLimits | None = None) -> None:
         self.schedulers = list(schedulers)
         self.facts = facts
         self.metrics = metrics
+        self.api_keys = api_keys  # the interceptor has checked the key; here it names the caller's tenant
+        self.limits = limits if limits is not None and limits.enabled else None
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                     trailing_metadata: tuple = ()) -> None:
         if self.metrics is not None:
             self.metrics.request_errors.labels(code=code.name).inc()
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata=trailing_metadata)
 
     async def Generate(self, msg: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         started = time.perf_counter_ns()
@@ -148,6 +155,43 @@ class GenerationService(api_grpc.GenerationServicer):
         request = replace(request, span_context=span.get_span_context())
         span.set_attributes({tracing.ATTR_REQUEST_ID: request.request_id, tracing.ATTR_K: request.k,
                              tracing.ATTR_PROMPT_TOKENS: len(request.prompt_ids)})
+        tenant = await self._admit(request, context, span)
+        sent = 0
+        try:
+            async for response in self._stream(request, msg, context, span, clock, started):
+                sent += len(response.token_ids)
+                yield response
+        finally:
+            if self.limits is not None:  # what it did not generate goes back to its tenant's budget
+                self.limits.refund(tenant, request.max_tokens - sent)
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        if self.api_keys is None:
+            return DEFAULT_TENANT
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        return self.api_keys.tenant(metadata.get("authorization")) or DEFAULT_TENANT
+
+    async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span) -> str:
+        """The caller's tenant, once its rate limits admit the request (reserving prompt + max_tokens); else
+        INVALID_ARGUMENT (more than a minute's budget) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
+        tenant = self._tenant(context)
+        if self.limits is None:
+            return tenant
+        try:
+            self.limits.admit(tenant, len(request.prompt_ids) + request.max_tokens)
+        except InvalidArgument as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except OverLimit as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            if self.metrics is not None:
+                self.metrics.rate_limited.labels(tenant=tenant, limit=e.limit).inc()
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                              trailing_metadata=(("retry-after", str(math.ceil(e.retry_after_s))),))
+        return tenant
+
+    async def _stream(self, request: Request, msg, context, span, clock: _StreamClock, started: int):
+        """Submit to the least loaded replica and stream its events back."""
         scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
         try:
             stream = await scheduler.submit(request)

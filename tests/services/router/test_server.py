@@ -21,13 +21,14 @@ from blockspec.services.router.app import facts_from_engine, start_router
 class RouterThread:
     """A router on a free port, its asyncio loop in a background thread."""
 
-    def __init__(self, engine: Engine, metrics: RouterMetrics | None = None, api_keys=None) -> None:
+    def __init__(self, engine: Engine, metrics: RouterMetrics | None = None, api_keys=None, limits=None) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.router = asyncio.run_coroutine_threadsafe(
-            start_router([engine.loop], facts_from_engine(engine), metrics=metrics, api_keys=api_keys), self.loop).result(60)
+            start_router([engine.loop], facts_from_engine(engine), metrics=metrics, api_keys=api_keys, limits=limits),
+            self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
         self.stub = api_grpc.GenerationStub(self.channel)
 

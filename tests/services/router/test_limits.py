@@ -1,0 +1,121 @@
+"""Per-tenant rate limits (server.rate_limit): the buckets on a fake clock, then a router that refuses a tenant
+over its budget with RESOURCE_EXHAUSTED and `retry-after`, serves another tenant meanwhile, and gives a cancelled
+stream's unused tokens back."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from blockspec.common.auth import ApiKeys, client_channel
+from blockspec.common.config import RateLimits
+from blockspec.common.errors import InvalidArgument
+from blockspec.common.telemetry import RouterMetrics
+from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.engine import Engine
+from blockspec.services.router.limits import OverLimit, TenantLimits
+from tests.services.router.test_server import RouterThread, collect
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_tenants_requests_refill_evenly_over_the_minute():
+    clock = Clock()
+    limits = TenantLimits(RateLimits(requests_per_minute=2), clock)
+    limits.admit("a", 10)
+    limits.admit("a", 10)
+    with pytest.raises(OverLimit, match=r"tenant 'a' is over its requests_per_minute \(2\); retry in 30 s") as err:
+        limits.admit("a", 10)
+    assert err.value.retry_after_s == pytest.approx(30.0) and err.value.limit == "requests_per_minute"
+    limits.admit("b", 10)  # another tenant has its own bucket
+    clock.now += 30.0
+    limits.admit("a", 10)
+
+
+def test_tokens_are_reserved_refunded_and_a_refused_request_takes_nothing():
+    clock = Clock()
+    limits = TenantLimits(RateLimits(requests_per_minute=3, tokens_per_minute=100), clock)
+    limits.admit("a", 60)
+    with pytest.raises(OverLimit, match="over its tokens_per_minute") as err:
+        limits.admit("a", 60)
+    assert err.value.retry_after_s == pytest.approx(12.0)  # 20 tokens at 100 a minute
+    limits.refund("a", 50)  # the first request generated 10 of its 60
+    limits.admit("a", 60)  # and the refused one did not use up a request
+    with pytest.raises(InvalidArgument, match="max_tokens: the prompt's and max_tokens' 101 tokens exceed tenant 'a'"):
+        limits.admit("a", 101)  # more than a minute's budget: waiting would not help
+
+
+def test_a_listed_tenant_has_its_own_limits_and_no_limits_means_off():
+    config = RateLimits.model_validate({"requests_per_minute": 1, "tenants": {"big": {"requests_per_minute": 100}}})
+    limits = TenantLimits(config, Clock())
+    for _ in range(100):
+        limits.admit("big", 1)
+    limits.admit("small", 1)
+    with pytest.raises(OverLimit):
+        limits.admit("small", 1)
+    assert limits.enabled and not TenantLimits(RateLimits()).enabled
+
+
+KEYS = {"a" * 20: "team-a", "b" * 20: "team-b"}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_models):
+    engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+    limits = TenantLimits(RateLimits.model_validate({"requests_per_minute": 2, "tokens_per_minute": 400, "tenants": {
+        "team-b": {"requests_per_minute": 100, "tokens_per_minute": 400}}}))
+    r = RouterThread(engine, RouterMetrics(CollectorRegistry()), api_keys=ApiKeys(KEYS), limits=limits)
+    yield r
+    r.close()
+
+
+def stub(router, key: str):
+    return api_grpc.GenerationStub(client_channel(f"127.0.0.1:{router.router.port}", key))
+
+
+def test_a_tenant_over_its_requests_is_told_when_to_retry_and_another_is_served(limited, prompts):
+    a, b = stub(limited, "a" * 20), stub(limited, "b" * 20)
+    request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0][:8]), max_tokens=4)
+    for _ in range(2):
+        assert collect(a.Generate(request, timeout=60))[2].usage.completion_tokens == 4
+    with pytest.raises(grpc.RpcError) as err:
+        collect(a.Generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'team-a' is over its requests_per_minute (2); retry in" in err.value.details()
+    assert 0 < int(dict(err.value.trailing_metadata())["retry-after"]) <= 30
+    assert collect(b.Generate(request, timeout=60))[2].usage.completion_tokens == 4
+    metrics = limited.router.schedulers[0].metrics
+    assert metrics.rate_limited.labels(tenant="team-a", limit="requests_per_minute")._value.get() == 1
+    with pytest.raises(grpc.RpcError) as err:  # a minute's budget is 400 tokens: no wait would let 8 + 500 in
+        collect(b.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0][:8]), max_tokens=500),
+                           timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("max_tokens:")
+
+
+def test_a_cancelled_stream_gives_its_unused_tokens_back(limited, prompts):
+    """team-b reserves 8 + 380 of its 400 tokens (12 used above) and cancels after the first message. The server
+    ends the stream on its own time; within 5 s a request for 308 more is admitted, which without the refund
+    would wait about 45 s (400 tokens a minute)."""
+    b = stub(limited, "b" * 20)
+    big = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1][:8]), max_tokens=380)
+    call = b.Generate(big, timeout=60)
+    next(call)
+    call.cancel()
+    again = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1][:8]), max_tokens=300)
+    for _ in range(50):
+        try:
+            assert collect(b.Generate(again, timeout=60))[2].usage.completion_tokens > 0
+            return
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            time.sleep(0.1)
+    pytest.fail("the cancelled stream's unused tokens did not come back")
