@@ -11,11 +11,15 @@ import collections
 import hashlib
 import hmac
 import os
+import secrets
 from pathlib import Path
 
 import grpc
 
+from blockspec.common.errors import InvalidArgument
+
 ENV_API_KEY = "BLOCKSPEC_API_KEY"  # the key the CLI's clients send, where set
+ENV_ROLE_KEY = "BLOCKSPEC_ROLE_KEY"  # the key the roles require of their caller (the router), where set
 MIN_KEY_LEN = 16  # shorter keys are refused: guessable
 OPEN_GRPC_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 OPEN_HTTP_PATHS = frozenset({"/health"})
@@ -144,3 +148,23 @@ def client_channel(address: str, key: str | None = None) -> grpc.Channel:
     channel = grpc.insecure_channel(address)
     key = key if key is not None else os.environ.get(ENV_API_KEY)
     return grpc.intercept_channel(channel, _KeyMetadata(key)) if key else channel
+
+
+def role_interceptors() -> tuple[grpc.aio.ServerInterceptor, ...]:
+    """A role's server: with $BLOCKSPEC_ROLE_KEY set, every method but health needs it."""
+    key = os.environ.get(ENV_ROLE_KEY)
+    if not key:
+        return ()
+    if len(key) < MIN_KEY_LEN:
+        raise InvalidArgument(ENV_ROLE_KEY, f"must have at least {MIN_KEY_LEN} characters")
+    return (AuthInterceptor(ApiKeys({key: "router"})),)
+
+
+def role_channel(address: str) -> grpc.Channel:
+    """The router's channel to a role: sends $BLOCKSPEC_ROLE_KEY where set."""
+    return client_channel(address, os.environ.get(ENV_ROLE_KEY, ""))
+
+
+def ensure_role_key() -> None:
+    """A server that starts its own roles makes up their key where the operator set none; the roles inherit it."""
+    os.environ.setdefault(ENV_ROLE_KEY, secrets.token_urlsafe(32))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockspec.common import tracing
-from blockspec.common.auth import ApiKeys
+from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
 from blockspec.common.device import claim_gpu_share, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
@@ -87,12 +87,12 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
 
 async def serve_verifier(service: VerifierService, host: str = "127.0.0.1", port: int = 0, unix_socket: str | None = None):
     return await start_server(lambda s: roles_grpc.add_VerifierServicer_to_server(service, s), (VERIFIER_SERVICE,), host,
-                              port, unix_socket)
+                              port, unix_socket, role_interceptors())
 
 
 async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: int = 0, unix_socket: str | None = None):
     return await start_server(lambda s: roles_grpc.add_DrafterServicer_to_server(service, s), (DRAFTER_SERVICE,), host,
-                              port, unix_socket)
+                              port, unix_socket, role_interceptors())
 
 
 def role_socket(name: str) -> str | None:
@@ -143,8 +143,10 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
 
 def role_env() -> dict[str, str]:
     """Variables a role process gets on top of the server's environment: ROLE_ENV_DEFAULTS, except where the
-    server's own environment sets them (an operator's value wins)."""
-    return {name: os.environ.get(name, value) for name, value in ROLE_ENV_DEFAULTS.items()}
+    server's own environment sets them (an operator's value wins), and the roles' key where set (a Ray actor
+    gets no other environment of the server's)."""
+    env = {name: os.environ.get(name, value) for name, value in ROLE_ENV_DEFAULTS.items()}
+    return env | ({ENV_ROLE_KEY: os.environ[ENV_ROLE_KEY]} if os.environ.get(ENV_ROLE_KEY) else {})
 
 
 def watch_supervisor() -> None:

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 
+from blockspec.common.auth import ensure_role_key
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
@@ -173,6 +174,7 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
                                               "or serve with --no-ray")
     cleanup_stale()
     remove_role_sockets()  # of servers that were killed
+    ensure_role_key()  # the actors answer only this process (role_env passes it on)
     if ray_address:
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count

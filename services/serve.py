@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common import tracing
-from blockspec.common.auth import ApiKeys
+from blockspec.common.auth import ApiKeys, ensure_role_key, role_channel
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import resolve as resolve_device, role_fractions
 from blockspec.common.errors import InvalidArgument
@@ -183,6 +183,7 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     """Roles as supervised child processes (a verifier and a drafter per replica), router and HTTP here."""
     cleanup_stale()
     remove_role_sockets()  # of servers that were killed
+    ensure_role_key()  # the roles answer only this process
     p = plan(cfg, replicas_per_gpu=cfg.server.replicas)  # every replica on model.device
     resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 
@@ -218,7 +219,7 @@ def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
     from blockspec.protos import roles_grpc, roles_pb2
 
     try:
-        with grpc.insecure_channel(verifier) as channel:
+        with role_channel(verifier) as channel:
             info = roles_grpc.VerifierStub(channel).Info(roles_pb2.InfoRequest(), timeout=300, wait_for_ready=True)
     except grpc.RpcError as e:
         log.warning("router only: cannot ask the verifier at %s for its settings (%s)", verifier, e.code().name)

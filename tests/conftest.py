@@ -21,6 +21,15 @@ DRAFT_VOCAB_SIZE = 128  # of the tiny vocabulary's 320 tokens
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def no_role_key(monkeypatch):
+    """A test that starts a server in this process sets the roles' key here (`ensure_role_key`): each test starts
+    without one, so roles that other tests start in-process are not behind a key their callers lack."""
+    from blockspec.common.auth import ENV_ROLE_KEY
+
+    monkeypatch.delenv(ENV_ROLE_KEY, raising=False)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from blockspec.common import tracing
+from blockspec.common.auth import role_channel
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposer import Draft, ProposeInput
@@ -45,7 +46,7 @@ class RemoteVerifier:
     """VerifierRole over gRPC. Its failures are fatal for the requests of the step (no fallback)."""
 
     def __init__(self, address: str, timeout_s: float = 60.0) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = role_channel(address)
         stub = self._stub = roles_grpc.VerifierStub(self.channel)
         self.info = stub.Info(roles_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
         self._stream = StreamCall(stub.Steps)
@@ -144,7 +145,7 @@ class RemoteDrafter:
         return self._address() if callable(self._address) else self._address
 
     def _connect(self, wait: bool = False) -> None:
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = role_channel(self.address)
         stub = roles_grpc.DrafterStub(self._channel)
         info = stub.Attach(self.verifier.info, timeout=60 if wait else self.timeout_s, wait_for_ready=wait)
         self.max_k = info.max_k

@@ -139,6 +139,25 @@ def test_the_router_reaches_its_roles_on_unix_sockets(server, prompts, reference
         assert held >= 2 and not tcp, f"{role}: {held} sockets on {path}, TCP connections {tcp}"
 
 
+def test_the_roles_answer_only_their_server(server):
+    """`serve` makes up a key for the roles it starts ($BLOCKSPEC_ROLE_KEY, in their environment): another process
+    that reaches a role's socket gets UNAUTHENTICATED for every method but health."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from blockspec.common.auth import ENV_ROLE_KEY
+    from blockspec.protos import roles_grpc, roles_pb2
+
+    (pid,) = role_pids(server["proc"], "role verifier")
+    assert len(psutil.Process(pid).environ().get(ENV_ROLE_KEY, "")) >= 16
+    path, _, _ = role_socket_use(pid)
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            roles_grpc.VerifierStub(channel).Info(roles_pb2.InfoRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_role_sockets_of_gone_servers_are_removed(tmp_path, monkeypatch):
     """A killed server's role sockets (and those of Ray actors ended by ray.kill) are deleted: at the next start
     those whose server no longer runs, at a Ray server's stop its own."""
