@@ -19,9 +19,10 @@ import grpc
 from blockspec.common.errors import InvalidArgument
 
 ENV_API_KEY = "BLOCKSPEC_API_KEY"  # the key the CLI's clients send, where set
+DEFAULT_TENANT = "default"  # a key listed alone, and every caller of a server without keys
 ENV_ROLE_KEY = "BLOCKSPEC_ROLE_KEY"  # the key the roles require of their caller (the router), where set
 MIN_KEY_LEN = 16  # shorter keys are refused: guessable
-OPEN_GRPC_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+OPEN_GRPC_METHODS = frozenset(f"/grpc.health.v1.Health/{m}" for m in ("Check", "Watch", "List"))
 OPEN_HTTP_PATHS = frozenset({"/health"})
 DENIED = "missing or unknown API key: send 'authorization: Bearer <key>'"
 
@@ -31,6 +32,7 @@ class ApiKeys:
 
     def __init__(self, keys: dict[str, str]) -> None:  # key -> tenant
         self._digests = [(_digest(key), tenant) for key, tenant in keys.items()]
+        self.tenants = frozenset(keys.values())
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -50,7 +52,7 @@ class ApiKeys:
                 continue
             if len(fields) > 2:
                 raise ValueError(f"{path}:{number}: expected KEY or TENANT KEY, got {len(fields)} fields")
-            tenant, key = fields if len(fields) == 2 else ("default", fields[0])
+            tenant, key = fields if len(fields) == 2 else (DEFAULT_TENANT, fields[0])
             if len(key) < MIN_KEY_LEN:
                 raise ValueError(f"{path}:{number}: a key must have at least {MIN_KEY_LEN} characters")
             if key in keys:
@@ -59,6 +61,10 @@ class ApiKeys:
         if not keys:
             raise ValueError(f"{path} holds no key (every call would be denied)")
         return cls(keys)
+
+    def caller(self, metadata) -> str | None:
+        """The tenant of a call's gRPC metadata ((key, value) pairs), or None."""
+        return self.tenant(next((v for k, v in metadata or () if k == "authorization" and isinstance(v, str)), None))
 
     def tenant(self, authorization: str | None) -> str | None:
         """The tenant of the key in an `authorization: Bearer KEY` value, or None. Every known key is compared
@@ -86,8 +92,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method in OPEN_GRPC_METHODS:
             return handler
-        metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
-        if self.keys.tenant(metadata.get("authorization")) is not None:
+        if self.keys.caller(details.invocation_metadata) is not None:
             return handler
         return _denied(handler)
 
@@ -160,11 +165,12 @@ def role_interceptors() -> tuple[grpc.aio.ServerInterceptor, ...]:
     return (AuthInterceptor(ApiKeys({key: "router"})),)
 
 
-def role_channel(address: str) -> grpc.Channel:
-    """The router's channel to a role: sends $BLOCKSPEC_ROLE_KEY where set."""
-    return client_channel(address, os.environ.get(ENV_ROLE_KEY, ""))
+def role_channel(address: str, key: str | None = None) -> grpc.Channel:
+    """The router's channel to a role: sends `key` (default: $BLOCKSPEC_ROLE_KEY, where set)."""
+    return client_channel(address, os.environ.get(ENV_ROLE_KEY, "") if key is None else key)
 
 
 def ensure_role_key() -> None:
     """A server that starts its own roles makes up their key where the operator set none; the roles inherit it."""
-    os.environ.setdefault(ENV_ROLE_KEY, secrets.token_urlsafe(32))
+    if not os.environ.get(ENV_ROLE_KEY):  # unset, or set empty (compose's ${BLOCKSPEC_ROLE_KEY:-})
+        os.environ[ENV_ROLE_KEY] = secrets.token_urlsafe(32)

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from blockspec.common.auth import ApiKeys
+from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.common.device import check_device_name
 from blockspec.common.errors import InvalidArgument
 
@@ -50,6 +50,17 @@ class ServerConfig(_Section):
         if value is not None:
             ApiKeys.load(value)  # its ValueError names the line; the config's error names the key
         return value
+
+    @model_validator(mode="after")
+    def _limited_tenants_exist(self) -> ServerConfig:
+        """A tenant under rate_limit.tenants that no key names would silently get nothing: refused."""
+        known = ApiKeys.load(self.api_keys_file).tenants if self.api_keys_file else frozenset({DEFAULT_TENANT})
+        unknown = sorted(set(self.rate_limit.tenants) - known)
+        if unknown:
+            where = (f"in {self.api_keys_file}" if self.api_keys_file
+                     else f"without server.api_keys_file (every caller is {DEFAULT_TENANT!r})")
+            raise ValueError(f"rate_limit.tenants {unknown}: no such tenant {where}; known: {sorted(known)}")
+        return self
 
     @field_validator("workers")
     @classmethod

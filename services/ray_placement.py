@@ -1,5 +1,5 @@
-"""`blockspec serve` on Ray: per replica one STRICT_PACK placement group holding a verifier actor and a
-drafter actor on the same node (and GPU), each serving its role over gRPC; the router runs here.
+"""`blockspec serve` on Ray: per replica one placement group of one bundle holding a verifier actor and a
+drafter actor on the same node and GPU, each serving its role over gRPC; the router runs here.
 
 The only module that imports Ray; the role classes stay plain.
 """
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import threading
 
 from blockspec.common.auth import ensure_role_key
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import role_fractions
+from blockspec.common.device import VERIFIER_SHARE
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.launch import remove_role_sockets, role_env, role_socket
@@ -71,12 +72,19 @@ class DrafterActor(RoleActor):
     pass
 
 
-def _gpu_shares(cfg: BlockspecConfig, with_drafter: bool, replicas_per_gpu: int = 1) -> tuple[float, float]:
-    """Fractions of one GPU for verifier and drafter (model.device cuda: both on the same GPU), with
-    `replicas_per_gpu` replicas sharing each GPU; 0 on the CPU."""
+def ray_gpus(cfg: BlockspecConfig, with_drafter: bool, per_gpu: int) -> tuple[float, float, float]:
+    """What a replica asks Ray for, in GPUs: (its bundle, the verifier actor, the drafter actor). A bundle is
+    1 / per_gpu of a GPU, so Ray puts exactly per_gpu replicas on each GPU; both actors take their part of the
+    one bundle (one fractional bundle sits on one GPU: the roles share it, as CUDA IPC needs). Ray counts these
+    for placement only; the roles' memory caps are their --gpu-memory-fraction. Multiples of 1e-4, Ray's
+    resolution, that add up to no more than one GPU. 0 on the CPU."""
     if not cfg.model.device.startswith("cuda"):
-        return 0.0, 0.0
-    return role_fractions(cfg.model.gpu_memory_utilization, with_drafter, replicas_per_gpu)
+        return 0.0, 0.0, 0.0
+    bundle = math.floor(1e4 / per_gpu) / 1e4
+    if not with_drafter:
+        return bundle, bundle, 0.0
+    verifier = math.floor(bundle * VERIFIER_SHARE * 1e4) / 1e4
+    return bundle, verifier, round(bundle - verifier, 4)
 
 
 def replicas_per_gpu(cfg: BlockspecConfig, with_drafter: bool, cluster: dict) -> int:
@@ -97,25 +105,24 @@ def replicas_per_gpu(cfg: BlockspecConfig, with_drafter: bool, cluster: dict) ->
 
 
 def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, timeout_s: float = PLACEMENT_TIMEOUT_S):
-    """One ready STRICT_PACK placement group per replica: [verifier bundle, drafter bundle] on one node. A group
-    the cluster cannot place within `timeout_s` (its resources taken by other jobs) ends the start with
-    RoleStartError naming the replica, what it asked for and what was free; the groups are removed then."""
+    """One ready placement group per replica: a single bundle (a CPU per role, its GPU share) holding both
+    roles. Groups the cluster cannot place within `timeout_s` in all (their resources taken by other jobs) end
+    the start with RoleStartError naming the replicas, what each asked for and what was free; the groups are
+    removed then."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    v_gpu, d_gpu = _gpu_shares(cfg, with_drafter, per_gpu)
-    bundles = [{"CPU": 1, **({"GPU": v_gpu} if v_gpu else {})}]
-    if with_drafter:
-        bundles.append({"CPU": 1, **({"GPU": d_gpu} if d_gpu else {})})
-    groups = [placement_group(bundles, strategy="STRICT_PACK") for _ in range(cfg.server.replicas)]
-    for index, pg in enumerate(groups):  # requested together: they are placed in parallel
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            free = {k: round(v, 3) for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-            for group in groups:
-                remove_placement_group(group)
-            raise RoleStartError(f"server.replicas: Ray found no room for replica {index} (bundles {bundles}) within "
-                                 f"{timeout_s:g} s; free now: {free}") from None
+    gpu = ray_gpus(cfg, with_drafter, per_gpu)[0]
+    bundle = {"CPU": 2 if with_drafter else 1, **({"GPU": gpu} if gpu else {})}
+    groups = [placement_group([bundle]) for _ in range(cfg.server.replicas)]
+    ready = [pg.ready() for pg in groups]
+    done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)  # placed in parallel, one deadline
+    if len(done) < len(groups):
+        missing = [i for i, ref in enumerate(ready) if ref not in done]
+        free = {k: round(v, 3) for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        for group in groups:
+            remove_placement_group(group)
+        raise RoleStartError(f"server.replicas: Ray found no room for replica(s) {missing} (each {bundle}) within "
+                             f"{timeout_s:g} s; free now: {free}")
     return groups
 
 
@@ -123,18 +130,18 @@ def start_replica(ray, cfg: BlockspecConfig, pg, verifier_argv, drafter_argv, pe
     """The replica's verifier and drafter actors in its placement group `pg` (from `place_replicas`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    v_gpu, d_gpu = _gpu_shares(cfg, drafter_argv is not None, per_gpu)
+    _, v_gpu, d_gpu = ray_gpus(cfg, drafter_argv is not None, per_gpu)
 
-    def actor(cls, bundle: int, argv, gpu: float, restarts: int):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+    def actor(cls, argv, gpu: float, restarts: int):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
         # A socket path named after this process: a restarted actor binds the same one (grpc removes the stale file).
         path = role_socket(f"{argv[1]}-{index}") if cfg.server.unix_sockets else None
         return ray.remote(cls).options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpu, max_restarts=restarts,
                                        max_task_retries=0, runtime_env={"env_vars": role_env()}).remote(
             [*argv, *(("--unix-socket", path) if path else ())])
 
-    verifier = actor(VerifierActor, 0, verifier_argv, v_gpu, 0)
-    drafter = actor(DrafterActor, 1, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter
+    verifier = actor(VerifierActor, verifier_argv, v_gpu, 0)
+    drafter = actor(DrafterActor, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter
     return verifier, drafter
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -242,6 +243,27 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
     `.alive()`, `.stop()` (and `.restart()` where this process supervises it)."""
     state: dict = {"router": None, "replicas": []}
+    tracing.setup_tracing("blockspec-router")
+    keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
+    if keys is None:
+        log.warning("server.api_keys_file is not set: every client is served (README, \"API keys\")")
+    http = start_http(host, port, _readiness(state), keys)
+    print(f"HTTP {http.server_port}", flush=True)
+    log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
+    try:
+        state["replicas"] = start_roles()
+        return asyncio.run(_route(cfg, p, host, grpc_port, http.server_port, state, keys))
+    finally:
+        http.shutdown()
+        for verifier, drafter in state["replicas"]:
+            for role in (drafter, verifier):
+                if role is not None:
+                    role.stop()
+        tracing.shutdown_tracing()
+
+
+def _readiness(state: dict) -> Callable[[], tuple[bool, str]]:
+    """/health's answer from serve_roles' state: the router up, every role answering, no stalled step."""
 
     def readiness() -> tuple[bool, str]:
         router = state["router"]
@@ -256,44 +278,30 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
             return False, f"no step finished in {STALL_S:.0f} s\n"
         return True, "ok\n"
 
-    tracing.setup_tracing("blockspec-router")
-    keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
-    if keys is None:
-        log.warning("server.api_keys_file is not set: every client is served (README, \"API keys\")")
-    http = start_http(host, port, readiness, keys)
-    print(f"HTTP {http.server_port}", flush=True)
-    log.info("HTTP on %s:%d (/health, /metrics)", host, http.server_port)
-    replicas = state["replicas"] = start_roles()
+    return readiness
 
-    async def main() -> int:
-        # A drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
-        pairs = [(v.address, (lambda d=d: d.address) if d else None) for v, d in replicas]
-        router = await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,
-                                          default_k=cfg.model.spec_decode.num_speculative_tokens, metrics=RouterMetrics(),
-                                          adaptive_k=cfg.model.spec_decode.adaptive_k,
-                                          prompt_lookup=cfg.model.spec_decode.prompt_lookup,
-                                          prompt_lookup_tokens=cfg.model.spec_decode.prompt_lookup_tokens,
-                                          prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
-                                          limits=TenantLimits(cfg.server.rate_limit))
-        state["router"] = router
-        print(f"SERVING grpc={router.port} http={http.server_port}", flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        try:
-            return await _supervise(replicas, stop, router, readiness)
-        finally:
-            await router.stop(1)
 
+async def _route(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int, http_port: int, state: dict,
+                 keys: ApiKeys | None) -> int:
+    """The router over the started roles, supervised until SIGTERM/SIGINT."""
+    replicas, spec = state["replicas"], cfg.model.spec_decode
+    # A drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
+    pairs = [(v.address, (lambda d=d: d.address) if d else None) for v, d in replicas]
+    router = await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,
+                                      default_k=spec.num_speculative_tokens, metrics=RouterMetrics(),
+                                      adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
+                                      prompt_lookup_tokens=spec.prompt_lookup_tokens,
+                                      prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
+                                      limits=TenantLimits(cfg.server.rate_limit))
+    state["router"] = router
+    print(f"SERVING grpc={router.port} http={http_port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        return asyncio.run(main())
+        return await _supervise(replicas, stop, router, _readiness(state))
     finally:
-        http.shutdown()
-        for verifier, drafter in replicas:
-            for role in (drafter, verifier):
-                if role is not None:
-                    role.stop()
-        tracing.shutdown_tracing()
+        await router.stop(1)
 
 
 async def _supervise(replicas, stop: asyncio.Event, router, readiness) -> int:

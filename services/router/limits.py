@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from blockspec.common.config import RateLimit, RateLimits
 from blockspec.common.errors import InvalidArgument
 
-DEFAULT_TENANT = "default"  # every caller's tenant where the server has no API keys
-
 
 class OverLimit(Exception):
     """The tenant's bucket lacks room now; it will have it in `retry_after_s`."""
@@ -62,24 +60,25 @@ class TenantLimits:
     def _limit(self, tenant: str) -> RateLimit:
         return self.config.tenants.get(tenant, self.config)
 
-    def _bucket(self, tenant: str, kind: str, per_minute: int) -> Bucket:
+    def _bucket(self, tenant: str, kind: str, per_minute: int, now: float) -> Bucket:
         key = (tenant, kind)
         if key not in self._buckets:
-            self._buckets[key] = Bucket(per_minute, float(per_minute), self.clock())
+            self._buckets[key] = Bucket(per_minute, float(per_minute), now)
         return self._buckets[key]
 
     def admit(self, tenant: str, tokens: int) -> None:
         """Take one request and `tokens` from the tenant's buckets. InvalidArgument (max_tokens) where `tokens`
         exceeds a whole minute's budget, so waiting would not help; OverLimit where the buckets lack room now."""
-        limit, now = self._limit(tenant), self.clock()
+        limit = self._limit(tenant)
         if limit.tokens_per_minute and tokens > limit.tokens_per_minute:
             raise InvalidArgument("max_tokens", f"the prompt's and max_tokens' {tokens} tokens exceed tenant {tenant!r}'s "
                                                 f"tokens_per_minute of {limit.tokens_per_minute}: lower max_tokens")
         wants = [(kind, per_minute, amount) for kind, per_minute, amount in
                  (("requests_per_minute", limit.requests_per_minute, 1), ("tokens_per_minute", limit.tokens_per_minute, tokens))
                  if per_minute]
-        with self._lock:
-            buckets = [(kind, self._bucket(tenant, kind, per_minute), amount) for kind, per_minute, amount in wants]
+        with self._lock:  # one time for every bucket: a bucket's stamp never goes back
+            now = self.clock()
+            buckets = [(kind, self._bucket(tenant, kind, per_minute, now), amount) for kind, per_minute, amount in wants]
             waits = [(bucket.wait_s(amount, now), kind) for kind, bucket, amount in buckets]
             wait_s, kind = max(waits, default=(0.0, ""))
             if wait_s > 0:
@@ -93,4 +92,5 @@ class TenantLimits:
         limit = self._limit(tenant)
         if tokens > 0 and limit.tokens_per_minute:
             with self._lock:
-                self._bucket(tenant, "tokens_per_minute", limit.tokens_per_minute).put(tokens, self.clock())
+                now = self.clock()
+                self._bucket(tenant, "tokens_per_minute", limit.tokens_per_minute, now).put(tokens, now)

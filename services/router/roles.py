@@ -5,6 +5,7 @@ reconnected in the background of later steps; the output never changes."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from blockspec.common import tracing
-from blockspec.common.auth import role_channel
+from blockspec.common.auth import ENV_ROLE_KEY, role_channel
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposer import Draft, ProposeInput
@@ -133,6 +134,7 @@ class RemoteDrafter:
         self._seq = 0
         self._stream: StreamCall | None = None
         self._channel: grpc.Channel | None = None
+        self._key = os.environ.get(ENV_ROLE_KEY, "")  # kept: every reconnect sends the key the server started with
         self._next_try = 0.0
         self._connect(wait=True)
 
@@ -145,7 +147,7 @@ class RemoteDrafter:
         return self._address() if callable(self._address) else self._address
 
     def _connect(self, wait: bool = False) -> None:
-        self._channel = role_channel(self.address)
+        self._channel = role_channel(self.address, self._key)
         stub = roles_grpc.DrafterStub(self._channel)
         info = stub.Attach(self.verifier.info, timeout=60 if wait else self.timeout_s, wait_for_ready=wait)
         self.max_k = info.max_k

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -17,13 +18,13 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.trace import Status, StatusCode
 
 from blockspec.common import tracing
-from blockspec.common.auth import ApiKeys
+from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import from_pb, validate
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.router.limits import DEFAULT_TENANT, OverLimit, TenantLimits
+from blockspec.services.router.limits import OverLimit, TenantLimits
 from blockspec.services.router.scheduler import Scheduler, Stream
 from blockspec.services.router.step_loop import FinishEvent, Request
 from blockspec.services.router.stops import StopMatcher
@@ -141,8 +142,9 @@ class GenerationService(api_grpc.GenerationServicer):
         clock = _StreamClock(self.metrics)
         span = tracing.tracer().start_span(tracing.SPAN_REQUEST)
         try:
-            async for response in self._generate(msg, context, span, clock, started):
-                yield response
+            async with contextlib.aclosing(self._generate(msg, context, span, clock, started)) as responses:
+                async for response in responses:
+                    yield response
         finally:
             span.end()
 
@@ -157,10 +159,11 @@ class GenerationService(api_grpc.GenerationServicer):
                              tracing.ATTR_PROMPT_TOKENS: len(request.prompt_ids)})
         tenant = await self._admit(request, context, span)
         sent = 0
-        try:
-            async for response in self._stream(request, msg, context, span, clock, started):
-                sent += len(response.token_ids)
-                yield response
+        try:  # closed at once when the call ends, so its slots and tokens come back then, not at collection
+            async with contextlib.aclosing(self._stream(request, msg, context, span, clock, started)) as responses:
+                async for response in responses:
+                    sent += len(response.token_ids)
+                    yield response
         finally:
             if self.limits is not None:  # what it did not generate goes back to its tenant's budget
                 self.limits.refund(tenant, request.max_tokens - sent)
@@ -168,15 +171,14 @@ class GenerationService(api_grpc.GenerationServicer):
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if self.api_keys is None:
             return DEFAULT_TENANT
-        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        return self.api_keys.tenant(metadata.get("authorization")) or DEFAULT_TENANT
+        return self.api_keys.caller(context.invocation_metadata()) or DEFAULT_TENANT
 
     async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span) -> str:
         """The caller's tenant, once its rate limits admit the request (reserving prompt + max_tokens); else
         INVALID_ARGUMENT (more than a minute's budget) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
-        tenant = self._tenant(context)
         if self.limits is None:
-            return tenant
+            return DEFAULT_TENANT
+        tenant = self._tenant(context)
         try:
             self.limits.admit(tenant, len(request.prompt_ids) + request.max_tokens)
         except InvalidArgument as e:

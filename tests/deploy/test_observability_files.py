@@ -41,5 +41,5 @@ def test_dashboard_and_rules_use_exported_metrics():
     used = {m for e in exprs for m in re.findall(r"\b(blockspec_\w+|up)\b", e)}
     assert used and used <= names, f"unknown metrics: {sorted(used - names)}"
     titles = " ".join(p["title"] for p in json.loads((DEPLOY / "grafana" / "dashboards" / "blockspec.json").read_text())["panels"])
-    for what in ("Acceptance rate", "tau", "per draft position", "Time to first token", "P99", "Memory per role", "fallbacks"):
+    for what in ("Acceptance rate", "tau", "per draft position", "Time to first token", "P99", "Memory per role", "fallbacks", "Rate-limited"):
         assert what in titles

@@ -115,12 +115,15 @@ def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_d
     assert Verifier.static_bytes(checkpoint, 4, 96, (0, 1), torch.bfloat16) == sum(t.nbytes for t in held.values())
 
 
-def test_ray_places_both_roles_on_one_gpu_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
-    from blockspec.services.ray_placement import _gpu_shares, serve_ray
+def test_ray_asks_for_gpu_shares_that_fill_whole_gpus_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
+    from blockspec.services.ray_placement import ray_gpus, serve_ray
 
-    assert _gpu_shares(config(tiny_models, dflash_drafters), True) == (0.0, 0.0)
-    verifier, drafter = _gpu_shares(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9), True)
-    assert verifier > drafter > 0 and verifier + drafter == pytest.approx(0.9)
+    assert ray_gpus(config(tiny_models, dflash_drafters), True, 1) == (0.0, 0.0, 0.0)
+    cuda = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9)
+    assert ray_gpus(cuda, True, 1) == (1.0, 0.8, 0.2) and ray_gpus(cuda, False, 2) == (0.5, 0.5, 0.0)
+    for per_gpu in (3, 6, 7):  # multiples of Ray's 1e-4 that add up to at most one GPU
+        bundle, verifier, drafter = ray_gpus(cuda, True, per_gpu)
+        assert verifier + drafter == pytest.approx(bundle) and bundle * per_gpu <= 1.0 and verifier > drafter > 0
     with pytest.raises(InvalidArgument, match="model.device: 'cuda:1': under Ray use 'cuda'"):
         serve_ray(config(tiny_models, dflash_drafters, device="cuda:1"), "127.0.0.1", 0, 0, None)
 
@@ -147,26 +150,35 @@ def test_ray_shares_gpus_past_one_replica_each_and_refuses_what_the_cluster_cann
         replicas_per_gpu(three, True, {"CPU": 16.0})
 
 
-def test_ray_places_two_replicas_on_one_gpu_and_names_a_replica_it_cannot_place(tiny_models, dflash_drafters):
-    """A local Ray cluster that declares one GPU (Ray counts it; nothing runs on it): two replicas split it as
-    --no-ray's would; a third, with the GPU taken, fails within its timeout with the replica and the free resources
-    named, and its group is removed."""
+def test_ray_places_each_replica_on_one_gpu_and_names_replicas_it_cannot_place(tiny_models, dflash_drafters):
+    """A local Ray cluster that declares two GPUs (Ray counts them; nothing runs on them): three replicas, two
+    on one GPU and one on the other, each replica's two roles on the same GPU (tasks with the roles' shares
+    report Ray's GPU ids); then a fourth that needs a whole GPU, with CPUs to spare, fails within its timeout
+    with the replica and the free resources named, and its group is removed."""
     ray = pytest.importorskip("ray")
-    from blockspec.services.ray_placement import place_replicas, replicas_per_gpu
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from blockspec.services.ray_placement import place_replicas, ray_gpus, replicas_per_gpu
     from blockspec.services.serve import RoleStartError
 
-    ray.init(num_cpus=5, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        two = replicas_config(tiny_models, dflash_drafters, 2, device="cuda", gpu_memory_utilization=0.9)
-        per_gpu = replicas_per_gpu(two, True, ray.cluster_resources())
-        groups = place_replicas(ray, two, True, per_gpu, timeout_s=60)
-        assert per_gpu == 2 and [[b["GPU"] for b in g.bundle_specs] for g in groups] == [[0.36, 0.09]] * 2
+        three = replicas_config(tiny_models, dflash_drafters, 3, device="cuda", gpu_memory_utilization=0.9)
+        per_gpu = replicas_per_gpu(three, True, ray.cluster_resources())
+        groups = place_replicas(ray, three, True, per_gpu, timeout_s=60)
+        _, verifier, drafter = ray_gpus(three, True, per_gpu)
+        gpu_ids = ray.remote(lambda: ray.get_gpu_ids())
+        ids = [[ray.get(gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0), num_cpus=1,
+                                        num_gpus=share).remote(), timeout=60) for share in (verifier, drafter)]
+               for pg in groups]
+        assert per_gpu == 2 and all(len(v) == 1 and v == d for v, d in ids), ids
+        assert sorted(sorted(v[0] for v, _ in ids).count(g) for g in {v[0] for v, _ in ids}) == [1, 2], ids
         one = replicas_config(tiny_models, dflash_drafters, 1, device="cuda", gpu_memory_utilization=0.9)
-        with pytest.raises(RoleStartError, match=r"server.replicas: Ray found no room for replica 0 \(bundles .*within "
-                                                 r"2 s; free now: .*'GPU': 0.1"):
+        with pytest.raises(RoleStartError, match=r"server.replicas: Ray found no room for replica\(s\) \[0\] "
+                                                 r"\(each .*'GPU': 1.0.*within 2 s; free now: .*'GPU': 0.5"):
             place_replicas(ray, one, True, replicas_per_gpu(one, True, ray.cluster_resources()), timeout_s=2)
-        assert ray.util.placement_group_table()  # the two placed groups stay; the failed one was removed
-        assert sorted(t["state"] for t in ray.util.placement_group_table().values()) == ["CREATED", "CREATED", "REMOVED"]
+        states = sorted(t["state"] for t in ray.util.placement_group_table().values())
+        assert states == ["CREATED", "CREATED", "CREATED", "REMOVED"]
     finally:
         ray.shutdown()
 

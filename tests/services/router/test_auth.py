@@ -11,8 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from blockspec.common.auth import ENV_API_KEY, ApiKeys, client_channel
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.engine import Engine
 from blockspec.services.router.http import start_http
@@ -25,7 +27,7 @@ KEYS = ApiKeys({KEY: "team-a"})
 @pytest.fixture(scope="module")
 def guarded(tiny_models):
     engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
-    r = RouterThread(engine, api_keys=KEYS)
+    r = RouterThread(engine, RouterMetrics(CollectorRegistry()), api_keys=KEYS)
     yield r
     r.close()
 
@@ -44,6 +46,8 @@ def calls(channel):
 
 @pytest.mark.parametrize("key", [None, "wrong-key-of-24-chars-xx", KEY + "x"])
 def test_every_method_but_health_is_unauthenticated_without_a_known_key(guarded, key):
+    metrics = guarded.router.schedulers[0].metrics
+    admitted = metrics.prompt_tokens._value.get()
     with client_channel(f"127.0.0.1:{guarded.router.port}", key or "") as channel:
         for name, call in calls(channel).items():
             with pytest.raises(grpc.RpcError) as err:
@@ -52,7 +56,7 @@ def test_every_method_but_health_is_unauthenticated_without_a_known_key(guarded,
             assert "authorization: Bearer <key>" in err.value.details()
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert guarded.engine.loop.idle  # nothing denied was admitted
+    assert metrics.prompt_tokens._value.get() == admitted  # the denied Generate never reached the scheduler
 
 
 def test_a_known_key_from_the_environment_is_served_as_without_keys(guarded, monkeypatch, prompts, references):

@@ -65,6 +65,18 @@ def test_a_listed_tenant_has_its_own_limits_and_no_limits_means_off():
     assert limits.enabled and not TenantLimits(RateLimits()).enabled
 
 
+def test_a_limited_tenant_that_no_key_names_is_refused_by_the_config(tmp_path):
+    from blockspec.common.config import parse_config
+
+    (tmp_path / "keys").write_text("team-a " + "a" * 20 + "\n")
+    server = {"api_keys_file": str(tmp_path / "keys"), "rate_limit": {"tenants": {"team-a": {}, "tema-b": {}}}}
+    with pytest.raises(InvalidArgument, match=r"rate_limit.tenants \['tema-b'\]: no such tenant in .*keys; known: "
+                                              r"\['team-a'\]"):
+        parse_config({"server": server, "model": {"target_model_path": "/models/t"}})
+    with pytest.raises(InvalidArgument, match="no such tenant without server.api_keys_file"):
+        parse_config({"server": {"rate_limit": {"tenants": {"team-a": {}}}}, "model": {"target_model_path": "/m"}})
+
+
 KEYS = {"a" * 20: "team-a", "b" * 20: "team-b"}
 
 
