@@ -9,6 +9,9 @@ class InvalidArgument(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # pickled by its fields: it crosses processes (a Ray actor's error) intact
+        return type(self), (self.field, self.message)
+
 
 class ModelLoadError(InvalidArgument):
     """A checkpoint directory cannot be loaded (missing, incomplete or of an unsupported kind)."""

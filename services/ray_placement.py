@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 import socket
 import threading
 
@@ -24,6 +25,7 @@ from blockspec.services.serve import RoleStartError, plan, serve_roles
 log = logging.getLogger(__name__)
 
 ALIVE_TIMEOUT_S = 5.0  # RayRole.alive: how long a verifier actor may take to answer before it counts as busy
+ROLE_START_TIMEOUT_S = 300.0  # how long a role actor may load before the start is given up
 PLACEMENT_TIMEOUT_S = 300.0  # how long the replicas' placement groups may wait for the cluster's resources
 
 
@@ -145,6 +147,19 @@ def start_replica(ray, cfg: BlockspecConfig, pg, verifier_argv, drafter_argv, pe
     return verifier, drafter
 
 
+def _started(ray, actor, what: str) -> None:
+    """Wait for a role actor to serve. One that died loading (a checkpoint it cannot read) or does not answer
+    within ROLE_START_TIMEOUT_S ends the start with RoleStartError: one line, the role's own error last."""
+    try:
+        ray.get(actor.address.remote(), timeout=ROLE_START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RoleStartError(f"{what} did not answer within {ROLE_START_TIMEOUT_S:g} s") from None
+    except ray.exceptions.RayError as e:  # the actor died: its own error is the message's last line
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        cause = re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1]) if lines else "no reason given"
+        raise RoleStartError(f"{what} did not start: {cause}") from None
+
+
 class RayRole:
     """A role actor as `serve_roles` sees it: a current address, and whether it lives. Ray restarts a drafter
     itself (it always counts as alive here); a verifier is not restarted, and once Ray reports it dead the server
@@ -193,10 +208,10 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
         groups = place_replicas(ray, cfg, with_drafter, per_gpu)
         roles = [start_replica(ray, cfg, pg, q.verifier_argv, q.drafter_argv, per_gpu, r) for r, pg in enumerate(groups)]
         out = []
-        for verifier, drafter in roles:  # the replicas load in parallel; wait for each
-            ray.get(verifier.address.remote(), timeout=300)
-            if drafter is not None:
-                ray.get(drafter.address.remote(), timeout=300)
+        for r, (verifier, drafter) in enumerate(roles):  # the replicas load in parallel; wait for each
+            for name, role in (("verifier", verifier), ("drafter", drafter)):
+                if role is not None:
+                    _started(ray, role, f"the {name} of replica {r}")
             out.append((RayRole(ray, verifier, restarted_by_ray=False),
                         RayRole(ray, drafter, restarted_by_ray=True) if drafter is not None else None))
         return out

@@ -4,6 +4,7 @@ with a verifier and a drafter actor; streams equal the target alone; a killed dr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -89,3 +90,25 @@ def test_a_killed_verifier_actor_stops_the_server_with_exit_code_1(ray_server):
     ray_server["channel"].close()
     os.kill(pid, signal.SIGKILL)
     assert ray_server["proc"].wait(60) == 1
+
+
+def test_a_role_actor_that_cannot_load_ends_serve_with_one_line_naming_its_file(tiny_models, dflash_drafters, tmp_path):
+    """A checkpoint that passes the config's checks but cannot be read (truncated weights) kills the actor that
+    loads it: `serve` on Ray exits 1 with one line, the role's own error (before: a 100-line Ray traceback)."""
+    import shutil
+    import subprocess
+    import sys
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(dflash_drafters["qwen3-trained"], drafter)
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
+    proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("blockspec: error:")]
+    assert re.fullmatch(r"blockspec: error: the (verifier|drafter) of replica 0 did not start: ModelLoadError: "
+                        rf"{re.escape(str(weights))}: cannot read the weights \(.*\)", line), line
