@@ -19,10 +19,11 @@ class _Section(BaseModel):
 
 
 class RateLimit(_Section):
-    """A tenant's budget a minute (None: unlimited); a bucket holds one minute's worth and refills evenly."""
+    """A tenant's budgets (None: unlimited); each bucket holds its period's worth and refills evenly."""
 
     requests_per_minute: int | None = Field(None, ge=1)  # Generate calls
     tokens_per_minute: int | None = Field(None, ge=1)  # prompt + max_tokens, reserved at admission (unused: refunded)
+    tokens_per_day: int | None = Field(None, ge=1)  # the same tokens over a rolling day: a quota
 
 
 class RateLimits(RateLimit):

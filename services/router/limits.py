@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from blockspec.common.config import RateLimit, RateLimits
+from blockspec.common.config import RateLimits
 from blockspec.common.errors import InvalidArgument
 
 
@@ -22,30 +22,35 @@ class OverLimit(Exception):
         self.limit, self.retry_after_s = limit, retry_after_s
 
 
+# Each limit: (its key in RateLimit, seconds a full bucket lasts, whether it counts tokens or requests).
+LIMITS = (("requests_per_minute", 60.0, False), ("tokens_per_minute", 60.0, True), ("tokens_per_day", 86400.0, True))
+
+
 @dataclass
 class Bucket:
-    """Holds up to `per_minute`, refilled at per_minute / 60 a second; starts full."""
+    """Holds up to `capacity`, refilled evenly over `period_s`; starts full."""
 
-    per_minute: int
+    capacity: int
+    period_s: float
     level: float
     stamp: float
 
     def _refill(self, now: float) -> None:
-        self.level = min(float(self.per_minute), self.level + (now - self.stamp) * self.per_minute / 60.0)
+        self.level = min(float(self.capacity), self.level + (now - self.stamp) * self.capacity / self.period_s)
         self.stamp = now
 
     def wait_s(self, amount: int, now: float) -> float:
         """Seconds until `amount` fits (0: it fits now)."""
         self._refill(now)
-        return max(0.0, (amount - self.level) * 60.0 / self.per_minute)
+        return max(0.0, (amount - self.level) * self.period_s / self.capacity)
 
     def put(self, amount: float, now: float) -> None:
         self._refill(now)
-        self.level = min(float(self.per_minute), self.level + amount)
+        self.level = min(float(self.capacity), self.level + amount)
 
 
 class TenantLimits:
-    """server.rate_limit applied: `admit` takes from both of a tenant's buckets or from neither."""
+    """server.rate_limit applied: `admit` takes from all of a tenant's buckets or from none."""
 
     def __init__(self, config: RateLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.clock = config, clock
@@ -54,43 +59,43 @@ class TenantLimits:
 
     @property
     def enabled(self) -> bool:
-        limits = [self.config, *self.config.tenants.values()]
-        return any(x.requests_per_minute or x.tokens_per_minute for x in limits)
+        return any(getattr(x, key) for x in (self.config, *self.config.tenants.values()) for key, _, _ in LIMITS)
 
-    def _limit(self, tenant: str) -> RateLimit:
-        return self.config.tenants.get(tenant, self.config)
-
-    def _bucket(self, tenant: str, kind: str, per_minute: int, now: float) -> Bucket:
-        key = (tenant, kind)
-        if key not in self._buckets:
-            self._buckets[key] = Bucket(per_minute, float(per_minute), now)
-        return self._buckets[key]
+    def _limits(self, tenant: str, tokens: int, now: float) -> list[tuple[str, int, Bucket, int]]:
+        """(limit, its value, the tenant's bucket, the amount a request of `tokens` takes) for each limit set."""
+        limit, out = self.config.tenants.get(tenant, self.config), []
+        for key, period_s, counts_tokens in LIMITS:
+            value = getattr(limit, key)
+            if value:
+                if (tenant, key) not in self._buckets:
+                    self._buckets[tenant, key] = Bucket(value, period_s, float(value), now)
+                out.append((key, value, self._buckets[tenant, key], tokens if counts_tokens else 1))
+        return out
 
     def admit(self, tenant: str, tokens: int) -> None:
         """Take one request and `tokens` from the tenant's buckets. InvalidArgument (max_tokens) where `tokens`
-        exceeds a whole minute's budget, so waiting would not help; OverLimit where the buckets lack room now."""
-        limit = self._limit(tenant)
-        if limit.tokens_per_minute and tokens > limit.tokens_per_minute:
-            raise InvalidArgument("max_tokens", f"the prompt's and max_tokens' {tokens} tokens exceed tenant {tenant!r}'s "
-                                                f"tokens_per_minute of {limit.tokens_per_minute}: lower max_tokens")
-        wants = [(kind, per_minute, amount) for kind, per_minute, amount in
-                 (("requests_per_minute", limit.requests_per_minute, 1), ("tokens_per_minute", limit.tokens_per_minute, tokens))
-                 if per_minute]
+        exceeds a whole bucket, so waiting would not help; OverLimit where the buckets lack room now."""
         with self._lock:  # one time for every bucket: a bucket's stamp never goes back
             now = self.clock()
-            buckets = [(kind, self._bucket(tenant, kind, per_minute, now), amount) for kind, per_minute, amount in wants]
-            waits = [(bucket.wait_s(amount, now), kind) for kind, bucket, amount in buckets]
-            wait_s, kind = max(waits, default=(0.0, ""))
+            limits = self._limits(tenant, tokens, now)
+            for key, value, _, amount in limits:
+                if amount > value:
+                    raise InvalidArgument("max_tokens", f"the prompt's and max_tokens' {tokens} tokens exceed tenant "
+                                                        f"{tenant!r}'s {key} of {value}: lower max_tokens")
+            wait_s, key, value = max(((b.wait_s(amount, now), key, value) for key, value, b, amount in limits),
+                                     default=(0.0, "", 0))
             if wait_s > 0:
-                raise OverLimit(f"rate limit: tenant {tenant!r} is over its {kind} ({getattr(limit, kind)}); retry in "
-                                f"{math.ceil(wait_s * 10) / 10:g} s", kind, wait_s)
-            for _, bucket, amount in buckets:
+                raise OverLimit(f"rate limit: tenant {tenant!r} is over its {key} ({value}); retry in "
+                                f"{math.ceil(wait_s * 10) / 10:g} s", key, wait_s)
+            for _, _, bucket, amount in limits:
                 bucket.put(-amount, now)
 
     def refund(self, tenant: str, tokens: int) -> None:
         """Give back reserved tokens a request did not use."""
-        limit = self._limit(tenant)
-        if tokens > 0 and limit.tokens_per_minute:
-            with self._lock:
-                now = self.clock()
-                self._bucket(tenant, "tokens_per_minute", limit.tokens_per_minute, now).put(tokens, now)
+        if tokens <= 0:
+            return
+        with self._lock:
+            now = self.clock()
+            for key, _, bucket, _ in self._limits(tenant, tokens, now):
+                if key.startswith("tokens_"):
+                    bucket.put(tokens, now)

@@ -54,6 +54,21 @@ def test_tokens_are_reserved_refunded_and_a_refused_request_takes_nothing():
         limits.admit("a", 101)  # more than a minute's budget: waiting would not help
 
 
+def test_a_daily_quota_holds_past_the_minute_and_takes_refunds():
+    clock = Clock()
+    limits = TenantLimits(RateLimits(tokens_per_minute=600, tokens_per_day=1000), clock)
+    limits.admit("a", 600)
+    clock.now += 60.0  # the minute's bucket is full again, the day's holds 400 (+ 0.7 refilled)
+    limits.admit("a", 400)
+    with pytest.raises(OverLimit, match="over its tokens_per_day \\(1000\\); retry in") as err:
+        limits.admit("a", 100)
+    assert err.value.limit == "tokens_per_day" and err.value.retry_after_s == pytest.approx(8640 - 60, rel=0.01)
+    limits.refund("a", 100)  # given back to both buckets
+    limits.admit("a", 100)
+    with pytest.raises(InvalidArgument, match="exceed tenant 'a'.s tokens_per_day of 1000"):
+        TenantLimits(RateLimits(tokens_per_day=1000), clock).admit("a", 1001)
+
+
 def test_a_listed_tenant_has_its_own_limits_and_no_limits_means_off():
     config = RateLimits.model_validate({"requests_per_minute": 1, "tenants": {"big": {"requests_per_minute": 100}}})
     limits = TenantLimits(config, Clock())
