@@ -1,5 +1,5 @@
-"""Per-tenant rate limits at the router (server.rate_limit): a token bucket of requests and one of tokens per
-tenant. A request reserves prompt + max_tokens when it is admitted; what it did not generate is given back when
+"""Per-tenant rate limits at the router (server.rate_limit): token buckets of requests a minute, and of tokens a
+minute and a day (a quota), per tenant. A request reserves prompt + max_tokens when it is admitted; what it did not generate is given back when
 it ends (finished, stopped or cancelled), so a budget counts the tokens served, not the ones asked for."""
 
 from __future__ import annotations
@@ -61,15 +61,16 @@ class TenantLimits:
     def enabled(self) -> bool:
         return any(getattr(x, key) for x in (self.config, *self.config.tenants.values()) for key, _, _ in LIMITS)
 
-    def _limits(self, tenant: str, tokens: int, now: float) -> list[tuple[str, int, Bucket, int]]:
-        """(limit, its value, the tenant's bucket, the amount a request of `tokens` takes) for each limit set."""
+    def _limits(self, tenant: str, tokens: int, now: float) -> list[tuple[str, int, Bucket, int, bool]]:
+        """(limit, its value, the tenant's bucket, what a request of `tokens` takes from it, whether it counts
+        tokens) for each limit set."""
         limit, out = self.config.tenants.get(tenant, self.config), []
         for key, period_s, counts_tokens in LIMITS:
             value = getattr(limit, key)
             if value:
                 if (tenant, key) not in self._buckets:
                     self._buckets[tenant, key] = Bucket(value, period_s, float(value), now)
-                out.append((key, value, self._buckets[tenant, key], tokens if counts_tokens else 1))
+                out.append((key, value, self._buckets[tenant, key], tokens if counts_tokens else 1, counts_tokens))
         return out
 
     def admit(self, tenant: str, tokens: int) -> None:
@@ -78,16 +79,16 @@ class TenantLimits:
         with self._lock:  # one time for every bucket: a bucket's stamp never goes back
             now = self.clock()
             limits = self._limits(tenant, tokens, now)
-            for key, value, _, amount in limits:
+            for key, value, _, amount, _ in limits:
                 if amount > value:
                     raise InvalidArgument("max_tokens", f"the prompt's and max_tokens' {tokens} tokens exceed tenant "
                                                         f"{tenant!r}'s {key} of {value}: lower max_tokens")
-            wait_s, key, value = max(((b.wait_s(amount, now), key, value) for key, value, b, amount in limits),
+            wait_s, key, value = max(((b.wait_s(amount, now), key, value) for key, value, b, amount, _ in limits),
                                      default=(0.0, "", 0))
             if wait_s > 0:
                 raise OverLimit(f"rate limit: tenant {tenant!r} is over its {key} ({value}); retry in "
                                 f"{math.ceil(wait_s * 10) / 10:g} s", key, wait_s)
-            for _, _, bucket, amount in limits:
+            for _, _, bucket, amount, _ in limits:
                 bucket.put(-amount, now)
 
     def refund(self, tenant: str, tokens: int) -> None:
@@ -96,6 +97,6 @@ class TenantLimits:
             return
         with self._lock:
             now = self.clock()
-            for key, _, bucket, _ in self._limits(tenant, tokens, now):
-                if key.startswith("tokens_"):
-                    bucket.put(tokens, now)
+            for _, _, bucket, amount, counts_tokens in self._limits(tenant, tokens, now):
+                if counts_tokens:
+                    bucket.put(amount, now)
