@@ -175,7 +175,7 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span) -> str:
         """The caller's tenant, once its rate limits admit the request (reserving prompt + max_tokens); else
-        INVALID_ARGUMENT (more than a minute's budget) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
+        INVALID_ARGUMENT (more than a whole bucket holds) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
         if self.limits is None:
             return DEFAULT_TENANT
         tenant = self._tenant(context)
