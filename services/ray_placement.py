@@ -187,6 +187,24 @@ class RayRole:
         self._ray.kill(self._actor)
 
 
+def _join(ray, address: str) -> None:
+    """Join the Ray cluster at `address`. A HOST:PORT where nothing listens is refused at once (Ray itself retries
+    for minutes); a cluster that refuses us (its auth token, its version) ends the start with one line."""
+    host, sep, port = address.rpartition(":")
+    if sep and port.isdigit() and "://" not in address:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise InvalidArgument("--ray-address", f"{address}: no Ray cluster answers there ({e.strerror or e})") from None
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
+        why = str(e).splitlines()[0]
+        if e.__cause__ is not None and str(e.__cause__).strip():  # Ray's reason is the last line of its cause
+            why += "; " + str(e.__cause__).strip().splitlines()[-1].strip()
+        raise RoleStartError(f"--ray-address {address}: cannot join the Ray cluster: {why}") from None
+
+
 def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
     import ray
 
@@ -198,7 +216,7 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     remove_role_sockets()  # of servers that were killed
     ensure_role_key()  # the actors answer only this process (role_env passes it on)
     if ray_address:
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        _join(ray, ray_address)
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
         ray.init(num_cpus=max(os.cpu_count() or 1, 2 * cfg.server.replicas), include_dashboard=False, log_to_driver=False)
 

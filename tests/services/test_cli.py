@@ -166,6 +166,7 @@ def test_bench_refuses_bad_counts(capsys):
 def test_serve_refuses_flags_that_do_not_go_together(capsys):
     config = str(Path(__file__).resolve().parents[2] / "deploy" / "config.yaml")
     for extra, message in ((["--no-ray", "--ray-address", "auto"], "--ray-address: serves on Ray"),
-                           (["--drafter-address", "h:1"], "--drafter-address: goes with --verifier-address")):
+                           (["--drafter-address", "h:1"], "--drafter-address: goes with --verifier-address"),
+                           (["--ray-address", "127.0.0.1:1"], "--ray-address: 127.0.0.1:1: no Ray cluster answers there")):
         code, out, err = run_cli(capsys, "serve", "--config", config, *extra)
         assert code == 2 and message in err
