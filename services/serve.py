@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 STALL_S = 30.0  # a step running longer than this makes /health answer 503
 DRAFTER_RETRY_S = 10.0  # a drafter that failed to restart is tried again after this long
 EXTERNAL_DOWN_S = 10.0  # router only: a verifier whose health check fails this long is gone (the router exits 1)
+EXTERNAL_START_S = 300.0  # router only: how long roles started elsewhere may take to answer at start (loading)
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,21 @@ def role_healthy(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def _wait_for(address: str, flag: str) -> None:
+    """Router only: wait for a role started elsewhere to answer its health check (it may still be loading), saying
+    so every 10 s; one that has not answered in EXTERNAL_START_S ends the start with RoleStartError."""
+    started = time.monotonic()
+    next_note = started
+    while not role_healthy(address):
+        now = time.monotonic()
+        if now - started >= EXTERNAL_START_S:
+            raise RoleStartError(f"{flag} {address}: no role answered there within {EXTERNAL_START_S:g} s")
+        if now >= next_note:
+            log.warning("router only: waiting for the role at %s (%s) to answer", address, flag)
+            next_note = now + 10.0
+        time.sleep(0.5)
+
+
 class ExternalRole:
     """A role started by someone else (compose, systemd): only its address. A watched one (the verifier: the router
     cannot go on without it) counts as gone once its health check has failed for EXTERNAL_DOWN_S in a row, and the
@@ -207,6 +223,9 @@ def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, v
         raise InvalidArgument("server.replicas", "with --verifier-address the router serves exactly one replica")
 
     def start_roles():
+        _wait_for(verifier, "--verifier-address")
+        if p.drafter_argv:
+            _wait_for(drafter, "--drafter-address")
         _warn_role_settings(cfg, p, verifier)
         return [(ExternalRole(verifier, watched=True), ExternalRole(drafter) if p.drafter_argv else None)]
 

@@ -403,6 +403,24 @@ def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_veri
             stop_serve(info)
 
 
+def test_a_router_alone_waits_for_its_roles_and_names_one_that_never_answers(tiny_models, dflash_drafters, tmp_path,
+                                                                             monkeypatch, caplog):
+    """`serve --verifier-address` whose verifier is not there: the router says it is waiting, then ends the start
+    with one line naming the flag and the address (before: minutes of silence, then a traceback)."""
+    import logging
+
+    from blockspec.common.config import load_config
+    from blockspec.services import serve
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
+    monkeypatch.setattr(serve, "EXTERNAL_START_S", 1.5)
+    caplog.set_level(logging.INFO, logger="blockspec.services.serve")
+    with pytest.raises(serve.RoleStartError, match=r"--verifier-address 127.0.0.1:1: no role answered there within 1.5 s"):
+        serve.serve_external(load_config(cfg), "127.0.0.1", 0, 0, "127.0.0.1:1", "127.0.0.1:2")
+    assert "waiting for the role at 127.0.0.1:1 (--verifier-address)" in caplog.text
+
+
 def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_drafters, tmp_path, prompts, references):
     """`serve --verifier-address --drafter-address` (the compose deployment): streams equal the target alone; a
     config whose role-side keys the running roles do not have is named in a warning, with the role command lines
