@@ -11,6 +11,10 @@ from grpc_reflection.v1alpha import reflection
 MAX_MESSAGE = 64 * 1024 * 1024
 
 
+class BindError(OSError):
+    """A port or socket that cannot be bound (taken by another process): `serve` says so in one line, exit 1."""
+
+
 async def start_server(
     register: Callable[[grpc.aio.Server], None], service_names: Sequence[str], host: str, port: int,
     unix_socket: str | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -36,11 +40,11 @@ async def start_server(
 
 
 def _bind(server: grpc.aio.Server, address: str) -> int:
-    """The bound port; an address that cannot be bound (taken, not ours) is an OSError naming it."""
+    """The bound port; an address that cannot be bound (taken, not ours) is a BindError naming it."""
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError:  # grpc's "Failed to bind to address"
         bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {address} (in use by another process?)")
+        raise BindError(f"cannot bind {address} (in use by another process?)")
     return bound

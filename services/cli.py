@@ -269,7 +269,8 @@ def cmd_role(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
-    from blockspec.services.serve import RoleStartError, serve_processes
+    from blockspec.common.grpc_server import BindError
+    from blockspec.services.serve import RoleStartError, serve_external, serve_processes
 
     cfg = load_config(args.config)
     if args.ray_address and (args.no_ray or args.verifier_address):
@@ -280,18 +281,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     port = cfg.server.port if args.port is None else args.port
     grpc_port = cfg.server.grpc_port if args.grpc_port is None else args.grpc_port
     check_ports(port, grpc_port, "--grpc-port" if args.grpc_port is not None or args.port is not None else "server.grpc_port")
-    if args.verifier_address:
-        from blockspec.services.serve import serve_external
-
-        return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
     try:
+        if args.verifier_address:
+            return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
         if args.no_ray:
             return serve_processes(cfg, host, port, grpc_port)
         from blockspec.services.ray_placement import serve_ray
 
         return serve_ray(cfg, host, port, grpc_port, args.ray_address)
-    except RoleStartError as e:  # a role that ended before it served (it printed why), or no room on Ray for one
-        print(f"blockspec: error: {e}", file=sys.stderr)
+    except (RoleStartError, BindError) as e:  # a role that ended before it served (it printed why), no room on Ray
+        print(f"blockspec: error: {e}", file=sys.stderr)  # for one, a port taken by another process
         return 1
 
 

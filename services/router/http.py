@@ -11,6 +11,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 
 from blockspec.common.auth import ApiKeys, guard_wsgi
+from blockspec.common.grpc_server import BindError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]], 
     """Serve in a daemon thread; returns the server (server.server_port is the bound port). With api_keys, every
     path but /health needs one of them."""
     app = http_app(readiness) if api_keys is None else guard_wsgi(http_app(readiness), api_keys)
-    server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
+    try:
+        server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
+    except OSError as e:
+        raise BindError(f"cannot bind {host}:{port} for HTTP ({e.strerror or e}; in use by another process?)") from None
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     return server

@@ -421,6 +421,25 @@ def test_a_router_alone_waits_for_its_roles_and_names_one_that_never_answers(tin
     assert "waiting for the role at 127.0.0.1:1 (--verifier-address)" in caplog.text
 
 
+def test_a_taken_port_ends_serve_with_one_line(tiny_models, dflash_drafters, tmp_path):
+    """HTTP or gRPC port held by another process: exit code 1 and one line naming the address (before: a traceback;
+    the roles started before the gRPC bind are stopped with it)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for key in ("port", "grpc_port"):
+            cfg = tmp_path / f"{key}.yaml"
+            cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                           .replace(f"  {key}: 0\n", f"  {key}: {port}\n"))
+            proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg),
+                                   "--no-ray", "--host", "127.0.0.1"], capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+            assert f"blockspec: error: cannot bind 127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_drafters, tmp_path, prompts, references):
     """`serve --verifier-address --drafter-address` (the compose deployment): streams equal the target alone; a
     config whose role-side keys the running roles do not have is named in a warning, with the role command lines
