@@ -3,6 +3,7 @@ target-alone reference outputs from transformers `generate`."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
 from pathlib import Path
@@ -22,12 +23,17 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def no_role_key(monkeypatch):
-    """A test that starts a server in this process sets the roles' key here (`ensure_role_key`): each test starts
-    without one, so roles that other tests start in-process are not behind a key their callers lack."""
+def no_role_key():
+    """A test that starts a server in this process makes up the roles' key in os.environ (`ensure_role_key`): each
+    test starts without one and takes its own away when it ends, so roles that later tests (and their module
+    fixtures, set up before this fixture) start in-process are not behind a key their callers lack."""
     from blockspec.common.auth import ENV_ROLE_KEY
 
-    monkeypatch.delenv(ENV_ROLE_KEY, raising=False)
+    saved = os.environ.pop(ENV_ROLE_KEY, None)
+    yield
+    os.environ.pop(ENV_ROLE_KEY, None)
+    if saved is not None:
+        os.environ[ENV_ROLE_KEY] = saved
 
 
 @pytest.fixture(scope="session")
