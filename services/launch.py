@@ -138,7 +138,14 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                        max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
-    return await start_router(loops, facts, host, port, metrics, api_keys, limits)
+    try:
+        return await start_router(loops, facts, host, port, metrics, api_keys, limits)
+    except BaseException:  # e.g. its port taken: close the role streams, or each role logs a cancelled one
+        for role in (r for pair in roles for r in pair):
+            close = getattr(role, "close", None)  # RemoteVerifier, RemoteDrafter; NoneProposer has none
+            if close is not None:
+                close()
+        raise
 
 
 def role_env() -> dict[str, str]:
