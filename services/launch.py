@@ -30,7 +30,7 @@ from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import verifier_needs
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.engine import DEFAULT_K, serving_len
-from blockspec.services.router.app import RouterServer, start_router
+from blockspec.services.router.app import RouterServer, close_roles, start_router
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.server import ModelFacts
@@ -140,11 +140,8 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
     try:
         return await start_router(loops, facts, host, port, metrics, api_keys, limits)
-    except BaseException:  # e.g. its port taken: close the role streams, or each role logs a cancelled one
-        for role in (r for pair in roles for r in pair):
-            close = getattr(role, "close", None)  # RemoteVerifier, RemoteDrafter; NoneProposer has none
-            if close is not None:
-                close()
+    except BaseException:  # e.g. its port taken
+        close_roles(r for pair in roles for r in pair)
         raise
 
 

@@ -96,7 +96,8 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
 
 
 class RoleStartError(RuntimeError):
-    """A role process that ended before it served (its own error on stderr): `serve` exits 1 with one line."""
+    """A role that could not be started: a process that ended before it served (its own error on stderr), a Ray
+    actor that died loading or found no room, roles elsewhere that never answered. `serve` exits 1 with one line."""
 
 
 class RoleProcess:

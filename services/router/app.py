@@ -47,10 +47,16 @@ class RouterServer:
         await self.server.stop(grace)
         for scheduler in self.schedulers:
             await scheduler.stop()
-            for role in (scheduler.step_loop.verifier, scheduler.step_loop.drafter):
-                close = getattr(role, "close", None)  # RemoteVerifier, RemoteDrafter; in-process roles have none
-                if close is not None:
-                    close()
+            close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
+
+
+def close_roles(roles) -> None:
+    """Close the role clients' streams (RemoteVerifier, RemoteDrafter; in-process roles have nothing to close):
+    a remote role whose open stream is cancelled when the router goes logs an error."""
+    for role in roles:
+        close = getattr(role, "close", None)
+        if close is not None:
+            close()
 
 
 async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,

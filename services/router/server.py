@@ -142,13 +142,16 @@ class GenerationService(api_grpc.GenerationServicer):
         clock = _StreamClock(self.metrics)
         span = tracing.tracer().start_span(tracing.SPAN_REQUEST)
         try:
-            async with contextlib.aclosing(self._generate(msg, context, span, clock, started)) as responses:
+            request, tenant = await self._request(msg, context, span)
+            # Closed at once when the call ends, so its slots and tokens come back then, not at collection.
+            async with contextlib.aclosing(self._stream(request, tenant, msg, context, span, clock, started)) as responses:
                 async for response in responses:
                     yield response
         finally:
             span.end()
 
-    async def _generate(self, msg, context, span, clock: _StreamClock, started: int):
+    async def _request(self, msg, context, span) -> tuple[Request, str]:
+        """The validated request and its caller's tenant, once the tenant's rate limits admit it (else aborted)."""
         try:
             request = to_request(msg, self.facts)
         except InvalidArgument as e:
@@ -157,16 +160,12 @@ class GenerationService(api_grpc.GenerationServicer):
         request = replace(request, span_context=span.get_span_context())
         span.set_attributes({tracing.ATTR_REQUEST_ID: request.request_id, tracing.ATTR_K: request.k,
                              tracing.ATTR_PROMPT_TOKENS: len(request.prompt_ids)})
-        tenant = await self._admit(request, context, span)
-        sent = 0
-        try:  # closed at once when the call ends, so its slots and tokens come back then, not at collection
-            async with contextlib.aclosing(self._stream(request, msg, context, span, clock, started)) as responses:
-                async for response in responses:
-                    sent += len(response.token_ids)
-                    yield response
-        finally:
-            if self.limits is not None:  # what it did not generate goes back to its tenant's budget
-                self.limits.refund(tenant, request.max_tokens - sent)
+        return request, await self._admit(request, context, span)
+
+    def _refund(self, tenant: str, tokens: int) -> None:
+        """Tokens a request reserved and did not generate go back to its tenant's budget."""
+        if self.limits is not None:
+            self.limits.refund(tenant, tokens)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if self.api_keys is None:
@@ -192,12 +191,13 @@ class GenerationService(api_grpc.GenerationServicer):
                               trailing_metadata=(("retry-after", str(math.ceil(e.retry_after_s))),))
         return tenant
 
-    async def _stream(self, request: Request, msg, context, span, clock: _StreamClock, started: int):
+    async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int):
         """Submit to the least loaded replica and stream its events back."""
         scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
         try:
             stream = await scheduler.submit(request)
         except ValueError as e:
+            self._refund(tenant, request.max_tokens)
             await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -231,6 +231,7 @@ class GenerationService(api_grpc.GenerationServicer):
                                                finish=finish_message(event, len(request.prompt_ids), sent, reason))
                 return
         finally:
+            self._refund(tenant, request.max_tokens - sent)  # first: the cancel below may be cancelled itself
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
                 span.set_attribute(tracing.ATTR_FINISH_REASON, "cancelled")
                 if self.metrics is not None:
