@@ -62,6 +62,8 @@ class RouterMetrics:
         self.requests_running = Gauge("blockspec_requests_running", "Requests in the running batch", **per_replica)
         self.requests_waiting = Gauge("blockspec_requests_waiting", "Requests queued for a slot", **per_replica)
         self.kv_slots_used = Gauge("blockspec_kv_slots_used", "Verifier KV cache slots in use", **per_replica)
+        self.kv_cache_usage = Gauge("blockspec_kv_cache_usage_perc", "Share of the verifier's KV cache slots in use "
+                                    "(1 = full)", **per_replica)
         self.role_memory = Gauge("blockspec_role_memory_bytes", "Memory of each role process (kind: rss or gpu)",
                                  labelnames=("replica", "role", "kind"), **kw)
         # Requests and latency as clients see it.

@@ -60,6 +60,10 @@ class RemoteVerifier:
         self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
 
     @property
+    def num_slots(self) -> int:
+        return self.info.num_slots
+
+    @property
     def free_slots(self) -> int:
         return self.info.num_slots - len(self._active) - len(self._pending) - len(self._prefilling)
 

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop, StepReport, TokenEvent
+from blockspec.services.router.step_loop import FinishEvent, Load, Request, StepLoop, StepReport, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ class _StepDone:
     """A finished step as the step thread saw it (the next one may be under way when the event loop takes it)."""
 
     report: StepReport | None
-    running: int
-    waiting: int
+    load: Load
 
 
 class Scheduler:
@@ -164,7 +163,7 @@ class Scheduler:
         except Exception as e:  # handed to the awaiting coroutine
             result, error = None, e
         self._post(_settle, future, result, error)
-        self._post(self._set_load, self.step_loop.num_running, self.step_loop.num_waiting)  # a submit or a cancel
+        self._post(self._set_load, self.step_loop.load)  # a submit or a cancel
 
     def _step(self) -> None:
         loop = self.step_loop
@@ -174,11 +173,11 @@ class Scheduler:
         except Exception:
             log.exception("step failed; failing the running requests")
             events = [FinishEvent(e.request_id, "error", e.token_ids, e.stats) for e in loop.cancel_all()]
-            self._post(self._deliver_failed, events, loop.num_running, loop.num_waiting)
+            self._post(self._deliver_failed, events, loop.load)
             return
         finally:
             self.step_started = None
-        self._post(self._deliver, events, _StepDone(loop.last_report, loop.num_running, loop.num_waiting))
+        self._post(self._deliver, events, _StepDone(loop.last_report, loop.load))
 
     def _post(self, fn, *args) -> None:
         try:
@@ -200,10 +199,10 @@ class Scheduler:
             if isinstance(event, FinishEvent):
                 self._forget(event.request_id)
 
-    def _deliver_failed(self, events: list, running: int, waiting: int) -> None:
+    def _deliver_failed(self, events: list, load: Load) -> None:
         """A failed step's ends: the load gauges first (all cancelled), then the streams, in one callback, so a client
         that sees its stream fail never reads the failed requests in the gauges."""
-        self._set_load(running, waiting)
+        self._set_load(load)
         self._deliver(events, None)
 
     def _observe(self, events: list, done: _StepDone | None) -> None:
@@ -217,7 +216,7 @@ class Scheduler:
         if done is None:
             return
         m.steps.inc()
-        self._set_load(done.running, done.waiting)
+        self._set_load(done.load)
         report = done.report
         if report is not None:
             m.num_drafts.inc(report.drafts)
@@ -244,12 +243,15 @@ class Scheduler:
                 m.role_memory.labels(replica=replica, role=role_name, kind="gpu").set(gpu)
         self._log_stats()
 
-    def _set_load(self, running: int, waiting: int) -> None:
+    def _set_load(self, load: Load) -> None:
         if self.metrics is not None:
             m, replica = self.metrics, self.replica
-            m.requests_running.labels(replica=replica).set(running)
-            m.requests_waiting.labels(replica=replica).set(waiting)
-            m.kv_slots_used.labels(replica=replica).set(running)
+            m.requests_running.labels(replica=replica).set(load.running)
+            m.requests_waiting.labels(replica=replica).set(load.waiting)
+            m.kv_slots_used.labels(replica=replica).set(load.slots)
+            # A slot holds a whole context's K/V from the request's admission: the share of slots is the share of
+            # the cache's memory in use (vLLM's kv_cache_usage_perc, 1 = full).
+            m.kv_cache_usage.labels(replica=replica).set(load.slots / self.step_loop.verifier.num_slots)
 
     def _log_stats(self) -> None:
         """Every LOG_INTERVAL_S: one structured (key=value) line an SRE can grep or parse."""

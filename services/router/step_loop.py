@@ -30,6 +30,7 @@ LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
 
 
 class VerifierRole(Protocol):
+    num_slots: int
     free_slots: int
 
     def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
@@ -54,6 +55,15 @@ class Request:
     k: int  # draft tokens per step; 0 = plain decoding
     sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.validate)
     span_context: trace.SpanContext | None = None  # the request's span: step spans link to it
+
+
+@dataclass(frozen=True)
+class Load:
+    """The step loop's requests at one moment, for the load gauges."""
+
+    running: int
+    waiting: int  # queued for a slot or still being prefilled
+    slots: int  # verifier KV cache slots held: running or being prefilled
 
 
 @dataclass
@@ -180,6 +190,10 @@ class StepLoop:
     def num_waiting(self) -> int:
         """Queued for a slot or still being prefilled."""
         return len(self._waiting) + len(self._prefilling)
+
+    @property
+    def load(self) -> "Load":
+        return Load(len(self._running), self.num_waiting, len(self._running) + len(self._prefilling))
 
     def submit(self, request: Request) -> None:
         """Queue a request; it is prefilled at the next step with a free slot."""

@@ -149,6 +149,10 @@ class Verifier:
         return self.runner.max_len
 
     @property
+    def num_slots(self) -> int:
+        return self.runner.cache.num_slots
+
+    @property
     def free_slots(self) -> int:
         return self.runner.cache.free_slots
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import CollectorRegistry
+
+from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.engine import Engine
 from blockspec.services.router.scheduler import Scheduler
-from blockspec.services.router.step_loop import FinishEvent
+from blockspec.services.router.step_loop import FinishEvent, TokenEvent
 
 
 def test_a_finished_streams_late_cancel_leaves_the_next_stream_under_its_id_alone(tiny_models, prompts, references):
@@ -34,3 +37,41 @@ def test_a_finished_streams_late_cancel_leaves_the_next_stream_under_its_id_alon
 
     finish = asyncio.run(run())[-1]
     assert finish.reason == "length" and list(finish.token_ids) == references["qwen3"][2][:24]
+
+
+def test_the_kv_cache_usage_gauge_is_the_share_of_slots_held(tiny_models, prompts):
+    """blockspec_kv_cache_usage_perc (vLLM's name, 1 = full): a slot holds a whole context's K/V from admission, so the
+    share of slots held is the share of the cache in use. Back to 0 when the streams end."""
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=4)
+    registry = CollectorRegistry()
+
+    def gauges() -> tuple[float, float, float]:
+        return tuple(registry.get_sample_value(name, {"replica": "0"}) for name in (
+            "blockspec_kv_slots_used", "blockspec_kv_cache_usage_perc", "blockspec_requests_running"))
+
+    async def until(stream, kind) -> None:
+        while not isinstance(await asyncio.wait_for(stream.events.get(), 30), kind):
+            pass
+
+    async def run():
+        scheduler = Scheduler(engine.loop, RouterMetrics(registry))
+        await scheduler.start()
+        try:
+            a = await scheduler.submit(engine.request("a", prompts[1], 24, 0))
+            b = await scheduler.submit(engine.request("b", prompts[2], 24, 0))
+            await until(b, TokenEvent)
+            await until(b, TokenEvent)  # a step's events: its gauges were set before them
+            during = gauges()
+            await until(a, FinishEvent)
+            await until(b, FinishEvent)
+            for _ in range(100):
+                if gauges()[0] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return during, gauges()
+        finally:
+            await scheduler.stop()
+
+    during, after = asyncio.run(run())
+    assert during == (2, 2 / engine.verifier.num_slots, 2) and engine.verifier.num_slots == 4
+    assert after == (0, 0, 0)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from blockspec.services.engine import Engine
-from blockspec.services.router.step_loop import FinishEvent, TokenEvent
+from blockspec.services.router.step_loop import FinishEvent, Load, TokenEvent
 from tests.conftest import NEW_TOKENS
 
 
@@ -76,6 +76,7 @@ def test_chunked_prefill_keeps_running_streams_going(tiny_models, prompts, refer
         steps_while_prefilling += 1
         if loop.num_waiting:
             assert any(isinstance(e, TokenEvent) and e.request_id == "short" for e in step_events), "stalled"
+            assert loop.load == Load(running=1, waiting=1, slots=2)  # a prompt part-prefilled holds its slot
     assert steps_while_prefilling == 5
     while not loop.idle:
         events += loop.step()
