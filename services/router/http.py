@@ -1,4 +1,5 @@
-"""The HTTP side of the router: GET /health (readiness: 200 or 503) and GET /metrics (Prometheus)."""
+"""The HTTP side of the router: GET /health (readiness: 200 or 503), GET /metrics (Prometheus) and the
+OpenAI-compatible /v1 paths (openai_api.py)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ class _QuietHandler(WSGIRequestHandler):
         log.debug(format, *args)
 
 
-def http_app(readiness: Callable[[], tuple[bool, str]]):
+def http_app(readiness: Callable[[], tuple[bool, str]], v1=None):
+    """v1: the WSGI app of the /v1/ paths (None: not served)."""
     metrics = make_wsgi_app()
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
+        if v1 is not None and path.startswith("/v1/"):
+            return v1(environ, start_response)
         if path == "/health":
             ok, why = readiness()
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
@@ -48,15 +52,16 @@ def http_app(readiness: Callable[[], tuple[bool, str]]):
         if path == "/metrics":
             return metrics(environ, start_response)
         start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found: GET /health or /metrics\n"]
+        return [b"not found: GET /health, /metrics, /v1/models or POST /v1/completions\n"]
 
     return app
 
 
-def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]], api_keys: ApiKeys | None = None) -> WSGIServer:
+def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]], api_keys: ApiKeys | None = None,
+               v1=None) -> WSGIServer:
     """Serve in a daemon thread; returns the server (server.server_port is the bound port). With api_keys, every
-    path but /health needs one of them."""
-    app = http_app(readiness) if api_keys is None else guard_wsgi(http_app(readiness), api_keys)
+    path but /health needs one of them. v1: the WSGI app of the /v1/ paths."""
+    app = http_app(readiness, v1) if api_keys is None else guard_wsgi(http_app(readiness, v1), api_keys)
     try:
         server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
     except OSError as e:

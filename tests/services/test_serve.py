@@ -103,6 +103,17 @@ def test_health_503_then_200_and_streams_equal_the_target_alone(server, prompts,
     assert "blockspec_spec_decode_num_draft_tokens_total" in metrics
 
 
+def test_the_openai_api_is_served_on_the_http_port(server, prompts, references, tokenizer):
+    """`serve` wires /v1/completions to its own router: the target alone's text, as on gRPC."""
+    body = json.dumps({"prompt": prompts[4], "max_tokens": 128, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{server['http']}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        out = json.loads(r.read())
+    assert out["choices"][0]["text"] == tokenizer.decode(references["qwen3"][4], skip_special_tokens=True)
+    assert out["usage"]["completion_tokens"] == len(references["qwen3"][4]) and out["acceptance"]["drafted"] > 0
+
+
 def test_role_processes_get_a_short_openmp_spin_unless_the_operator_sets_one(server, monkeypatch):
     """Both roles start with launch.ROLE_ENV_DEFAULTS (libgomp threads that sleep soon after a forward, so three
     processes can share the cores); a value in the server's environment is passed on instead."""

@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP API (/v1/completions, /v1/models) through the OpenAI Python client: the target alone's
+text streamed and in one body, OpenAI-shaped errors naming the parameter, keys and rate limits as on gRPC, and a
+client that leaves mid-stream frees its slot."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from blockspec.common.auth import ApiKeys
+from blockspec.common.config import RateLimits
+from blockspec.common.telemetry import RouterMetrics
+from blockspec.services.engine import Engine
+from blockspec.services.router.http import start_http
+from blockspec.services.router.limits import TenantLimits
+from blockspec.services.router.openai_api import Upstream, v1_app
+from tests.services.router.test_server import RouterThread
+
+KEY = "o" * 24
+
+
+class Served:
+    """A router on a free port with the HTTP server in front, as `serve` runs them."""
+
+    def __init__(self, engine: Engine, **router_kwargs) -> None:
+        self.router = RouterThread(engine, **router_kwargs)
+        keys = router_kwargs.get("api_keys")
+        self.http = start_http("127.0.0.1", 0, lambda: (True, "ok\n"), keys,
+                               v1_app(Upstream(lambda: f"127.0.0.1:{self.router.router.port}")))
+        self.port = self.http.server_port
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.router.close()
+
+    def raw(self, method: str, path: str, body: bytes | None = None) -> tuple[int, dict, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        result = response.status, dict(response.getheaders()), response.read()
+        conn.close()
+        return result
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models):
+    registry = CollectorRegistry()
+    s = Served(Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=4),
+               metrics=RouterMetrics(registry))
+    s.registry = registry
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def model_id(served):
+    (model,) = served.client.models.list().data
+    return model.id
+
+
+def test_models_lists_the_served_target(served, model_id, tiny_models):
+    assert model_id == str(tiny_models["qwen3"]["target"])
+    status, _, body = served.raw("GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["max_model_len"] > 0
+
+
+@pytest.mark.parametrize(("i", "k"), [(0, 2), (3, 4), (5, 7)])
+def test_streamed_and_whole_completions_are_the_target_alones_text(served, model_id, prompts, references, tokenizer, i, k):
+    expected = tokenizer.decode(references["qwen3"][i], skip_special_tokens=True)
+    kw = dict(model=model_id, prompt=prompts[i], max_tokens=128, temperature=0, extra_body={"num_speculative_tokens": k})
+    whole = served.client.completions.create(**kw)
+    assert whole.choices[0].text == expected and whole.id.startswith("cmpl-")
+    assert whole.usage.completion_tokens == len(references["qwen3"][i])
+    assert whole.choices[0].finish_reason == ("length" if len(references["qwen3"][i]) == 128 else "stop")
+    acceptance = whole.model_extra["acceptance"]
+    assert acceptance["drafted"] > 0 and sum(acceptance["accepted_per_pos"]) == acceptance["accepted"]
+    chunks = list(served.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_a_stop_sequence_ends_the_text_before_it(served, model_id, prompts, references, tokenizer):
+    text = tokenizer.decode(references["qwen3"][1], skip_special_tokens=True)
+    stop = text[20:24]
+    out = served.client.completions.create(model=model_id, prompt=prompts[1], max_tokens=128, temperature=0, stop=[stop])
+    assert out.choices[0].text == text[: text.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "message"),
+    [
+        ({"temperature": -1}, "temperature", "temperature: "),
+        ({"top_p": 1.5}, "top_p", "top_p: "),
+        ({"n": 2}, "n", "n: 2: one completion per request"),
+        ({"logprobs": 2}, "logprobs", "logprobs: log probabilities are not served"),
+        ({"echo": True}, "echo", "echo: "),
+        ({"max_tokens": -3}, "max_tokens", "max_tokens: -3 is out of range"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens: must be at least 1"),
+        ({"prompt": [1, 99999]}, "prompt", "prompt: id 99999 is outside"),
+        ({"prompt": ["a", "b"]}, "prompt", "prompt: 2 prompts"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "logit_bias: key 'x' is not a token id"),
+        ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens", "num_speculative_tokens: must be between"),
+        ({"extra_body": {"best_answer": 1}}, "best_answer", "best_answer: Extra inputs are not permitted"),
+        ({"extra_body": {"rule": "typical"}}, "rule", "rule: "),
+    ],
+)
+def test_bad_parameters_are_400_naming_the_parameter(served, model_id, kwargs, param, message):
+    kw = {"model": model_id, "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client.completions.create(**kw)
+    error = err.value.body
+    assert error["param"] == param and error["message"].startswith(message), error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_what_is_not_served_gets_an_error_that_says_so(served):
+    with pytest.raises(openai.NotFoundError, match="'gpt-x' is not served here"):
+        served.client.completions.create(model="gpt-x", prompt="hello", max_tokens=4)
+    status, _, body = served.raw("POST", "/v1/completions", b'{"prompt": "hi",')
+    assert status == 400 and json.loads(body)["error"]["message"].startswith("body: not valid JSON")
+    status, headers, _ = served.raw("GET", "/v1/completions")
+    assert status == 405 and headers["Allow"] == "POST"
+    status, _, body = served.raw("POST", "/v1/chat/completions", b"{}")
+    assert status == 404 and "POST /v1/completions" in json.loads(body)["error"]["message"]
+    status, _, _ = served.raw("GET", "/health")
+    assert status == 200
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(served, model_id, prompts):
+    verifier = served.router.engine.verifier
+    free = verifier.free_slots
+    cancelled = {"reason": "cancelled"}
+    before = served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) or 0
+    body = json.dumps({"model": model_id, "prompt": prompts[2], "max_tokens": 500 - len(prompts[2]), "temperature": 0,
+                       "stream": True, "num_speculative_tokens": 1}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    assert response.readline().startswith(b"data: {")
+    response.close()
+    conn.close()  # gone mid-stream: a write fails, the gRPC call is cancelled
+    deadline = time.monotonic() + 30
+    while verifier.free_slots != free and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert verifier.free_slots == free
+    assert served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) == before + 1
+
+
+def test_keys_and_rate_limits_answer_as_on_grpc(tiny_models, prompts):
+    keys = ApiKeys({KEY: "team-a"})
+    limits = TenantLimits(RateLimits(requests_per_minute=1, tenants={"team-a": RateLimits(requests_per_minute=1)}))
+    s = Served(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2), api_keys=keys, limits=limits)
+    try:
+        anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="nobody-" * 4, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.completions.create(model="any", prompt=prompts[0], max_tokens=4)
+        (model,) = s.client.models.list().data
+        assert s.client.completions.create(model=model.id, prompt=prompts[0], max_tokens=4).usage.completion_tokens == 4
+        with pytest.raises(openai.RateLimitError) as err:
+            s.client.completions.create(model=model.id, prompt=prompts[0], max_tokens=4)
+        assert int(err.value.response.headers["Retry-After"]) > 0
+        assert "requests_per_minute" in err.value.body["message"]
+    finally:
+        s.close()
