@@ -63,6 +63,9 @@ def check_message(msg: object) -> None:
                 check_message(item)
 
 
+MAX_STOPS, MAX_STOP_CHARS = 64, 1000  # each stop sequence is searched in every message's text, on the event loop
+
+
 def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     """Validate a GenerateRequest (errors name the field) and turn it into a step-loop Request."""
     check_message(msg)
@@ -79,6 +82,9 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     sampling = validate(from_pb(msg.sampling), facts.vocab_size)
     if any(not stop for stop in msg.stop):
         raise InvalidArgument("stop", "stop sequences must not be empty")
+    if len(msg.stop) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in msg.stop):
+        raise InvalidArgument("stop", f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters each "
+                                      f"(got {len(msg.stop)}, the longest {max(map(len, msg.stop))})")
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
     validate_request(ids, msg.max_tokens, k, context_len=facts.context_len, max_k=facts.max_k,
                      k_field="num_speculative_tokens")

@@ -15,10 +15,12 @@ class StopMatcher:
         On a hit the released text ends right before the stop sequence, which is never released.
         """
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # The stop sequence that ends first, as if the text came one character at a time: a step of several tokens
+        # (speculation) must cut where one token a step (the target alone) does. Two ending at once: the longer.
+        hits = [(i + len(s), i) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self._held = ""
-            return text[: min(hits)], True
+            return text[: min(hits)[1]], True
         cut = max(0, len(text) - self._keep) if self.stops else len(text)
         self._held = text[cut:]
         return text[:cut], False

@@ -90,6 +90,8 @@ def test_concurrent_streams_equal_the_target_alone(router, prompts, references, 
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(repetition_penalty=0)}, "sampling.repetition_penalty"),
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(logit_bias={99999: 1.0})}, "sampling.logit_bias: token id 99999"),
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(frequency_penalty=float("nan"))}, "sampling.frequency_penalty"),
+        ({"text": "hi", "max_tokens": 8, "stop": [f"s{i}" for i in range(65)]}, "stop: at most 64 stop sequences"),
+        ({"text": "hi", "max_tokens": 8, "stop": ["x" * 1001]}, "stop: at most 64 stop sequences of at most 1000"),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(router, request_kwargs, field):
