@@ -136,6 +136,8 @@ class GenerationService(api_grpc.GenerationServicer):
         self.metrics = metrics
         self.api_keys = api_keys  # the interceptor has checked the key; here it names the caller's tenant
         self.limits = limits if limits is not None and limits.enabled else None
+        # request_ids of live streams, across replicas (each scheduler knows only its own)
+        self._live: set[str] = set()
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
                      trailing_metadata: tuple = ()) -> None:
@@ -149,10 +151,13 @@ class GenerationService(api_grpc.GenerationServicer):
         span = tracing.tracer().start_span(tracing.SPAN_REQUEST)
         try:
             request, tenant = await self._request(msg, context, span)
-            # Closed at once when the call ends, so its slots and tokens come back then, not at collection.
-            async with contextlib.aclosing(self._stream(request, tenant, msg, context, span, clock, started)) as responses:
-                async for response in responses:
-                    yield response
+            try:
+                # Closed at once when the call ends, so its slots and tokens come back then, not at collection.
+                async with contextlib.aclosing(self._stream(request, tenant, msg, context, span, clock, started)) as responses:
+                    async for response in responses:
+                        yield response
+            finally:
+                self._live.discard(request.request_id)
         finally:
             span.end()
 
@@ -166,7 +171,16 @@ class GenerationService(api_grpc.GenerationServicer):
         request = replace(request, span_context=span.get_span_context())
         span.set_attributes({tracing.ATTR_REQUEST_ID: request.request_id, tracing.ATTR_K: request.k,
                              tracing.ATTR_PROMPT_TOKENS: len(request.prompt_ids)})
-        return request, await self._admit(request, context, span)
+        if request.request_id in self._live:  # before admission: a refused duplicate takes no budget
+            span.set_status(Status(StatusCode.ERROR, "request_id in use"))
+            await self._abort(context, grpc.StatusCode.ALREADY_EXISTS,
+                              f"request_id: {request.request_id!r} is already running")
+        self._live.add(request.request_id)
+        try:
+            return request, await self._admit(request, context, span)
+        except BaseException:  # refused by its rate limit: the id is free again
+            self._live.discard(request.request_id)
+            raise
 
     def _refund(self, tenant: str, tokens: int) -> None:
         """Tokens a request reserved and did not generate go back to its tenant's budget."""
@@ -202,9 +216,12 @@ class GenerationService(api_grpc.GenerationServicer):
         scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
         try:
             stream = await scheduler.submit(request)
-        except ValueError as e:
-            self._refund(tenant, request.max_tokens)
+        except ValueError as e:  # nothing was served: the prompt's tokens come back too
+            self._refund(tenant, len(request.prompt_ids) + request.max_tokens)
             await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
+        except asyncio.CancelledError:  # gone while the submit waited: cancelled at once, as a stream that sent nothing
+            self._refund(tenant, request.max_tokens)
+            raise
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
@@ -237,6 +254,7 @@ class GenerationService(api_grpc.GenerationServicer):
                                                finish=finish_message(event, len(request.prompt_ids), sent, reason))
                 return
         finally:
+            self._live.discard(rid)  # free at once, as the scheduler frees it: a client may resend under it now
             self._refund(tenant, request.max_tokens - sent)  # first: the cancel below may be cancelled itself
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
                 span.set_attribute(tracing.ATTR_FINISH_REASON, "cancelled")

@@ -146,3 +146,29 @@ def test_a_cancelled_stream_gives_its_unused_tokens_back(limited, prompts):
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             time.sleep(0.1)
     pytest.fail("the cancelled stream's unused tokens did not come back")
+
+
+def test_a_client_gone_while_its_submit_waits_gets_its_tokens_back(tiny_models, prompts):
+    """The deadline passes while the submit waits for the step in flight: the request never ran, and its max_tokens
+    go back to the tenant as a cancelled stream's unused tokens do."""
+    from tests.services.router.test_server import _slow_steps
+
+    engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+    _slow_steps(1.0)(engine)
+    limits, refunds = TenantLimits(RateLimits(tokens_per_day=100_000)), []
+    refund = limits.refund
+    limits.refund = lambda tenant, tokens: (refunds.append(tokens), refund(tenant, tokens))
+    r = RouterThread(engine, limits=limits)
+    try:
+        busy = r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=4), timeout=60)
+        next(busy)  # a step is in flight from now on
+        with pytest.raises(grpc.RpcError) as e:
+            collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=16),
+                                    timeout=0.3))
+        collect(busy)
+        deadline = time.monotonic() + 10
+        while 16 not in refunds and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        r.close()
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 16 in refunds

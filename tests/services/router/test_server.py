@@ -21,13 +21,16 @@ from blockspec.services.router.app import facts_from_engine, start_router
 class RouterThread:
     """A router on a free port, its asyncio loop in a background thread."""
 
-    def __init__(self, engine: Engine, metrics: RouterMetrics | None = None, api_keys=None, limits=None) -> None:
+    def __init__(self, engine: Engine, metrics: RouterMetrics | None = None, api_keys=None, limits=None,
+                 replicas: tuple[Engine, ...] = ()) -> None:
+        """replicas: more engines, each one more replica of the router (facts from the first)."""
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.router = asyncio.run_coroutine_threadsafe(
-            start_router([engine.loop], facts_from_engine(engine), metrics=metrics, api_keys=api_keys, limits=limits),
+            start_router([engine.loop, *(e.loop for e in replicas)], facts_from_engine(engine), metrics=metrics,
+                         api_keys=api_keys, limits=limits),
             self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
         self.stub = api_grpc.GenerationStub(self.channel)
@@ -274,6 +277,30 @@ def test_a_request_id_is_free_again_once_its_stream_ended(tiny_models, prompts, 
         r.close()
     assert ids == references["qwen3"][1][:16] and finish.reason == "length" and finish.usage.completion_tokens == 16
     assert idle
+
+
+def test_a_live_request_id_is_refused_on_every_replica(tiny_models, prompts):
+    """Each replica's scheduler knows only its own streams, and a second stream under a live request_id goes to the
+    other, idle replica: the router itself refuses it."""
+    def engine():
+        return Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+
+    first, second = engine(), engine()
+    _slow_steps(0.2)(first)
+    _slow_steps(0.2)(second)
+    r = RouterThread(first, replicas=(second,))
+    try:
+        request = api_pb2.GenerateRequest(request_id="dup", token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=8,
+                                          num_speculative_tokens=2)
+        live = r.stub.Generate(request, timeout=60)
+        next(live)
+        with pytest.raises(grpc.RpcError) as e:
+            collect(r.stub.Generate(request, timeout=60))
+        assert collect(live)[2].reason in ("length", "stop")
+        assert collect(r.stub.Generate(request, timeout=60))[2] is not None  # free again once its stream ended
+    finally:
+        r.close()
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id: 'dup' is already running" in e.value.details()
 
 
 def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models, prompts, references):
