@@ -208,19 +208,17 @@ class StepLoop:
                 return None
             self._waiting.remove(live)
             return self._finish(live, "cancelled")
-        self._release(request_id)
+        try:
+            self._release(request_id)
+        except Exception:  # a role that cannot release (down, restarting): the request ends all the same
+            log.exception("releasing request %s failed; ending it anyway (a role may keep its slot)", request_id)
         return self._finish(live, "cancelled")
 
     def cancel_all(self) -> list[FinishEvent]:
-        """Cancel every request wherever it is (a failed step: none can go on). One whose release fails ends all the
-        same, without its tokens (logged; a role may keep its slot)."""
+        """Cancel every request wherever it is (a failed step: none can go on), a failed release included."""
         events = [e for e in self._handed_on() if isinstance(e, FinishEvent)]  # finished in the failed step
         for rid in [lv.request.request_id for lv in self._waiting] + [*self._prefilling, *self._running]:
-            try:
-                event = self.cancel(rid)
-            except Exception:
-                log.exception("releasing request %s failed; ending it anyway", rid)
-                event = FinishEvent(rid, "cancelled", (), RequestStats())
+            event = self.cancel(rid)
             if event is not None:
                 events.append(event)
         return events

@@ -247,6 +247,26 @@ def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(failing
     assert ids == references["qwen3"][2][:32] and finish.reason == "length" and idle
 
 
+def test_a_stop_sequence_whose_release_fails_still_ends_its_stream_cleanly(tiny_models, tokenizer, references, prompts):
+    """The stop sequence's cancel cannot release the request (a role down): the stream still ends with its text and
+    reason (before: UNKNOWN), the failure is logged, and the next request is served."""
+    def wrap(engine):
+        engine.verifier.release = _failing_once(engine.verifier.release, "release")
+
+    full = tokenizer.decode(references["qwen3"][3], skip_special_tokens=True)
+    stop = full[20:24]
+    r = _router_with(tiny_models, wrap)
+    try:
+        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=128, stop=[stop])
+        _, text, finish = collect(r.stub.Generate(req, timeout=60))
+        ids, _, after = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1]),
+                                                                        max_tokens=16), timeout=60))
+    finally:
+        r.close()
+    assert finish.reason == "stop_sequence" and text == full[: full.find(stop)]
+    assert ids == references["qwen3"][1][:16] and after.reason == "length"
+
+
 def _slow_steps(seconds: float):
     """wrap for _router_with: every proposal takes `seconds` (a step in flight the event loop can act during)."""
     def wrap(engine):
