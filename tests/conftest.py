@@ -81,6 +81,26 @@ def references(tiny_models, prompts) -> dict[str, list[list[int]]]:
     return {family: [hf_greedy(dirs["target"], p) for p in prompts] for family, dirs in tiny_models.items()}
 
 
+# A ChatML-like template that, as real ones do, refuses a conversation whose roles do not alternate.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_target(tiny_models, tmp_path_factory) -> Path:
+    """The qwen3 tiny target with a chat template in its tokenizer_config.json."""
+    import json
+
+    out = tmp_path_factory.mktemp("chat") / "qwen3-chat"
+    shutil.copytree(tiny_models["qwen3"]["target"], out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return out
+
+
 @pytest.fixture(scope="session")
 def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""

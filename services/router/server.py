@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import grpc
+import jinja2
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
@@ -71,9 +72,11 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     check_message(msg)
     which = msg.WhichOneof("prompt")
     if which is None:
-        raise InvalidArgument("prompt", "set prompt.text or prompt.token_ids")
+        raise InvalidArgument("prompt", "set prompt.text, prompt.token_ids or prompt.chat")
     if which == "text":
         ids = facts.tokenizer.encode(msg.text) if msg.text else []
+    elif which == "chat":
+        ids = chat_ids(msg.chat, facts.tokenizer)
     else:
         ids = list(msg.token_ids.ids)
         bad = [t for t in ids if t >= facts.vocab_size]
@@ -86,9 +89,29 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
         raise InvalidArgument("stop", f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters each "
                                       f"(got {len(msg.stop)}, the longest {max(map(len, msg.stop))})")
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
-    validate_request(ids, msg.max_tokens, k, context_len=facts.context_len, max_k=facts.max_k,
+    # Unset: the rest of the context (as vLLM's); a prompt that fills it is refused below, naming the prompt.
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else max(1, facts.context_len - len(ids))
+    validate_request(ids, max_tokens, k, context_len=facts.context_len, max_k=facts.max_k,
                      k_field="num_speculative_tokens")
-    return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), msg.max_tokens, k, sampling)
+    return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), max_tokens, k, sampling)
+
+
+def chat_ids(chat: api_pb2.Chat, tokenizer) -> list[int]:
+    """A conversation's prompt: the target's chat template over its messages, the assistant's turn opened."""
+    if not chat.messages:
+        raise InvalidArgument("chat.messages", "must not be empty")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument("chat", "the target's tokenizer has no chat template (`chat_template` in its "
+                                      "tokenizer_config.json): send prompt.text or prompt.token_ids")
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
+        raise InvalidArgument("chat.messages", f"the chat template refused them: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
 
 def finish_message(event: FinishEvent, prompt_tokens: int, completion_tokens: int, reason: str) -> api_pb2.Finish:

@@ -85,7 +85,7 @@ def test_concurrent_streams_equal_the_target_alone(router, prompts, references, 
         ({"text": "hi", "max_tokens": 0}, "max_tokens: must be at least 1"),
         ({"text": "hi", "max_tokens": 8, "num_speculative_tokens": 99}, "num_speculative_tokens: must be between 0 (plain decoding) and 16"),
         ({"text": "x " * 600, "max_tokens": 8}, "prompt: "),
-        ({"max_tokens": 8}, "prompt: set prompt.text or prompt.token_ids"),
+        ({"max_tokens": 8}, "prompt: set prompt.text, prompt.token_ids or prompt.chat"),
         ({"token_ids": api_pb2.TokenIds(ids=[1, 99999]), "max_tokens": 8}, "token_ids: id 99999 is outside"),
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=-0.5)}, "sampling.temperature: "),
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=1, rule="typical")}, "sampling.rule: "),
@@ -351,3 +351,51 @@ def _wait(condition, seconds: float = 10.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
     return condition()
+
+
+def test_a_chat_prompt_is_the_targets_chat_template_rendered(chat_target, tiny_models):
+    """Chat messages through the target's chat template, the assistant's turn opened: the target alone's tokens on
+    that prompt. Without a template, or with messages the template refuses, INVALID_ARGUMENT naming the field."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_greedy
+
+    messages = [("system", "be brief"), ("user", "def add(a, b):")]
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    rendered = tok.encode(tok.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                                  add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    assert rendered[-3:] == tok.encode("<|assistant|>", add_special_tokens=False)[-3:]
+
+    def chat(*pairs):
+        return api_pb2.Chat(messages=[api_pb2.ChatMessage(role=r, content=c) for r, c in pairs])
+
+    r = RouterThread(Engine(chat_target, tiny_models["qwen3"]["other"], "draft_model", max_batch=2))
+    try:
+        ids, _, finish = collect(r.stub.Generate(api_pb2.GenerateRequest(chat=chat(*messages), max_tokens=24,
+                                                                         num_speculative_tokens=3), timeout=60))
+        with pytest.raises(grpc.RpcError) as refused:
+            collect(r.stub.Generate(api_pb2.GenerateRequest(chat=chat(("user", "a"), ("user", "b")), max_tokens=4),
+                                    timeout=60))
+        with pytest.raises(grpc.RpcError) as empty:
+            collect(r.stub.Generate(api_pb2.GenerateRequest(chat=chat(), max_tokens=4), timeout=60))
+    finally:
+        r.close()
+    assert ids == hf_greedy(chat_target, rendered, 24) and finish.usage.prompt_tokens == len(rendered)
+    assert refused.value.details() == "chat.messages: the chat template refused them: roles must alternate"
+    assert empty.value.details() == "chat.messages: must not be empty"
+
+
+def test_a_chat_prompt_without_a_template_is_refused(router):
+    with pytest.raises(grpc.RpcError) as e:
+        collect(router.stub.Generate(api_pb2.GenerateRequest(
+            chat=api_pb2.Chat(messages=[api_pb2.ChatMessage(role="user", content="hi")]), max_tokens=4), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("chat: the target's tokenizer has no chat template")
+
+
+def test_unset_max_tokens_runs_to_the_end_of_the_context(router, prompts, references):
+    ids, _, finish = collect(router.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[5])),
+                                                  timeout=120))
+    context = router.engine.context_len
+    assert ids[:128] == references["qwen3"][5][:128]
+    assert finish.reason == "stop" or (finish.reason == "length" and len(prompts[5]) + len(ids) == context)
