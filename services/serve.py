@@ -26,7 +26,7 @@ from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.launch import ENV_SUPERVISOR, remove_role_sockets, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
-from blockspec.services.router.openai_api import Upstream, v1_app
+from blockspec.services.router.openai_http import Upstream, v1_app
 from blockspec.services.router.limits import TenantLimits
 
 log = logging.getLogger(__name__)

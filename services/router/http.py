@@ -1,5 +1,5 @@
 """The HTTP side of the router: GET /health (readiness: 200 or 503), GET /metrics (Prometheus) and the
-OpenAI-compatible /v1 paths (openai_api.py)."""
+OpenAI-compatible /v1 paths (openai_http.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def http_app(readiness: Callable[[], tuple[bool, str]], v1=None):
         if path == "/metrics":
             return metrics(environ, start_response)
         start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found: GET /health, /metrics, /v1/models or POST /v1/completions\n"]
+        return [b"not found: GET /health, /metrics, /v1/models or POST /v1/completions, /v1/chat/completions\n"]
 
     return app
 

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API (/v1/completions, /v1/models) through the OpenAI Python client: the target alone's
-text streamed and in one body, OpenAI-shaped errors naming the parameter, keys and rate limits as on gRPC, and a
-client that leaves mid-stream frees its slot."""
+"""The OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) through the OpenAI Python
+client: the target alone's text streamed and in one body, OpenAI-shaped errors naming the parameter, keys and rate
+limits as on gRPC, and a client that leaves mid-stream frees its slot."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.engine import Engine
 from blockspec.services.router.http import start_http
 from blockspec.services.router.limits import TenantLimits
-from blockspec.services.router.openai_api import Upstream, v1_app
+from blockspec.services.router.openai_http import Upstream, v1_app
 from tests.services.router.test_server import RouterThread
 
 KEY = "o" * 24
@@ -61,6 +61,7 @@ def served(tiny_models):
 @pytest.fixture(scope="module")
 def model_id(served):
     (model,) = served.client.models.list().data
+    served.model_id = model.id
     return model.id
 
 
@@ -121,15 +122,18 @@ def test_bad_parameters_are_400_naming_the_parameter(served, model_id, kwargs, p
     assert error["type"] == "invalid_request_error"
 
 
-def test_what_is_not_served_gets_an_error_that_says_so(served):
+def test_what_is_not_served_gets_an_error_that_says_so(served, model_id):
     with pytest.raises(openai.NotFoundError, match="'gpt-x' is not served here"):
         served.client.completions.create(model="gpt-x", prompt="hello", max_tokens=4)
     status, _, body = served.raw("POST", "/v1/completions", b'{"prompt": "hi",')
     assert status == 400 and json.loads(body)["error"]["message"].startswith("body: not valid JSON")
     status, headers, _ = served.raw("GET", "/v1/completions")
     assert status == 405 and headers["Allow"] == "POST"
-    status, _, body = served.raw("POST", "/v1/chat/completions", b"{}")
-    assert status == 404 and "POST /v1/completions" in json.loads(body)["error"]["message"]
+    status, _, body = served.raw("POST", "/v1/embeddings", b"{}")
+    assert status == 404 and "POST /v1/chat/completions" in json.loads(body)["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # the tiny target's tokenizer has no chat template
+        served.client.chat.completions.create(model=served.model_id, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["param"] == "messages" and "no chat template" in err.value.body["message"]
     status, _, _ = served.raw("GET", "/health")
     assert status == 200
 
@@ -171,3 +175,39 @@ def test_keys_and_rate_limits_answer_as_on_grpc(tiny_models, prompts):
         assert "requests_per_minute" in err.value.body["message"]
     finally:
         s.close()
+
+
+def test_chat_completions_are_the_target_alones_reply_to_the_rendered_conversation(chat_target, tiny_models):
+    """/v1/chat/completions: the messages through the target's chat template, the reply streamed (a first chunk
+    opening the assistant's turn, then content deltas, then the finish) and whole; errors name the parameter."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_greedy
+
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]}]
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    rendered = tok.encode(tok.apply_chat_template(flat, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
+    expected = tok.decode(hf_greedy(chat_target, rendered, 24), skip_special_tokens=True)
+    s = Served(Engine(chat_target, tiny_models["qwen3"]["other"], "draft_model", max_batch=2))
+    try:
+        kw = dict(model=str(chat_target), messages=messages, max_tokens=24, temperature=0)
+        whole = s.client.chat.completions.create(**kw)
+        chunks = list(s.client.chat.completions.create(**kw, stream=True))
+        newer = s.client.chat.completions.create(**{**kw, "max_tokens": None}, max_completion_tokens=24)
+        with pytest.raises(openai.BadRequestError) as alternate:
+            s.client.chat.completions.create(**{**kw, "messages": [flat[1], flat[1]]})
+        with pytest.raises(openai.BadRequestError) as tools:
+            s.client.chat.completions.create(**kw, tools=[{"type": "function", "function": {"name": "f"}}])
+    finally:
+        s.close()
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected
+    assert whole.usage.prompt_tokens == len(rendered) and newer.choices[0].message.content == expected
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert alternate.value.body["param"] == "messages" and "roles must alternate" in alternate.value.body["message"]
+    assert tools.value.body["param"] == "tools"
