@@ -144,12 +144,34 @@ def check_ports(port: int, grpc_port: int, field: str = "server.grpc_port") -> N
         raise InvalidArgument(field, f"{grpc_port} is not allowed: must differ from the HTTP port ({port})")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path) -> BlockspecConfig:
     p = Path(path)
     if not p.is_file():
         raise InvalidArgument(str(p), "config file not found")
     try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise InvalidArgument(str(p), f"not valid YAML ({e})") from None
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except OSError as e:
+        raise InvalidArgument(str(p), f"cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise InvalidArgument(str(p), f"not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise InvalidArgument(str(p), "nested too deeply") from None
+    except yaml.YAMLError as e:  # one line: what is wrong and where
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise InvalidArgument(str(p), f"not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
     return parse_config(raw, str(p))

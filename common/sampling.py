@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -21,6 +22,7 @@ DEFAULT_RULE = "rejection"
 Q_WIDTH = 32  # draft distributions keep at most this many tokens per position (the proposer's top ones)
 Q_ROWS = 16  # draft positions whose q a remote drafter can share with the verifier (>= every method's k)
 MIN_TEMPERATURE = 1e-5  # below it (and above 0) logits / T overflow: refused, as vLLM treats it as greedy
+_WIRE_MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]  # 1e-5 as gRPC's float32 carries it
 
 # Noise streams: one counter-based generator per (seed, stream), indexed by absolute position.
 STREAM_TARGET = 0  # strict rule: the Gumbel noise of the target's sample (the drafter reuses it: coupling)
@@ -68,7 +70,7 @@ def _check_finite(name: str, value: float, low: float, high: float, low_open: bo
 def validate(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """Refuse what we cannot honour, naming the field; returns the params with the seed resolved."""
     _check_finite("temperature", params.temperature, 0.0, 100.0)
-    if 0.0 < params.temperature < MIN_TEMPERATURE:  # the logits / T would overflow to NaN: say so, no silent token 0
+    if 0.0 < params.temperature < _WIRE_MIN_TEMPERATURE:  # the logits / T would overflow to NaN: say so, no silent token 0
         raise InvalidArgument("sampling.temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
                                                       f"{params.temperature}")
     _check_finite("top_p", params.top_p, 0.0, 1.0, low_open=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from blockspec.common.sampling import RULES, SamplingParams
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
+from blockspec.services.router.validation import validate_stops
 from blockspec.services.cli_models import add_model_commands
 from blockspec.services.cli_perf import add_perf_commands, set_threads
 
@@ -56,7 +58,10 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     path = Path(args.prompts_file)
     if not path.is_file():
         raise InvalidArgument("--prompts-file", f"{path} is not a file")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise InvalidArgument("--prompts-file", f"{path}: not UTF-8 text (byte {e.start})") from None
     if path.suffix == ".jsonl":  # one JSON string per line: prompts that contain newlines
         try:
             prompts = [json.loads(line) for line in lines]
@@ -182,8 +187,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blockspec.services.engine import Engine
 
     set_threads(args.threads)
-    if args.max_batch < 1:
-        raise InvalidArgument("--max-batch", f"must be at least 1, got {args.max_batch}")
     method = args.method or default_method(args.drafter)
     device, dtype = resolve_device(args.device, args.dtype)
     engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
@@ -192,6 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
                     prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype)
     # Validate every prompt before anything is generated or written.
+    validate_stops(args.stop or [], "--stop")
     sampling = _sampling(args)
     requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
     stream_text = not args.json and len(prompts) == 1
@@ -247,6 +251,8 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         raise InvalidArgument("--text-file", f"{path} is not a file")
     ids = checkpoint.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
     window = min(256, checkpoint.config.max_position_embeddings - 1)
+    if max(args.k) >= window:
+        raise InvalidArgument("-k", f"{max(args.k)}: each k must be below the {window}-token window")
     sequences = [ids[i : i + window] for i in range(0, len(ids) - window, window)][: args.sequences]
     if not sequences:
         raise InvalidArgument("--text-file", f"{path} holds fewer than {window} tokens")
@@ -294,6 +300,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def port(value: str) -> int:
+    """argparse type: a TCP port (0 = any free one)."""
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: 0..65535 (0 = any free one)")
+    return number
+
+
+def bounded(low: int, high: int | None = None):
+    """argparse type: an int in [low, high] (high None: no upper bound), as the config's key of the same name."""
+    def number(value: str) -> int:
+        n = int(value)
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: " + (f"{low}..{high}" if high is not None
+                                                                             else f"at least {low}"))
+        return n
+    return number
+
+
+def seconds(value: str) -> float:
+    """argparse type: a finite time > 0."""
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a time in seconds > 0")
+    return number
+
+
 def parse_role_args(argv: list[str]) -> argparse.Namespace:
     """The arguments of `blockspec role ...` (also how the Ray actors receive their role)."""
     return build_parser().parse_args(argv)
@@ -309,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "concurrently in batched steps")
     gen.add_argument("--target", help="target checkpoint directory (HF layout)")
     gen.add_argument("--server", help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
-    gen.add_argument("--timeout", type=float, default=600, help="--server: deadline per request in seconds")
+    gen.add_argument("--timeout", type=seconds, default=600, help="--server: deadline per request in seconds")
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
     gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")
@@ -327,8 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     samp.add_argument("--no-repeat-ngram-size", type=int, default=0, help="ban repeating an n-gram of prompt + output")
     samp.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS", help="add BIAS to a token's logit (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
-    gen.add_argument("--max-batch", type=int, default=16, help="requests stepped together (default 16)")
-    gen.add_argument("--max-model-len", type=int, help="KV cache length per request (default: model context, <= 4096)")
+    gen.add_argument("--max-batch", type=bounded(1, 1024), default=16, help="requests stepped together (default 16)")
+    gen.add_argument("--max-model-len", type=bounded(16), help="KV cache length per request (default: model context, <= 4096)")
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
@@ -336,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.add_argument("--prompt-lookup", action="store_true",
                      help="draft a repeat of the context by n-gram lookup; the drafter drafts the other requests")
-    gen.add_argument("--prompt-lookup-tokens", type=int,
+    gen.add_argument("--prompt-lookup-tokens", type=bounded(1, 48),
                      help="with --prompt-lookup: a lookup's draft tokens when one request runs (default: k)")
     add_device_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -344,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve the gRPC API (and HTTP /health, /metrics) from a config file")
     sv.add_argument("--config", required=True, help="config.yaml (see README)")
     sv.add_argument("--host", help="bind address (default: server.host)")
-    sv.add_argument("--port", type=int, help="HTTP port for /health and /metrics (default: server.port, 8000)")
-    sv.add_argument("--grpc-port", type=int, help="gRPC port (default: server.grpc_port, 8001)")
+    sv.add_argument("--port", type=port, help="HTTP port for /health and /metrics (default: server.port, 8000)")
+    sv.add_argument("--grpc-port", type=port, help="gRPC port (default: server.grpc_port, 8001)")
     sv.add_argument("--no-ray", action="store_true", help="run the roles as plain supervised processes")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--verifier-address", help="HOST:PORT of a running verifier role: start only the router")
@@ -357,23 +390,23 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--target", required=True)
     role.add_argument("--drafter")
     role.add_argument("--method", choices=METHODS, required=True)
-    role.add_argument("--max-batch", type=int, default=16)
-    role.add_argument("--max-model-len", type=int)
+    role.add_argument("--max-batch", type=bounded(1, 1024), default=16)
+    role.add_argument("--max-model-len", type=bounded(16))
     role.add_argument("--no-dynamic-conv", action="store_true")
     role.add_argument("--no-path-selector", action="store_true")
     role.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")
     role.add_argument("--gpu-memory-fraction", type=float, help="this role's share of the GPU's memory (checked at start)")
     add_device_args(role)
     role.add_argument("--host", default="127.0.0.1")
-    role.add_argument("--port", type=int, default=0)
+    role.add_argument("--port", type=port, default=0)
     role.add_argument("--unix-socket", help="also listen on this Unix domain socket (serve and the Ray actors use one "
                                             "for a router on the same host)")
     role.set_defaults(func=cmd_role)
     inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
     inv.add_argument("--target", required=True, help="target checkpoint directory")
     inv.add_argument("--text-file", required=True, help="text whose tokens are verified and decoded")
-    inv.add_argument("-k", type=int, nargs="+", default=[1, 3, 5, 7], help="draft lengths to check")
-    inv.add_argument("--sequences", type=int, default=8, help="256-token windows of the text to use")
+    inv.add_argument("-k", type=bounded(1), nargs="+", default=[1, 3, 5, 7], help="draft lengths to check")
+    inv.add_argument("--sequences", type=bounded(1), default=8, help="256-token windows of the text to use")
     inv.set_defaults(func=cmd_check_invariance)
     return parser
 

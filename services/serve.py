@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -74,6 +75,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
             check_method(method, drafter)
         except InvalidArgument as e:
             raise InvalidArgument("model.draft_model_path", e.message) from None
+        _check_drafter(cfg, method, drafter)
     common = ["--target", m.target_model_path, "--max-batch", str(cfg.server.max_batch), "--device", m.device,
               "--dtype", m.dtype]
     if m.max_model_len:
@@ -94,6 +96,30 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
         drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
         drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
     return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+
+
+def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> None:
+    """What the roles would find only once started (tracebacks in their logs, seconds later): a dflash drafter
+    built for another target, and k past what the drafter drafts."""
+    from blockspec.common.models import parse_config as parse_model_config
+    from blockspec.common.models import read_config
+    from blockspec.services.drafter.dflash.checkpoint import check_fits_target
+    from blockspec.services.drafter.dflash.config import DFlashConfig
+    from blockspec.services.drafter.proposers import MAX_K
+
+    max_k = MAX_K
+    if method == "dflash":
+        target_dir = Path(cfg.model.target_model_path)
+        try:
+            dflash = DFlashConfig.from_hf(read_config(drafter), drafter)
+            check_fits_target(dflash, parse_model_config(read_config(target_dir), target_dir), drafter)
+        except InvalidArgument as e:
+            raise InvalidArgument("model.draft_model_path", f"{e.field}: {e.message}") from None
+        max_k = dflash.max_k
+    k = cfg.model.spec_decode.num_speculative_tokens
+    if not 1 <= k <= max_k:
+        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
+                              f"{k} is not allowed: the {method} drafter supports 1..{max_k}")
 
 
 class RoleStartError(RuntimeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -29,7 +30,7 @@ from blockspec.services.router.limits import OverLimit, TenantLimits
 from blockspec.services.router.scheduler import Scheduler, Stream
 from blockspec.services.router.step_loop import FinishEvent, Request
 from blockspec.services.router.stops import StopMatcher
-from blockspec.services.router.validation import validate_request
+from blockspec.services.router.validation import validate_request, validate_stops
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,16 @@ class ModelFacts:
     context_len: int
     vocab_size: int
     tokenizer: object
+
+    @functools.cached_property
+    def max_text_chars(self) -> int:
+        """Characters past which a text cannot fit the context whatever it holds (a token's text is at most its
+        longest vocabulary entry's): a longer one is refused before it is tokenized on the event loop."""
+        return self.context_len * max(map(len, self.tokenizer.get_vocab()))
+
+    def check_text(self, field: str, chars: int) -> None:
+        if chars > self.max_text_chars:
+            raise InvalidArgument(field, f"{chars} characters cannot fit the context of {self.context_len} tokens")
 
 
 def check_message(msg: object) -> None:
@@ -64,7 +75,7 @@ def check_message(msg: object) -> None:
                 check_message(item)
 
 
-MAX_STOPS, MAX_STOP_CHARS = 64, 1000  # each stop sequence is searched in every message's text, on the event loop
+MAX_REQUEST_ID_CHARS = 256
 
 
 def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
@@ -73,9 +84,13 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     which = msg.WhichOneof("prompt")
     if which is None:
         raise InvalidArgument("prompt", "set prompt.text, prompt.token_ids or prompt.chat")
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:  # it comes back in every message of the stream
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(msg.request_id)}")
     if which == "text":
+        facts.check_text("prompt", len(msg.text))
         ids = facts.tokenizer.encode(msg.text) if msg.text else []
     elif which == "chat":
+        facts.check_text("chat.messages", sum(len(m.content) + len(m.role) for m in msg.chat.messages))
         ids = chat_ids(msg.chat, facts.tokenizer)
     else:
         ids = list(msg.token_ids.ids)
@@ -83,11 +98,7 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
         if bad:
             raise InvalidArgument("token_ids", f"id {bad[0]} is outside the vocabulary of {facts.vocab_size}")
     sampling = validate(from_pb(msg.sampling), facts.vocab_size)
-    if any(not stop for stop in msg.stop):
-        raise InvalidArgument("stop", "stop sequences must not be empty")
-    if len(msg.stop) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in msg.stop):
-        raise InvalidArgument("stop", f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters each "
-                                      f"(got {len(msg.stop)}, the longest {max(map(len, msg.stop))})")
+    validate_stops(msg.stop)
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
     # Unset: the rest of the context (as vLLM's); a prompt that fills it is refused below, naming the prompt.
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else max(1, facts.context_len - len(ids))
@@ -111,6 +122,8 @@ def chat_ids(chat: api_pb2.Chat, tokenizer) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
         raise InvalidArgument("chat.messages", f"the chat template refused them: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a template is code: what it raises over these messages is about them
+        raise InvalidArgument("chat.messages", f"the chat template failed on them: {type(e).__name__}: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
 
@@ -200,7 +213,7 @@ class GenerationService(api_grpc.GenerationServicer):
                               f"request_id: {request.request_id!r} is already running")
         self._live.add(request.request_id)
         try:
-            return request, await self._admit(request, context, span)
+            return request, await self._admit(request, context, span, msg.HasField("max_tokens"))
         except BaseException:  # refused by its rate limit: the id is free again
             self._live.discard(request.request_id)
             raise
@@ -215,7 +228,7 @@ class GenerationService(api_grpc.GenerationServicer):
             return DEFAULT_TENANT
         return self.api_keys.caller(context.invocation_metadata()) or DEFAULT_TENANT
 
-    async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span) -> str:
+    async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span, max_tokens_set: bool) -> str:
         """The caller's tenant, once its rate limits admit the request (reserving prompt + max_tokens); else
         INVALID_ARGUMENT (more than a whole bucket holds) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
         if self.limits is None:
@@ -224,8 +237,9 @@ class GenerationService(api_grpc.GenerationServicer):
         try:
             self.limits.admit(tenant, len(request.prompt_ids) + request.max_tokens)
         except InvalidArgument as e:
+            unset = "" if max_tokens_set else f" (it was unset: the rest of the context, {request.max_tokens} tokens)"
             span.set_status(Status(StatusCode.ERROR, str(e)))
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{e}{unset}")
         except OverLimit as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
             if self.metrics is not None:
@@ -322,4 +336,8 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def Tokenize(self, msg: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> api_pb2.TokenizeResponse:
         await self._check(msg, context)
+        try:
+            self.facts.check_text("text", len(msg.text))
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api_pb2.TokenizeResponse(token_ids=self.facts.tokenizer.encode(msg.text) if msg.text else [])

@@ -29,3 +29,14 @@ def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, cont
         raise InvalidArgument(k_field, "this method drafts nothing; leave it unset")
     if max_k > 0 and not 0 <= k <= max_k:
         raise InvalidArgument(k_field, f"must be between 0 (plain decoding) and {max_k}, got {k}")
+
+
+MAX_STOPS, MAX_STOP_CHARS = 64, 1000  # each stop sequence is searched in every message's text (the router: its event loop)
+
+
+def validate_stops(stops: Sequence[str], field: str = "stop") -> None:
+    if any(not stop for stop in stops):
+        raise InvalidArgument(field, "stop sequences must not be empty")
+    if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise InvalidArgument(field, f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters each "
+                                     f"(got {len(stops)}, the longest {max(map(len, stops))})")

@@ -77,3 +77,20 @@ def test_missing_file_bad_yaml_and_missing_required_key(tmp_path):
         load_config(bad)
     with pytest.raises(InvalidArgument, match="model: required key is missing"):
         parse_config({"server": {"port": 8000}})
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"server:\n  port: 8000\n  port: 9000\nmodel:\n  target_model_path: /m\n",
+     "not valid YAML: key 'port' appears twice in one mapping (line 3, column 3)"),
+    (b"model:\n  target_model_path: /a\nmodel:\n  target_model_path: /b\n", "key 'model' appears twice"),
+    (b"model:\n  target_model_path: \"\xff\xfe\"\n", "not UTF-8 text (byte 29)"),
+    (b"model: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
+    (b"server: [1, 2\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
+])
+def test_a_config_file_that_cannot_be_read_as_yaml_is_one_line_naming_the_file(tmp_path, content, message):
+    """Before: a repeated key kept its last value silently; bytes that are not UTF-8 or deep nesting a traceback."""
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    with pytest.raises(InvalidArgument) as e:
+        load_config(path)
+    assert str(e.value).startswith(str(path)) and message in str(e.value) and "\n" not in str(e.value)

@@ -101,7 +101,8 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["hi", "--logit-bias", "9999=1"], "sampling.logit_bias: token id 9999 is outside"),
         (["hi", "--repetition-penalty", "0"], "sampling.repetition_penalty"),
         (["hi", "--method", "ngram", "--device", "tpu"], "--device: 'tpu' is not a device; use cpu, cuda or cuda:N"),
-        (["hi", "--method", "ngram", "--max-batch", "0"], "--max-batch: must be at least 1, got 0"),
+        (["hi", "--method", "ngram", "--stop", ""], "--stop: stop sequences must not be empty"),
+        (["hi", "--method", "ngram", *["--stop", "x"] * 65], "--stop: at most 64 stop sequences"),
         (["hi", "--method", "ngram", "--max-model-len", "99999"], "max_model_len: 99999 exceeds the model's context of"),
         (["hi", "--method", "ngram", "--threads", "0"], "--threads: must be at least 1, got 0"),
         *([] if torch.cuda.is_available() else
@@ -155,6 +156,32 @@ def test_a_stop_sequence_in_the_last_step_ends_the_text(capsys, tiny_models, tok
                              str(max_tokens), "--stop", stop, "--json")
     result = json.loads(out)
     assert code == 0 and result["finish_reason"] == "stop_sequence" and result["text"] == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--max-batch", "0"], "argument --max-batch: 0 is out of range: 1..1024"),
+    (["generate", "hi", "--max-model-len", "-3"], "argument --max-model-len: -3 is out of range: at least 16"),
+    (["generate", "hi", "--prompt-lookup-tokens", "0"], "argument --prompt-lookup-tokens: 0 is out of range: 1..48"),
+    (["generate", "hi", "--server", "h:1", "--timeout", "nan"], "argument --timeout: nan is not a time in seconds > 0"),
+    (["serve", "--config", "c.yaml", "--port", "70000"], "argument --port: 70000 is not a port: 0..65535"),
+    (["serve", "--config", "c.yaml", "--grpc-port", "-1"], "argument --grpc-port: -1 is not a port"),
+    (["role", "verifier", "--target", "t", "--method", "none", "--port", "65536"], "argument --port: 65536 is not a port"),
+    (["check-invariance", "--target", "t", "--text-file", "f", "-k", "0"], "argument -k: 0 is out of range: at least 1"),
+    (["check-invariance", "--target", "t", "--text-file", "f", "--sequences", "0"], "argument --sequences: 0 is out"),
+])
+def test_flags_out_of_range_are_refused_before_anything_runs(capsys, argv, message):
+    """Before: --port 70000 a traceback (HTTP) or a wrapped port (gRPC: 4464), --max-model-len -3 a traceback,
+    --prompt-lookup-tokens 1000 and check-invariance -k 5000 ran."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_prompts_file_that_is_not_utf8_exits_2(capsys, tiny_models, tmp_path):
+    (tmp_path / "p.txt").write_bytes(b"def f():\n\xff\xfe\n")
+    code, out, err = run_cli(capsys, "generate", "--prompts-file", str(tmp_path / "p.txt"), "--target",
+                             str(tiny_models["qwen3"]["target"]))
+    assert code == 2 and out == "" and "--prompts-file: " in err and "not UTF-8 text (byte 9)" in err
 
 
 def test_bench_refuses_bad_counts(capsys):

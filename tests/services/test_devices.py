@@ -62,6 +62,23 @@ def test_longer_lookup_drafts_are_refused_in_invariant_mode_and_with_adaptive_k(
     assert plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16}))
 
 
+def test_a_drafter_the_roles_would_refuse_is_refused_by_the_plan(tiny_models, dflash_drafters):
+    """Checked before any role starts, naming the key (before: a verifier traceback, or both roles started and a
+    k past the drafter's block refused 15 s later with cancelled-stream tracebacks in their logs)."""
+    def refused(**model) -> str:
+        with pytest.raises(InvalidArgument) as e:
+            plan(parse_config({"model": {"target_model_path": str(tiny_models["qwen3"]["target"]), **model}}))
+        return str(e.value)
+
+    other_family = str(tiny_models["llama"]["other"])  # 1 layer: the qwen3 drafter taps 2
+    message = refused(target_model_path=other_family, draft_model_path=str(dflash_drafters["qwen3-trained"]))
+    assert message.startswith("model.draft_model_path: ") and "drafter does not fit the target" in message
+    message = refused(draft_model_path=str(tiny_models["qwen3"]["other"]), spec_decode={"method": "dflash"})
+    assert message.startswith("model.draft_model_path: ") and "not a DFlash drafter checkpoint" in message
+    message = refused(draft_model_path=str(dflash_drafters["qwen3-trained"]), spec_decode={"num_speculative_tokens": 16})
+    assert message.startswith("model.spec_decode.num_speculative_tokens: 16 is not allowed: the dflash drafter supports 1..")
+
+
 def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tiny_models, dflash_drafters):
     """model.gpu_memory_utilization splits one GPU between the roles (as Ray's bundles do); a role whose
     weights and KV cache exceed its share is refused at start with the key, the sizes and what to change."""

@@ -172,3 +172,13 @@ def test_a_client_gone_while_its_submit_waits_gets_its_tokens_back(tiny_models, 
     finally:
         r.close()
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 16 in refunds
+
+
+def test_an_unset_max_tokens_over_a_whole_bucket_says_it_was_unset(limited, prompts):
+    """max_tokens unset runs to the end of the context (512 here), more than team-b's 400 tokens a minute: the
+    refusal says which max_tokens it counted, as the client never set one (the prompt is one token)."""
+    b = stub(limited, "b" * 20)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(b.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0][:8])), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().endswith("lower max_tokens (it was unset: the rest of the context, 511 tokens)")

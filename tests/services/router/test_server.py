@@ -94,6 +94,9 @@ def test_concurrent_streams_equal_the_target_alone(router, prompts, references, 
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(logit_bias={99999: 1.0})}, "sampling.logit_bias: token id 99999"),
         ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(frequency_penalty=float("nan"))}, "sampling.frequency_penalty"),
         ({"text": "hi", "max_tokens": 8, "stop": [f"s{i}" for i in range(65)]}, "stop: at most 64 stop sequences"),
+        ({"text": "hi", "max_tokens": 8, "request_id": "r" * 257}, "request_id: at most 256 characters, got 257"),
+        ({"text": "hi", "max_tokens": 8, "sampling": api_pb2.SamplingParams(temperature=5e-6)},
+         "sampling.temperature: must be 0 (greedy) or at least 1e-05"),
         ({"text": "hi", "max_tokens": 8, "stop": ["x" * 1001]}, "stop: at most 64 stop sequences of at most 1000"),
     ],
 )
@@ -399,3 +402,37 @@ def test_unset_max_tokens_runs_to_the_end_of_the_context(router, prompts, refere
     context = router.engine.context_len
     assert ids[:128] == references["qwen3"][5][:128]
     assert finish.reason == "stop" or (finish.reason == "length" and len(prompts[5]) + len(ids) == context)
+
+
+def test_the_smallest_temperature_survives_the_wire(router):
+    """1e-5, the documented minimum, arrives as float32 9.9999997e-06: served, not refused as below it."""
+    req = api_pb2.GenerateRequest(text="hi", max_tokens=2, sampling=api_pb2.SamplingParams(temperature=1e-5, seed=3))
+    assert collect(router.stub.Generate(req, timeout=30))[2].usage.completion_tokens == 2
+
+
+def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(router):
+    """A text past context x the longest vocabulary entry cannot fit whatever it holds: refused at once (before, a
+    4 MB text held the event loop for seconds while it was tokenized), for Generate and Tokenize alike."""
+    limit = facts_from_engine(router.engine).max_text_chars
+    for call in (lambda text: collect(router.stub.Generate(api_pb2.GenerateRequest(text=text, max_tokens=2), timeout=30)),
+                 lambda text: router.stub.Tokenize(api_pb2.TokenizeRequest(text=text), timeout=30)):
+        with pytest.raises(grpc.RpcError) as e:
+            call("a" * (limit + 1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"{limit + 1} characters cannot fit the context of {router.engine.context_len} tokens" in e.value.details()
+
+
+def test_a_chat_template_that_raises_is_invalid_argument_on_the_messages():
+    """A template is code: whatever it raises over the messages (here a TypeError) names them, never UNKNOWN."""
+    from blockspec.common.errors import InvalidArgument
+    from blockspec.services.router.server import chat_ids
+
+    class Tokenizer:
+        chat_template = "{{ messages | length + 'x' }}"
+
+        def apply_chat_template(self, messages, **kw):
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    chat = api_pb2.Chat(messages=[api_pb2.ChatMessage(role="user", content="hi")])
+    with pytest.raises(InvalidArgument, match=r"chat.messages: the chat template failed on them: TypeError: unsupported"):
+        chat_ids(chat, Tokenizer())

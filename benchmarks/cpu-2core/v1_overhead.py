@@ -1,0 +1,65 @@
+"""Concurrency 1 on the served default pair (deploy/config.yaml, `serve --no-ray`): the held-out prompts x 128 tokens
+through gRPC `Generate` and through `/v1/completions` (SSE, the OpenAI client), in alternating rounds.
+Usage: .venv/bin/python benchmarks/cpu-2core/v1_overhead.py [ROUNDS]"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import openai
+
+from blockspec.protos import api_grpc, api_pb2
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+PROMPTS = [json.loads(line) for line in (ROOT / "models/base/heldout_prompts.jsonl").read_text().splitlines() if line]
+
+
+def start() -> tuple[subprocess.Popen, int, int]:
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/blockspec"), "serve", "--config", "deploy/config.yaml", "--no-ray",
+                             "--port", "0", "--grpc-port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if m := re.match(r"SERVING grpc=(\d+) http=(\d+)", line):
+            return proc, int(m[1]), int(m[2])
+    raise SystemExit("serve did not start")
+
+
+def main(rounds: int) -> None:
+    proc, grpc_port, http_port = start()
+    stub = api_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def via_grpc() -> int:
+        return sum(len(m.token_ids) for p in PROMPTS for m in stub.Generate(api_pb2.GenerateRequest(text=p, max_tokens=128)))
+
+    def via_http() -> int:
+        return sum(c.usage.completion_tokens for p in PROMPTS
+                   for c in client.completions.create(model=model, prompt=p, max_tokens=128, temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}) if c.usage)
+
+    ways = {"grpc": via_grpc, "http": via_http}
+    via_grpc(), via_http()  # warm
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    try:
+        for r in range(rounds):
+            for name in sorted(ways, reverse=r % 2 == 1):
+                started = time.perf_counter()
+                tokens = ways[name]()
+                rates[name].append(tokens / (time.perf_counter() - started))
+                print(name, tokens, f"{rates[name][-1]:.1f} tokens/s", flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    for name, values in rates.items():
+        values.sort()
+        print(name, "median", f"{values[len(values) // 2]:.1f}", "all", [f"{v:.0f}" for v in values])
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
