@@ -73,6 +73,12 @@ class TenantLimits:
                 out.append((key, value, self._buckets[tenant, key], tokens if counts_tokens else 1, counts_tokens))
         return out
 
+    def most_tokens(self, tenant: str) -> int | None:
+        """The most tokens one request of the tenant can reserve (its smallest token limit); None: no token limit."""
+        limit = self.config.tenants.get(tenant, self.config)
+        return min((getattr(limit, key) for key, _, counts_tokens in LIMITS if counts_tokens and getattr(limit, key)),
+                   default=None)
+
     def admit(self, tenant: str, tokens: int) -> None:
         """Take one request and `tokens` from the tenant's buckets. InvalidArgument (max_tokens) where `tokens`
         exceeds a whole bucket, so waiting would not help; OverLimit where the buckets lack room now."""

@@ -173,7 +173,7 @@ class GenerationService(api_grpc.GenerationServicer):
         self.api_keys = api_keys  # the interceptor has checked the key; here it names the caller's tenant
         self.limits = limits if limits is not None and limits.enabled else None
         # request_ids of live streams, across replicas (each scheduler knows only its own)
-        self._live: set[str] = set()
+        self._live: dict[str, Request] = {}
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
                      trailing_metadata: tuple = ()) -> None:
@@ -193,7 +193,7 @@ class GenerationService(api_grpc.GenerationServicer):
                     async for response in responses:
                         yield response
             finally:
-                self._live.discard(request.request_id)
+                self._free(request)
         finally:
             span.end()
 
@@ -211,12 +211,20 @@ class GenerationService(api_grpc.GenerationServicer):
             span.set_status(Status(StatusCode.ERROR, "request_id in use"))
             await self._abort(context, grpc.StatusCode.ALREADY_EXISTS,
                               f"request_id: {request.request_id!r} is already running")
-        self._live.add(request.request_id)
+        self._live[request.request_id] = request
         try:
-            return request, await self._admit(request, context, span, msg.HasField("max_tokens"))
+            admitted, tenant = await self._admit(request, context, span, msg.HasField("max_tokens"))
         except BaseException:  # refused by its rate limit: the id is free again
-            self._live.discard(request.request_id)
+            self._free(request)
             raise
+        self._live[request.request_id] = admitted  # its max_tokens may be the tenant's most
+        return admitted, tenant
+
+    def _free(self, request: Request) -> None:
+        """Its request_id is free again, unless a later stream took it already (the id was freed when this stream
+        began to end, and a client may resend under it before that ends)."""
+        if self._live.get(request.request_id) is request:
+            del self._live[request.request_id]
 
     def _refund(self, tenant: str, tokens: int) -> None:
         """Tokens a request reserved and did not generate go back to its tenant's budget."""
@@ -228,12 +236,17 @@ class GenerationService(api_grpc.GenerationServicer):
             return DEFAULT_TENANT
         return self.api_keys.caller(context.invocation_metadata()) or DEFAULT_TENANT
 
-    async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span, max_tokens_set: bool) -> str:
-        """The caller's tenant, once its rate limits admit the request (reserving prompt + max_tokens); else
-        INVALID_ARGUMENT (more than a whole bucket holds) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
+    async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span,
+                     max_tokens_set: bool) -> tuple[Request, str]:
+        """The request and its caller's tenant, once the tenant's rate limits admit it (reserving prompt + max_tokens;
+        an unset max_tokens, the rest of the context, is cut to what the tenant's token limits allow a request);
+        else INVALID_ARGUMENT (more than a whole bucket holds) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
         if self.limits is None:
-            return DEFAULT_TENANT
+            return request, DEFAULT_TENANT
         tenant = self._tenant(context)
+        most = self.limits.most_tokens(tenant)
+        if not max_tokens_set and most is not None and 1 <= most - len(request.prompt_ids) < request.max_tokens:
+            request = replace(request, max_tokens=most - len(request.prompt_ids))
         try:
             self.limits.admit(tenant, len(request.prompt_ids) + request.max_tokens)
         except InvalidArgument as e:
@@ -246,7 +259,7 @@ class GenerationService(api_grpc.GenerationServicer):
                 self.metrics.rate_limited.labels(tenant=tenant, limit=e.limit).inc()
             await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                               trailing_metadata=(("retry-after", str(math.ceil(e.retry_after_s))),))
-        return tenant
+        return request, tenant
 
     async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int):
         """Submit to the least loaded replica and stream its events back."""
@@ -291,7 +304,7 @@ class GenerationService(api_grpc.GenerationServicer):
                                                finish=finish_message(event, len(request.prompt_ids), sent, reason))
                 return
         finally:
-            self._live.discard(rid)  # free at once, as the scheduler frees it: a client may resend under it now
+            self._free(request)  # at once, as the scheduler frees it: a client may resend under it now
             self._refund(tenant, request.max_tokens - sent)  # first: the cancel below may be cancelled itself
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
                 span.set_attribute(tracing.ATTR_FINISH_REASON, "cancelled")

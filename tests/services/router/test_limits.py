@@ -174,11 +174,20 @@ def test_a_client_gone_while_its_submit_waits_gets_its_tokens_back(tiny_models, 
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and 16 in refunds
 
 
-def test_an_unset_max_tokens_over_a_whole_bucket_says_it_was_unset(limited, prompts):
-    """max_tokens unset runs to the end of the context (512 here), more than team-b's 400 tokens a minute: the
-    refusal says which max_tokens it counted, as the client never set one (the prompt is one token)."""
-    b = stub(limited, "b" * 20)
-    with pytest.raises(grpc.RpcError) as err:
-        collect(b.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0][:8])), timeout=60))
+
+def test_an_unset_max_tokens_is_cut_to_what_the_tenant_may_reserve(tiny_models, prompts):
+    """max_tokens unset runs to the end of the context (512 here), more than the 100 tokens a minute a tenant may
+    take: it is cut to 100 - the prompt, so the request is served (a chat client rarely sets max_tokens). A prompt
+    alone over the limit is refused, saying that max_tokens was unset."""
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2)
+    r = RouterThread(engine, limits=TenantLimits(RateLimits(tokens_per_minute=100)))
+    try:
+        _, _, finish = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2])),
+                                               timeout=60))
+        with pytest.raises(grpc.RpcError) as err:
+            collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[7])), timeout=60))
+    finally:
+        r.close()
+    assert finish.usage.completion_tokens == 100 - len(prompts[2]) or finish.reason == "stop"
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().endswith("lower max_tokens (it was unset: the rest of the context, 511 tokens)")
+    assert err.value.details().endswith(f"(it was unset: the rest of the context, {512 - len(prompts[7])} tokens)")

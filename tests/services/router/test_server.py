@@ -326,6 +326,32 @@ def test_a_live_request_id_is_refused_on_every_replica(tiny_models, prompts):
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id: 'dup' is already running" in e.value.details()
 
 
+def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny_models, prompts):
+    """A cancels; its id is free at once and B is sent under it while A's cancel still waits for the step in flight.
+    A's end must not free B's id: C under the same id is refused, whichever replica it would land on."""
+    def engine():
+        e = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+        _slow_steps(0.5)(e)
+        return e
+
+    r = RouterThread(engine(), replicas=(engine(),))
+    request = api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=16,
+                                      num_speculative_tokens=2)
+    try:
+        a = r.stub.Generate(request, timeout=60)
+        next(a)
+        a.cancel()
+        b = r.stub.Generate(request, timeout=60)
+        next(b)  # B runs; A's end came meanwhile
+        time.sleep(0.6)
+        with pytest.raises(grpc.RpcError) as e:
+            collect(r.stub.Generate(request, timeout=60))
+        collect(b)
+    finally:
+        r.close()
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
 def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models, prompts, references):
     """The deadline passes while the submit waits for the step in flight: the request is cancelled as soon as it
     joins (it does not run to max_tokens with nobody listening), and its request_id can be sent again at once."""
