@@ -27,7 +27,7 @@ from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.launch import ENV_SUPERVISOR, remove_role_sockets, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
-from blockspec.services.router.openai_http import Upstream, v1_app
+from blockspec.services.router.openai_http import Upstream, V1App
 from blockspec.services.router.limits import TenantLimits
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
     if keys is None:
         log.warning("server.api_keys_file is not set: every client is served (README, \"API keys\")")
-    http = start_http(host, port, _readiness(state), keys, v1_app(Upstream(lambda: _loopback(host, state))))
+    http = start_http(host, port, _readiness(state), keys, V1App(Upstream(lambda: _loopback(host, state))))
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics, /v1)", host, http.server_port)
     try:
@@ -314,7 +314,7 @@ def _loopback(host: str, state: dict) -> str | None:
     router = state["router"]
     if router is None:
         return None
-    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "localhost"}.get(host, host)  # "::": ::1 or 127.0.0.1
     return f"[{host}]:{router.port}" if ":" in host else f"{host}:{router.port}"
 
 

@@ -11,8 +11,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
-from blockspec.common.auth import ApiKeys, guard_wsgi
+from blockspec.common.auth import ApiKeys, deny_plain, guard_wsgi
 from blockspec.common.grpc_server import BindError
+from blockspec.services.router.openai_http import CONNECTION, V1App
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,16 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     timeout = HANDLER_TIMEOUT_S
 
+    def get_environ(self) -> dict:
+        """The WSGI environ, with the client's socket: a long answer can tell that its client went away."""
+        return {**super().get_environ(), CONNECTION: self.connection}
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         log.debug(format, *args)
 
 
-def http_app(readiness: Callable[[], tuple[bool, str]], v1=None):
-    """v1: the WSGI app of the /v1/ paths (None: not served)."""
+def http_app(readiness: Callable[[], tuple[bool, str]], v1: V1App | None = None):
+    """The WSGI app of every path; v1: the app of the /v1/ paths (None: not served)."""
     metrics = make_wsgi_app()
 
     def app(environ, start_response):
@@ -57,11 +62,22 @@ def http_app(readiness: Callable[[], tuple[bool, str]], v1=None):
     return app
 
 
+def _deny(v1: V1App):
+    """A refusal for the API-key guard: /v1/ paths as OpenAI's error object, the rest as text."""
+    def deny(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        return (v1.deny if path.startswith("/v1/") else deny_plain)(environ, start_response)
+    return deny
+
+
 def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]], api_keys: ApiKeys | None = None,
-               v1=None) -> WSGIServer:
+               v1: V1App | None = None) -> WSGIServer:
     """Serve in a daemon thread; returns the server (server.server_port is the bound port). With api_keys, every
-    path but /health needs one of them. v1: the WSGI app of the /v1/ paths."""
-    app = http_app(readiness, v1) if api_keys is None else guard_wsgi(http_app(readiness, v1), api_keys)
+    path but /health needs one of them (the /v1/ paths refuse a call as OpenAI's clients read it). v1: the app of
+    the /v1/ paths."""
+    app = http_app(readiness, v1)
+    if api_keys is not None:
+        app = guard_wsgi(app, api_keys) if v1 is None else guard_wsgi(app, api_keys, _deny(v1))
     try:
         server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
     except OSError as e:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from blockspec.protos import api_pb2
 
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions"}  # pydantic's union members
 # gRPC field names as the router's errors spell them -> the OpenAI parameter the client sent
 _PARAMS = {"text": "prompt", "token_ids": "prompt", "token_ids.ids": "prompt", "chat": "messages",
            "chat.messages": "messages"}
@@ -25,6 +26,7 @@ _HTTP = {  # gRPC status -> (HTTP status line, OpenAI error type)
     grpc.StatusCode.ALREADY_EXISTS: ("409 Conflict", "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: ("429 Too Many Requests", "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: ("503 Service Unavailable", "service_unavailable"),
+    grpc.StatusCode.CANCELLED: ("503 Service Unavailable", "service_unavailable"),  # the server stopping: retry
     grpc.StatusCode.DEADLINE_EXCEEDED: ("504 Gateway Timeout", "timeout"),
 }
 
@@ -131,13 +133,17 @@ class ChatRequest(OpenAIRequest):
 
 
 def parse(body: bytes, model: type[OpenAIRequest]) -> OpenAIRequest:
+    """The body as `model`; ApiError 400 naming the first parameter at fault (its path: `messages.0.role`)."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
         first = e.errors()[0]
         if first["type"] == "json_invalid":
             raise bad_request("body", f"not valid JSON ({first['msg']})") from None
-        raise bad_request(".".join(str(part) for part in first["loc"]) or "body", first["msg"]) from None
+        # pydantic names the union member it tried ("prompt.str", "content.list[TextPart]"): the parameter ends before
+        path = [str(part) for part in first["loc"]]
+        path = path[: next((i for i, part in enumerate(path) if part in _TYPE_TAGS or "[" in part), len(path))]
+        raise bad_request(".".join(path) or "body", first["msg"]) from None
 
 
 def _unsigned(name: str, value: int | None, top: int = UINT32_MAX) -> int | None:
@@ -204,7 +210,7 @@ def _sampling(req: OpenAIRequest, sp: api_pb2.SamplingParams) -> None:
     if req.rule is not None:
         sp.rule = req.rule
     for key, bias in (req.logit_bias or {}).items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdecimal()):
             raise bad_request("logit_bias", f"key {key!r} is not a token id")
         if not math.isfinite(bias):
             raise bad_request("logit_bias", f"{bias} for token {key} is not a finite number")

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import grpc
 
+from blockspec.common.auth import CHALLENGE, DENIED
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.openai_api import (ApiError, ChatRequest, Completion, CompletionRequest, OpenAIRequest,
                                                   acceptance, bad_request, from_rpc_error, parse, to_generate, usage)
@@ -20,7 +24,13 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413) before it is read
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET"}
-Answer = tuple[str, list, Iterator[bytes] | dict]  # (status, headers, body): a dict is JSON, an iterator the events
+CONNECTION = "blockspec.connection"  # environ key: the client's socket (http.py puts it there)
+
+
+class Answer(NamedTuple):
+    status: str
+    headers: list[tuple[str, str]]
+    body: Iterator[bytes] | dict  # a dict is JSON, an iterator the event stream
 
 
 class Upstream:
@@ -78,30 +88,53 @@ def events(calls: Iterator[api_pb2.GenerateResponse], first: api_pb2.GenerateRes
     yield sse("[DONE]")
 
 
-def complete(upstream: Upstream, req: OpenAIRequest, metadata: tuple) -> Answer:
+def client_gone(environ) -> bool:
+    """The client closed its connection: a whole (not streamed) answer writes nothing before its end to notice by."""
+    sock = environ.get(CONNECTION)
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def complete(upstream: Upstream, req: OpenAIRequest, environ, metadata: tuple) -> Answer:
+    """One completion (chat: one reply) through the router's Generate; `X-Request-Id` is its request_id."""
     model = upstream.model(metadata).target
     if req.model is not None and req.model != model:
         raise ApiError("404 Not Found", "invalid_request_error", f"model: {req.model!r} is not served here; "
                        f"this server serves {model!r} (GET /v1/models)", "model")
-    calls = upstream.stub().Generate(to_generate(req), metadata=metadata)
+    message = to_generate(req)
+    message.request_id = environ.get("HTTP_X_REQUEST_ID", "")
+    calls = upstream.stub().Generate(message, metadata=metadata)
     try:
         first = next(calls)  # a refused request fails here, before any header goes out
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
     chat = isinstance(req, ChatRequest)
     head = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", int(time.time()), model, chat)
+    headers = [("X-Request-Id", first.request_id)]
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return "200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")], \
-            events(calls, first, head, include_usage)
+        return Answer("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), *headers],
+                      events(calls, first, head, include_usage))
+    return Answer("200 OK", [("Content-Type", "application/json"), *headers], _whole(calls, first, head, environ))
+
+
+def _whole(calls, first: api_pb2.GenerateResponse, head: Completion, environ) -> dict:
     text, message = [first.text], first
     try:
         while not message.HasField("finish"):
+            if client_gone(environ):  # nobody will read it: free the slots now, not at max_tokens
+                calls.cancel()
+                raise ApiError("499 Client Closed Request", "invalid_request_error", "the client closed the connection")
             message = next(calls)
             text.append(message.text)
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
-    return "200 OK", [("Content-Type", "application/json")], head.body("".join(text), message.finish)
+    return head.body("".join(text), message.finish)
 
 
 def _body(environ) -> bytes:
@@ -127,30 +160,44 @@ def _route(upstream: Upstream, environ) -> Answer:
                        headers=(("Allow", ROUTES[path]),))
     if path == "/v1/models":
         info = upstream.model(metadata)
-        return "200 OK", [("Content-Type", "application/json")], {"object": "list", "data": [
+        return Answer("200 OK", [("Content-Type", "application/json")], {"object": "list", "data": [
             {"id": info.target, "object": "model", "created": 0, "owned_by": "blockspec",
-             "max_model_len": info.context_len}]}
+             "max_model_len": info.context_len}]})
     kind = ChatRequest if path == "/v1/chat/completions" else CompletionRequest
-    return complete(upstream, parse(_body(environ), kind), metadata)
+    return complete(upstream, parse(_body(environ), kind), environ, metadata)
 
 
-def v1_app(upstream: Upstream):
-    """The WSGI app of the /v1 paths (the HTTP server's API-key guard runs before it)."""
+def _send(start_response, answer: Answer) -> Iterator[bytes] | list[bytes]:
+    if isinstance(answer.body, dict):
+        data = json.dumps(answer.body).encode()
+        start_response(answer.status, [*answer.headers, ("Content-Length", str(len(data)))])
+        return [data]
+    start_response(answer.status, answer.headers)
+    return answer.body
 
-    def app(environ, start_response):
+
+def _error(e: ApiError) -> Answer:
+    return Answer(e.status, [("Content-Type", "application/json"), *e.headers], e.body())
+
+
+class V1App:
+    """The WSGI app of the /v1 paths. The HTTP server's API-key guard runs before it, answering with `deny`."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    def __call__(self, environ, start_response):
         try:
-            status, headers, body = _route(upstream, environ)
+            answer = _route(self.upstream, environ)
         except ApiError as e:
-            status, headers, body = e.status, [("Content-Type", "application/json"), *e.headers], e.body()
+            answer = _error(e)
         except Exception:  # noqa: BLE001 - a bug here answers 500 and is logged; the server goes on
             log.exception("%s %s failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
-            error = ApiError("500 Internal Server Error", "server_error", "the request failed; see server logs")
-            status, headers, body = error.status, [("Content-Type", "application/json")], error.body()
-        if isinstance(body, dict):
-            data = json.dumps(body).encode()
-            start_response(status, [*headers, ("Content-Length", str(len(data)))])
-            return [data]
-        start_response(status, headers)
-        return body
+            answer = _error(ApiError("500 Internal Server Error", "server_error", "the request failed; see server logs"))
+        return _send(start_response, answer)
 
-    return app
+    @staticmethod
+    def deny(environ, start_response) -> list[bytes]:
+        """401 as OpenAI's clients read it: an error object."""
+        return _send(start_response, _error(ApiError("401 Unauthorized", "authentication_error", DENIED,
+                                                     headers=(CHALLENGE,))))

@@ -18,7 +18,7 @@ from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.engine import Engine
 from blockspec.services.router.http import start_http
 from blockspec.services.router.limits import TenantLimits
-from blockspec.services.router.openai_http import Upstream, v1_app
+from blockspec.services.router.openai_http import Upstream, V1App
 from tests.services.router.test_server import RouterThread
 
 KEY = "o" * 24
@@ -31,7 +31,7 @@ class Served:
         self.router = RouterThread(engine, **router_kwargs)
         keys = router_kwargs.get("api_keys")
         self.http = start_http("127.0.0.1", 0, lambda: (True, "ok\n"), keys,
-                               v1_app(Upstream(lambda: f"127.0.0.1:{self.router.router.port}")))
+                               V1App(Upstream(lambda: f"127.0.0.1:{self.router.router.port}")))
         self.port = self.http.server_port
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=120)
 
@@ -108,6 +108,8 @@ def test_a_stop_sequence_ends_the_text_before_it(served, model_id, prompts, refe
         ({"prompt": [1, 99999]}, "prompt", "prompt: id 99999 is outside"),
         ({"prompt": ["a", "b"]}, "prompt", "prompt: 2 prompts"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "logit_bias: key 'x' is not a token id"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "logit_bias: key '\u00b2' is not a token id"),  # isdigit() but no int
+        ({"prompt": 5}, "prompt", "prompt: Input should be a valid string"),  # not pydantic's "prompt.str"
         ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens", "num_speculative_tokens: must be between"),
         ({"extra_body": {"best_answer": 1}}, "best_answer", "best_answer: Extra inputs are not permitted"),
         ({"extra_body": {"rule": "typical"}}, "rule", "rule: "),
@@ -159,14 +161,42 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served, model_id, prompt
     assert served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) == before + 1
 
 
+def test_a_client_that_leaves_before_a_whole_answer_cancels_it(served, model_id, prompts):
+    """Without `stream` nothing is written before the end: the server notices the closed connection between
+    messages and cancels the request, instead of running it to max_tokens for nobody."""
+    cancelled = {"reason": "cancelled"}
+    before = served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) or 0
+    body = json.dumps({"model": model_id, "prompt": prompts[2], "max_tokens": 500 - len(prompts[2]), "temperature": 0,
+                       "num_speculative_tokens": 1}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    conn.close()
+    deadline = time.monotonic() + 30
+    while (served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) or 0) == before \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) == before + 1
+
+
+def test_x_request_id_names_the_request_and_a_live_one_is_409(served, model_id, prompts):
+    kw = dict(model=model_id, prompt=prompts[2], temperature=0, extra_headers={"X-Request-Id": "mine"})
+    live = served.client.completions.create(**kw, max_tokens=400, stream=True, extra_body={"num_speculative_tokens": 1})
+    first = next(iter(live))
+    with pytest.raises(openai.ConflictError) as err:
+        served.client.completions.create(**kw, max_tokens=4)
+    live.close()
+    assert first.id == "cmpl-mine" and "request_id: 'mine' is already running" in err.value.body["message"]
+
+
 def test_keys_and_rate_limits_answer_as_on_grpc(tiny_models, prompts):
     keys = ApiKeys({KEY: "team-a"})
     limits = TenantLimits(RateLimits(requests_per_minute=1, tenants={"team-a": RateLimits(requests_per_minute=1)}))
     s = Served(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2), api_keys=keys, limits=limits)
     try:
         anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="nobody-" * 4, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError) as denied:
             anonymous.completions.create(model="any", prompt=prompts[0], max_tokens=4)
+        assert denied.value.body["type"] == "authentication_error"  # an error object, as on every /v1 answer
         (model,) = s.client.models.list().data
         assert s.client.completions.create(model=model.id, prompt=prompts[0], max_tokens=4).usage.completion_tokens == 4
         with pytest.raises(openai.RateLimitError) as err:
