@@ -3,6 +3,7 @@ and what is allowed. Components receive only their own section."""
 
 from __future__ import annotations
 
+import collections.abc
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,11 @@ from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.common.device import check_device_name
 from blockspec.common.errors import InvalidArgument
 
+
+# Bounds the command line's flags of the same names share (services/cli.py).
+MAX_BATCH = 1024  # server.max_batch: requests stepped together per replica
+MIN_MODEL_LEN = 16  # model.max_model_len
+MAX_LOOKUP_TOKENS = 48  # model.spec_decode.prompt_lookup_tokens
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -38,7 +44,7 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535)  # HTTP: /health, /metrics; 0 = any free port (printed)
     grpc_port: int = Field(8001, ge=0, le=65535)  # the public gRPC API; 0 = any free port (printed)
     workers: int = Field(1, ge=1)  # router processes; one per server (scale out with replicas / more servers)
-    max_batch: int = Field(16, ge=1, le=1024)  # requests stepped together per replica
+    max_batch: int = Field(16, ge=1, le=MAX_BATCH)  # requests stepped together per replica
     replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
     prefill_chunk_tokens: int = Field(512, ge=1)  # prompt tokens prefilled per step: long prompts never stall streams
     unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
@@ -80,7 +86,7 @@ class SpecDecodeConfig(_Section):
     use_path_selector: bool = True
     adaptive_k: bool = False  # choose k each step (<= num_speculative_tokens; 0 when drafting does not pay)
     prompt_lookup: bool = False  # draft a repeat of the context by n-gram lookup; the drafter drafts the rest
-    prompt_lookup_tokens: int | None = Field(None, ge=1, le=48)  # a lookup's tokens when a request runs alone (None: k)
+    prompt_lookup_tokens: int | None = Field(None, ge=1, le=MAX_LOOKUP_TOKENS)  # a lookup's tokens when a request runs alone (None: k)
 
 
 class ModelSection(_Section):
@@ -89,7 +95,7 @@ class ModelSection(_Section):
     spec_decode: SpecDecodeConfig = SpecDecodeConfig()
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    max_model_len: int | None = Field(None, ge=16)  # KV cache per request; default: the model's context, at most 4096
+    max_model_len: int | None = Field(None, ge=MIN_MODEL_LEN)  # KV cache per request; default: the model's context, at most 4096
     device: str = "cpu"  # both roles of a replica: cpu, cuda or cuda:N (common/device.py)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # target and drafter (the drafter reads the target's tensors)
     invariant: bool = False  # decode with the verify query width: token-identical in bf16 too (README, Exactness)
@@ -150,11 +156,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+                continue
             key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
-                                                        key_node.start_mark)
-            seen.add(key)
+            if isinstance(key, collections.abc.Hashable):  # an unhashable one: the base class names it
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
+                                                            key_node.start_mark)
+                seen.add(key)
         return super().construct_mapping(node, deep)
 
 

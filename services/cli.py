@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import statistics
 import sys
 from pathlib import Path
 
+from blockspec.common.config import MAX_BATCH, MAX_LOOKUP_TOKENS, MIN_MODEL_LEN
 from blockspec.common.detokenize import TextStream
 from blockspec.common.device import add_device_args, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
@@ -19,6 +19,7 @@ from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
 from blockspec.services.router.validation import validate_stops
+from blockspec.services.cli_args import bounded, port, seconds
 from blockspec.services.cli_models import add_model_commands
 from blockspec.services.cli_perf import add_perf_commands, set_threads
 
@@ -300,33 +301,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def port(value: str) -> int:
-    """argparse type: a TCP port (0 = any free one)."""
-    number = int(value)
-    if not 0 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: 0..65535 (0 = any free one)")
-    return number
-
-
-def bounded(low: int, high: int | None = None):
-    """argparse type: an int in [low, high] (high None: no upper bound), as the config's key of the same name."""
-    def number(value: str) -> int:
-        n = int(value)
-        if n < low or (high is not None and n > high):
-            raise argparse.ArgumentTypeError(f"{value} is out of range: " + (f"{low}..{high}" if high is not None
-                                                                             else f"at least {low}"))
-        return n
-    return number
-
-
-def seconds(value: str) -> float:
-    """argparse type: a finite time > 0."""
-    number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a time in seconds > 0")
-    return number
-
-
 def parse_role_args(argv: list[str]) -> argparse.Namespace:
     """The arguments of `blockspec role ...` (also how the Ray actors receive their role)."""
     return build_parser().parse_args(argv)
@@ -360,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     samp.add_argument("--no-repeat-ngram-size", type=int, default=0, help="ban repeating an n-gram of prompt + output")
     samp.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS", help="add BIAS to a token's logit (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
-    gen.add_argument("--max-batch", type=bounded(1, 1024), default=16, help="requests stepped together (default 16)")
-    gen.add_argument("--max-model-len", type=bounded(16), help="KV cache length per request (default: model context, <= 4096)")
+    gen.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=16, help="requests stepped together (default 16)")
+    gen.add_argument("--max-model-len", type=bounded(MIN_MODEL_LEN), help="KV cache length per request (default: model context, <= 4096)")
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
@@ -369,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.add_argument("--prompt-lookup", action="store_true",
                      help="draft a repeat of the context by n-gram lookup; the drafter drafts the other requests")
-    gen.add_argument("--prompt-lookup-tokens", type=bounded(1, 48),
+    gen.add_argument("--prompt-lookup-tokens", type=bounded(1, MAX_LOOKUP_TOKENS),
                      help="with --prompt-lookup: a lookup's draft tokens when one request runs (default: k)")
     add_device_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -390,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--target", required=True)
     role.add_argument("--drafter")
     role.add_argument("--method", choices=METHODS, required=True)
-    role.add_argument("--max-batch", type=bounded(1, 1024), default=16)
-    role.add_argument("--max-model-len", type=bounded(16))
+    role.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=16)
+    role.add_argument("--max-model-len", type=bounded(MIN_MODEL_LEN))
     role.add_argument("--no-dynamic-conv", action="store_true")
     role.add_argument("--no-path-selector", action="store_true")
     role.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from blockspec.common.config import MIN_MODEL_LEN
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
@@ -25,8 +26,8 @@ DEFAULT_MAX_LEN = 4096  # KV cache per slot when the model's context is longer
 def serving_len(model_context: int, max_len: int | None) -> int:
     """Tokens per request (the KV cache per slot): max_len (max_model_len), at most the model's context; unset,
     the model's context up to DEFAULT_MAX_LEN (said in the log when that cuts it)."""
-    if max_len is not None and max_len < 16:  # as the config's model.max_model_len
-        raise InvalidArgument("max_model_len", f"{max_len} is too small: at least 16 tokens")
+    if max_len is not None and max_len < MIN_MODEL_LEN:
+        raise InvalidArgument("max_model_len", f"{max_len} is too small: at least {MIN_MODEL_LEN} tokens")
     if max_len is not None and max_len > model_context:
         raise InvalidArgument("max_model_len", f"{max_len} exceeds the model's context of {model_context} tokens "
                                                "(max_position_embeddings)")

@@ -21,7 +21,6 @@ import torch
 from blockspec.common import tracing
 from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
 from blockspec.common.device import claim_gpu_share, resolve as resolve_device
-from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
 from blockspec.common.tensor_share import remove_orphans
@@ -35,6 +34,7 @@ from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.server import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, StepLoop
+from blockspec.services.router.validation import check_default_k
 from blockspec.services.verifier.service import VerifierService
 from blockspec.services.verifier.verifier import Verifier
 
@@ -129,9 +129,8 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
     has_drafter = replicas[0][1] is not None
-    if has_drafter and not 1 <= default_k <= drafter.max_k:
-        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
-                              f"{default_k} is not allowed: the {method} drafter supports 1..{drafter.max_k}")
+    if has_drafter:
+        check_default_k(default_k, drafter.max_k, method)
     target = verifier.info.target_path
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     facts = ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",

@@ -27,8 +27,9 @@ from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.launch import ENV_SUPERVISOR, remove_role_sockets, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
-from blockspec.services.router.openai_http import Upstream, V1App
 from blockspec.services.router.limits import TenantLimits
+from blockspec.services.router.openai_http import Upstream, V1App
+from blockspec.services.router.validation import check_default_k
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,6 @@ def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> No
     """What the roles would find only once started (tracebacks in their logs, seconds later): a dflash drafter
     built for another target, and k past what the drafter drafts."""
     from blockspec.common.models import parse_config as parse_model_config
-    from blockspec.common.models import read_config
     from blockspec.services.drafter.dflash.checkpoint import check_fits_target
     from blockspec.services.drafter.dflash.config import DFlashConfig
     from blockspec.services.drafter.proposers import MAX_K
@@ -116,10 +116,7 @@ def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> No
         except InvalidArgument as e:
             raise InvalidArgument("model.draft_model_path", f"{e.field}: {e.message}") from None
         max_k = dflash.max_k
-    k = cfg.model.spec_decode.num_speculative_tokens
-    if not 1 <= k <= max_k:
-        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
-                              f"{k} is not allowed: the {method} drafter supports 1..{max_k}")
+    check_default_k(cfg.model.spec_decode.num_speculative_tokens, max_k, method)
 
 
 class RoleStartError(RuntimeError):

@@ -352,5 +352,5 @@ class GenerationService(api_grpc.GenerationServicer):
         try:
             self.facts.check_text("text", len(msg.text))
         except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return api_pb2.TokenizeResponse(token_ids=self.facts.tokenizer.encode(msg.text) if msg.text else [])

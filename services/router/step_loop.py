@@ -391,10 +391,16 @@ class StepLoop:
         yield self._finish(live, reason)
 
     def _release(self, request_id: str) -> None:
-        """Free what the request holds in both roles and in prompt lookup."""
-        self.verifier.release(request_id)
-        self.drafter.release(request_id)
-        self._texts.drop(request_id)
+        """Free what the request holds in both roles and in prompt lookup: each, though another fails (the first
+        failure is raised after)."""
+        failed = None
+        for release in (self.verifier.release, self.drafter.release, self._texts.drop):
+            try:
+                release(request_id)
+            except Exception as e:  # noqa: BLE001 - raised below, once the others are free
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     @staticmethod
     def _finish(live: _Live, reason: str) -> FinishEvent:

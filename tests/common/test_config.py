@@ -86,6 +86,7 @@ def test_missing_file_bad_yaml_and_missing_required_key(tmp_path):
     (b"model:\n  target_model_path: \"\xff\xfe\"\n", "not UTF-8 text (byte 29)"),
     (b"model: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
     (b"server: [1, 2\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
+    (b"? [a, b]\n: 1\n", "not valid YAML: found unhashable key (line 1, column 3)"),
 ])
 def test_a_config_file_that_cannot_be_read_as_yaml_is_one_line_naming_the_file(tmp_path, content, message):
     """Before: a repeated key kept its last value silently; bytes that are not UTF-8 or deep nesting a traceback."""
@@ -94,3 +95,10 @@ def test_a_config_file_that_cannot_be_read_as_yaml_is_one_line_naming_the_file(t
     with pytest.raises(InvalidArgument) as e:
         load_config(path)
     assert str(e.value).startswith(str(path)) and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_merge_key_may_be_overridden_without_counting_as_twice(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("server:\n  <<: {port: 9000, host: 0.0.0.0}\n  port: 8000\nmodel:\n  target_model_path: /m\n")
+    cfg = load_config(path)
+    assert (cfg.server.port, cfg.server.host) == (8000, "0.0.0.0")

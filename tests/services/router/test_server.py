@@ -259,15 +259,18 @@ def test_a_stop_sequence_whose_release_fails_still_ends_its_stream_cleanly(tiny_
     full = tokenizer.decode(references["qwen3"][3], skip_special_tokens=True)
     stop = full[20:24]
     r = _router_with(tiny_models, wrap)
+    drafter_slots = r.engine.proposer.runner.cache.free_slots
     try:
         req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=128, stop=[stop])
         _, text, finish = collect(r.stub.Generate(req, timeout=60))
         ids, _, after = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1]),
                                                                         max_tokens=16), timeout=60))
+        drafter_freed = _wait(lambda: r.engine.loop.idle and r.engine.proposer.runner.cache.free_slots == drafter_slots)
     finally:
         r.close()
     assert finish.reason == "stop_sequence" and text == full[: full.find(stop)]
     assert ids == references["qwen3"][1][:16] and after.reason == "length"
+    assert drafter_freed  # the verifier's release failed; the drafter's ran all the same
 
 
 def _slow_steps(seconds: float):
