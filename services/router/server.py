@@ -264,14 +264,7 @@ class GenerationService(api_grpc.GenerationServicer):
     async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int):
         """Submit to the least loaded replica and stream its events back."""
         scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
-        try:
-            stream = await scheduler.submit(request)
-        except ValueError as e:  # nothing was served: the prompt's tokens come back too
-            self._refund(tenant, len(request.prompt_ids) + request.max_tokens)
-            await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
-        except asyncio.CancelledError:  # gone while the submit waited: cancelled at once, as a stream that sent nothing
-            self._refund(tenant, request.max_tokens)
-            raise
+        stream = await self._submit(scheduler, request, tenant, context)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
@@ -311,6 +304,17 @@ class GenerationService(api_grpc.GenerationServicer):
                 if self.metrics is not None:
                     self.metrics.requests_finished.labels(reason="cancelled").inc()
                 await asyncio.shield(scheduler.cancel(stream.key))
+
+    async def _submit(self, scheduler: Scheduler, request: Request, tenant: str, context) -> Stream:
+        """The request's stream; what it reserved comes back if it never starts."""
+        try:
+            return await scheduler.submit(request)
+        except ValueError as e:  # nothing was served: the prompt's tokens come back too
+            self._refund(tenant, len(request.prompt_ids) + request.max_tokens)
+            await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
+        except asyncio.CancelledError:  # gone while the submit waited: cancelled at once, as a stream that sent nothing
+            self._refund(tenant, request.max_tokens)
+            raise
 
     @staticmethod
     async def _stop(scheduler: Scheduler, stream: Stream) -> FinishEvent:
