@@ -150,21 +150,28 @@ def check_ports(port: int, grpc_port: int, field: str = "server.grpc_port") -> N
         raise InvalidArgument(field, f"{grpc_port} is not allowed: must differ from the HTTP port ({port})")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one, silently)."""
+_MERGE = object()  # a `<<` key: one a mapping
 
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, collections.abc.Hashable):  # an unhashable one: the base class names it
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
-                                                            key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one, silently). Checked as each
+    mapping is flattened, merge sources included, before PyYAML writes their keys into it; a merged key that the
+    mapping overrides is fine."""
+
+    def flatten_mapping(self, node) -> None:
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:  # an aliased mapping is flattened once, in place
+            checked.add(id(node))
+            seen = set()
+            for key_node, _ in node.value:
+                key = _MERGE if key_node.tag == "tag:yaml.org,2002:merge" else self.construct_object(key_node, deep=True)
+                if isinstance(key, collections.abc.Hashable):  # an unhashable one: the base class names it
+                    if key in seen:
+                        name = "<<" if key is _MERGE else repr(key)
+                        raise yaml.constructor.ConstructorError(None, None, f"key {name} appears twice in one mapping",
+                                                                key_node.start_mark)
+                    seen.add(key)
+        super().flatten_mapping(node)
 
 
 def load_config(path: str | Path) -> BlockspecConfig:

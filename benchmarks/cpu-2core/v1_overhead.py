@@ -5,6 +5,7 @@ Usage: .venv/bin/python benchmarks/cpu-2core/v1_overhead.py [ROUNDS]"""
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -57,8 +58,7 @@ def main(rounds: int) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     for name, values in rates.items():
-        values.sort()
-        print(name, "median", f"{values[len(values) // 2]:.1f}", "all", [f"{v:.0f}" for v in values])
+        print(name, "median", f"{statistics.median(values):.1f}", "all", [f"{v:.1f}" for v in sorted(values)])
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ class Bucket:
         self._refill(now)
         self.level = min(float(self.capacity), self.level + amount)
 
+    def room(self, now: float) -> float:
+        """What it holds now."""
+        self._refill(now)
+        return self.level
+
 
 class TenantLimits:
     """server.rate_limit applied: `admit` takes from all of a tenant's buckets or from none."""
@@ -73,29 +78,36 @@ class TenantLimits:
                 out.append((key, value, self._buckets[tenant, key], tokens if counts_tokens else 1, counts_tokens))
         return out
 
-    def most_tokens(self, tenant: str) -> int | None:
-        """The most tokens one request of the tenant can reserve (its smallest token limit); None: no token limit."""
-        limit = self.config.tenants.get(tenant, self.config)
-        return min((getattr(limit, key) for key, _, counts_tokens in LIMITS if counts_tokens and getattr(limit, key)),
-                   default=None)
-
     def admit(self, tenant: str, tokens: int) -> None:
         """Take one request and `tokens` from the tenant's buckets. InvalidArgument (max_tokens) where `tokens`
         exceeds a whole bucket, so waiting would not help; OverLimit where the buckets lack room now."""
         with self._lock:  # one time for every bucket: a bucket's stamp never goes back
+            self._take(tenant, tokens, self.clock())
+
+    def admit_up_to(self, tenant: str, prompt: int, most: int) -> int:
+        """Admit a request of `prompt` tokens and up to `most` generated ones (a max_tokens left unset): as many as
+        the tenant's token buckets hold now, at least one, read and taken under one lock; returns them. Refused as
+        `admit` refuses where not even one fits."""
+        with self._lock:
             now = self.clock()
-            limits = self._limits(tenant, tokens, now)
-            for key, value, _, amount, _ in limits:
-                if amount > value:
-                    raise InvalidArgument("max_tokens", f"the prompt's and max_tokens' {tokens} tokens exceed tenant "
-                                                        f"{tenant!r}'s {key} of {value}: lower max_tokens")
-            wait_s, key, value = max(((b.wait_s(amount, now), key, value) for key, value, b, amount, _ in limits),
-                                     default=(0.0, "", 0))
-            if wait_s > 0:
-                raise OverLimit(f"rate limit: tenant {tenant!r} is over its {key} ({value}); retry in "
-                                f"{math.ceil(wait_s * 10) / 10:g} s", key, wait_s)
-            for _, _, bucket, amount, _ in limits:
-                bucket.put(-amount, now)
+            rooms = [b.room(now) for _, _, b, _, counts_tokens in self._limits(tenant, 0, now) if counts_tokens]
+            granted = min(most, max(1, math.floor(min(rooms, default=prompt + most)) - prompt))
+            self._take(tenant, prompt + granted, now)
+            return granted
+
+    def _take(self, tenant: str, tokens: int, now: float) -> None:
+        limits = self._limits(tenant, tokens, now)
+        for key, value, _, amount, _ in limits:
+            if amount > value:
+                raise InvalidArgument("max_tokens", f"the prompt's and max_tokens' {tokens} tokens exceed tenant "
+                                                    f"{tenant!r}'s {key} of {value}: lower max_tokens")
+        wait_s, key, value = max(((b.wait_s(amount, now), key, value) for key, value, b, amount, _ in limits),
+                                 default=(0.0, "", 0))
+        if wait_s > 0:
+            raise OverLimit(f"rate limit: tenant {tenant!r} is over its {key} ({value}); retry in "
+                            f"{math.ceil(wait_s * 10) / 10:g} s", key, wait_s)
+        for _, _, bucket, amount, _ in limits:
+            bucket.put(-amount, now)
 
     def refund(self, tenant: str, tokens: int) -> None:
         """Give back reserved tokens a request did not use."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import select
 import socket
 import threading
 import time
@@ -89,15 +88,17 @@ def events(calls: Iterator[api_pb2.GenerateResponse], first: api_pb2.GenerateRes
 
 
 def client_gone(environ) -> bool:
-    """The client closed its connection: a whole (not streamed) answer writes nothing before its end to notice by."""
+    """The client closed its connection: a whole (not streamed) answer writes nothing before its end to notice by.
+    An end of stream on the socket counts, so a client that only half-closes counts as gone too (as nginx does)."""
     sock = environ.get(CONNECTION)
     if sock is None:
         return False
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # nothing to read: still there
+        return False
+    except OSError:  # reset, or any other trouble: let the write at the end find out
+        return False
 
 
 def complete(upstream: Upstream, req: OpenAIRequest, environ, metadata: tuple) -> Answer:
@@ -128,12 +129,14 @@ def _whole(calls, first: api_pb2.GenerateResponse, head: Completion, environ) ->
     try:
         while not message.HasField("finish"):
             if client_gone(environ):  # nobody will read it: free the slots now, not at max_tokens
-                calls.cancel()
                 raise ApiError("499 Client Closed Request", "invalid_request_error", "the client closed the connection")
             message = next(calls)
             text.append(message.text)
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
+    finally:
+        if not message.HasField("finish"):  # however it ended early: the request stops with it
+            calls.cancel()
     return head.body("".join(text), message.finish)
 
 

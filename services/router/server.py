@@ -239,18 +239,18 @@ class GenerationService(api_grpc.GenerationServicer):
     async def _admit(self, request: Request, context: grpc.aio.ServicerContext, span,
                      max_tokens_set: bool) -> tuple[Request, str]:
         """The request and its caller's tenant, once the tenant's rate limits admit it (reserving prompt + max_tokens;
-        an unset max_tokens, the rest of the context, is cut to what the tenant's token limits allow a request);
-        else INVALID_ARGUMENT (more than a whole bucket holds) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
+        an unset max_tokens, the rest of the context, is cut to what the tenant's token buckets hold now); else
+        INVALID_ARGUMENT (more than a whole bucket holds) or RESOURCE_EXHAUSTED with `retry-after` (seconds)."""
         if self.limits is None:
             return request, DEFAULT_TENANT
-        tenant = self._tenant(context)
-        most = self.limits.most_tokens(tenant)
-        if not max_tokens_set and most is not None and 1 <= most - len(request.prompt_ids) < request.max_tokens:
-            request = replace(request, max_tokens=most - len(request.prompt_ids))
+        tenant, prompt = self._tenant(context), len(request.prompt_ids)
         try:
-            self.limits.admit(tenant, len(request.prompt_ids) + request.max_tokens)
+            if max_tokens_set:
+                self.limits.admit(tenant, prompt + request.max_tokens)
+            else:  # as many as the tenant's token buckets hold now
+                request = replace(request, max_tokens=self.limits.admit_up_to(tenant, prompt, request.max_tokens))
         except InvalidArgument as e:
-            unset = "" if max_tokens_set else f" (it was unset: the rest of the context, {request.max_tokens} tokens)"
+            unset = "" if max_tokens_set else f" (max_tokens was unset: as many as the limit allows, and the prompt's {prompt} leave none)"
             span.set_status(Status(StatusCode.ERROR, str(e)))
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{e}{unset}")
         except OverLimit as e:

@@ -87,6 +87,8 @@ def test_missing_file_bad_yaml_and_missing_required_key(tmp_path):
     (b"model: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
     (b"server: [1, 2\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
     (b"? [a, b]\n: 1\n", "not valid YAML: found unhashable key (line 1, column 3)"),
+    (b"server: {<<: {port: 1, port: 2}}\n", "key 'port' appears twice"),  # inside a merge source
+    (b"a: &a {port: 1}\nb: &b {host: h}\nserver:\n  <<: *a\n  <<: *b\n", "key << appears twice"),  # one dropped
 ])
 def test_a_config_file_that_cannot_be_read_as_yaml_is_one_line_naming_the_file(tmp_path, content, message):
     """Before: a repeated key kept its last value silently; bytes that are not UTF-8 or deep nesting a traceback."""
@@ -102,3 +104,8 @@ def test_a_merge_key_may_be_overridden_without_counting_as_twice(tmp_path):
     path.write_text("server:\n  <<: {port: 9000, host: 0.0.0.0}\n  port: 8000\nmodel:\n  target_model_path: /m\n")
     cfg = load_config(path)
     assert (cfg.server.port, cfg.server.host) == (8000, "0.0.0.0")
+    # an anchored mapping with a merge, aliased again after PyYAML flattened it in place: no false duplicate
+    path.write_text("model:\n  target_model_path: /m\n  spec_decode: &s {<<: {num_speculative_tokens: 3}, "
+                    "num_speculative_tokens: 4}\nx: *s\n")
+    with pytest.raises(InvalidArgument, match="x: unknown key"):  # parsed: only the config's own check refuses it
+        load_config(path)

@@ -175,19 +175,36 @@ def test_a_client_gone_while_its_submit_waits_gets_its_tokens_back(tiny_models, 
 
 
 
-def test_an_unset_max_tokens_is_cut_to_what_the_tenant_may_reserve(tiny_models, prompts):
-    """max_tokens unset runs to the end of the context (512 here), more than the 100 tokens a minute a tenant may
-    take: it is cut to 100 - the prompt, so the request is served (a chat client rarely sets max_tokens). A prompt
-    alone over the limit is refused, saying that max_tokens was unset."""
+def test_an_unset_max_tokens_is_cut_to_what_the_tenant_may_reserve_now(tiny_models, prompts):
+    """max_tokens unset runs to the end of the context (512 here), more than the tenant's 100 tokens a minute: it is
+    cut to what the buckets hold now, so a request after another is served too (a chat client rarely sets
+    max_tokens). A prompt that alone leaves no room is refused, saying that max_tokens was unset."""
     engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2)
     r = RouterThread(engine, limits=TenantLimits(RateLimits(tokens_per_minute=100)))
+    prompt = prompts[2]  # 7 tokens
+
+    def generate(ids, **kw):
+        return collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=ids), **kw), timeout=60))
+
     try:
-        _, _, finish = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[2])),
-                                               timeout=60))
+        first = generate(prompt, max_tokens=40)[2]
+        second = generate(prompt)[2]
         with pytest.raises(grpc.RpcError) as err:
-            collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[7])), timeout=60))
+            generate(prompts[7])  # 150 tokens
     finally:
         r.close()
-    assert finish.usage.completion_tokens == 100 - len(prompts[2]) or finish.reason == "stop"
+    used = len(prompt) + first.usage.completion_tokens
+    assert 0 < second.usage.completion_tokens <= 100 - used - len(prompt) + 5  # a few refilled meanwhile
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().endswith(f"(it was unset: the rest of the context, {512 - len(prompts[7])} tokens)")
+    assert err.value.details().endswith("(max_tokens was unset: as many as the limit allows, and the prompt's 150 "
+                                        "leave none)")
+
+
+def test_admit_up_to_grants_what_the_buckets_hold_now():
+    clock = Clock()
+    limits = TenantLimits(RateLimits(tokens_per_minute=100, tokens_per_day=1000), clock)
+    assert limits.admit_up_to("a", 10, 500) == 90
+    clock.now += 30.0  # half a minute: 50 back in the minute's bucket
+    assert limits.admit_up_to("a", 10, 20) == 20 and limits.admit_up_to("a", 10, 500) == 10
+    with pytest.raises(OverLimit):
+        limits.admit_up_to("a", 10, 500)  # not even one fits now

@@ -241,3 +241,22 @@ def test_chat_completions_are_the_target_alones_reply_to_the_rendered_conversati
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert alternate.value.body["param"] == "messages" and "roles must alternate" in alternate.value.body["message"]
     assert tools.value.body["param"] == "tools"
+
+
+def test_client_gone_reads_an_end_of_stream_only():
+    """Open, or with bytes waiting (a pipelined request): still there. Closed: gone. No select(), which fails on
+    descriptors past 1024."""
+    import socket
+
+    from blockspec.services.router.openai_http import CONNECTION, client_gone
+
+    server, client = socket.socketpair()
+    try:
+        assert not client_gone({CONNECTION: server}) and not client_gone({})
+        client.send(b"GET")
+        assert not client_gone({CONNECTION: server})
+        server.recv(3)
+        client.close()
+        assert client_gone({CONNECTION: server})
+    finally:
+        server.close()
