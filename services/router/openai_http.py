@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -93,11 +94,15 @@ def client_gone(environ) -> bool:
     sock = environ.get(CONNECTION)
     if sock is None:
         return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:  # nothing to read: still there
+    poller = select.poll()  # not select(): it fails on descriptors past 1024
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):  # nothing to read: still there (a recv would wait out the socket's timeout)
         return False
-    except OSError:  # reset, or any other trouble: let the write at the end find out
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except ConnectionError:  # reset by the client
+        return True
+    except OSError:  # any other trouble: let the write at the end find out
         return False
 
 

@@ -244,15 +244,18 @@ def test_chat_completions_are_the_target_alones_reply_to_the_rendered_conversati
 
 
 def test_client_gone_reads_an_end_of_stream_only():
-    """Open, or with bytes waiting (a pipelined request): still there. Closed: gone. No select(), which fails on
-    descriptors past 1024."""
+    """Open, or with bytes waiting (a pipelined request): still there. Closed: gone. Never waits on the socket's
+    timeout (a first version did, 10 s a message), and no select(), which fails on descriptors past 1024."""
     import socket
 
     from blockspec.services.router.openai_http import CONNECTION, client_gone
 
     server, client = socket.socketpair()
+    server.settimeout(30)  # as the HTTP server's sockets have one: a blocking peek would wait it out
     try:
+        started = time.monotonic()
         assert not client_gone({CONNECTION: server}) and not client_gone({})
+        assert time.monotonic() - started < 10  # answered at once, not after the socket's timeout
         client.send(b"GET")
         assert not client_gone({CONNECTION: server})
         server.recv(3)
