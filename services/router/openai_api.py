@@ -3,7 +3,6 @@ GenerateRequest, the router's answers and errors as OpenAI's (the HTTP side: ope
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -90,6 +89,10 @@ class OpenAIRequest(BaseModel):
     def served_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def unserved(self) -> dict[str, str | None]:
+        """Parameter -> why its value is not served (None: it is). Subclasses add their endpoint's."""
+        return {"n": f"{self.n}: one completion per request is served (n = 1)" if self.n not in (None, 1) else None}
+
 
 class CompletionRequest(OpenAIRequest):
     """POST /v1/completions."""
@@ -100,6 +103,13 @@ class CompletionRequest(OpenAIRequest):
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
+
+    def unserved(self) -> dict[str, str | None]:
+        return {**super().unserved(),
+                "best_of": "only 1 is served" if self.best_of not in (None, 1) else None,
+                "echo": "echoing the prompt is not served" if self.echo else None,
+                "logprobs": "log probabilities are not served" if self.logprobs is not None else None,
+                "suffix": "suffixes (insertion) are not served" if self.suffix else None}
 
 
 class TextPart(BaseModel):
@@ -124,6 +134,15 @@ class ChatRequest(OpenAIRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
+
+    def unserved(self) -> dict[str, str | None]:
+        return {**super().unserved(),
+                "logprobs": "log probabilities are not served" if self.logprobs else None,
+                "top_logprobs": "log probabilities are not served" if self.top_logprobs is not None else None,
+                "tools": "tool calls are not served" if self.tools else None,
+                "tool_choice": "tool calls are not served" if self.tool_choice not in (None, "none") else None,
+                "response_format": 'only {"type": "text"} is served'
+                if self.response_format not in (None, {"type": "text"}) else None}
 
     def served_max_tokens(self) -> int | None:
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
@@ -152,25 +171,6 @@ def _unsigned(name: str, value: int | None, top: int = UINT32_MAX) -> int | None
     return value
 
 
-def _refuse_unserved(req: OpenAIRequest) -> None:
-    """OpenAI parameters this server has one value of: any other is refused (never a silent downgrade)."""
-    unserved = {
-        "n": req.n not in (None, 1) and f"{req.n}: one completion per request is served (n = 1)",
-        "best_of": getattr(req, "best_of", None) not in (None, 1) and "only 1 is served",
-        "echo": getattr(req, "echo", False) and "echoing the prompt is not served",
-        "logprobs": getattr(req, "logprobs", None) not in (None, False) and "log probabilities are not served",
-        "top_logprobs": getattr(req, "top_logprobs", None) is not None and "log probabilities are not served",
-        "suffix": getattr(req, "suffix", None) and "suffixes (insertion) are not served",
-        "tools": getattr(req, "tools", None) and "tool calls are not served",
-        "tool_choice": getattr(req, "tool_choice", None) not in (None, "none") and "tool calls are not served",
-        "response_format": getattr(req, "response_format", None) not in (None, {"type": "text"})
-        and "only {\"type\": \"text\"} is served",
-    }
-    for param, why in unserved.items():
-        if why:
-            raise bad_request(param, why)
-
-
 def _prompt(req: CompletionRequest, message: api_pb2.GenerateRequest) -> None:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -194,10 +194,7 @@ def _messages(req: ChatRequest, message: api_pb2.GenerateRequest) -> None:
 
 
 def _sampling(req: OpenAIRequest, sp: api_pb2.SamplingParams) -> None:
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = getattr(req, name)
-        if value is not None and not math.isfinite(value):
-            raise bad_request(name, f"{value} is not a finite number")
+    """Ranges (NaN and inf too) are the router's to check (common/sampling.validate): its error names the field."""
     sp.temperature = 1.0 if req.temperature is None else req.temperature
     sp.top_p = 1.0 if req.top_p is None else req.top_p
     sp.top_k = 0 if req.top_k in (None, -1) else _unsigned("top_k", req.top_k)
@@ -212,14 +209,14 @@ def _sampling(req: OpenAIRequest, sp: api_pb2.SamplingParams) -> None:
     for key, bias in (req.logit_bias or {}).items():
         if not (key.isascii() and key.isdecimal()):
             raise bad_request("logit_bias", f"key {key!r} is not a token id")
-        if not math.isfinite(bias):
-            raise bad_request("logit_bias", f"{bias} for token {key} is not a finite number")
         sp.logit_bias[_unsigned("logit_bias", int(key))] = bias
 
 
 def to_generate(req: OpenAIRequest) -> api_pb2.GenerateRequest:
     """The gRPC request of a completion: the router then checks every value as it checks its own clients'."""
-    _refuse_unserved(req)
+    for param, why in req.unserved().items():  # never a silent downgrade
+        if why:
+            raise bad_request(param, why)
     message = api_pb2.GenerateRequest()
     max_tokens = req.served_max_tokens()
     if max_tokens is not None:

@@ -129,6 +129,10 @@ def test_what_is_not_served_gets_an_error_that_says_so(served, model_id):
         served.client.completions.create(model="gpt-x", prompt="hello", max_tokens=4)
     status, _, body = served.raw("POST", "/v1/completions", b'{"prompt": "hi",')
     assert status == 400 and json.loads(body)["error"]["message"].startswith("body: not valid JSON")
+    for param in ("temperature", "presence_penalty"):  # JSON's NaN: the router's range check names the parameter
+        status, _, body = served.raw("POST", "/v1/completions", f'{{"prompt": "hi", "{param}": NaN}}'.encode())
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == param and error["message"].startswith(f"{param}: must be a number")
     status, headers, _ = served.raw("GET", "/v1/completions")
     assert status == 405 and headers["Allow"] == "POST"
     status, _, body = served.raw("POST", "/v1/embeddings", b"{}")
