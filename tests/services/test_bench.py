@@ -116,7 +116,8 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
                           for m in ("dflash", "dflash replay"))
         assert replayed["exact"] and replayed["accepted_per_pos"] == live["accepted_per_pos"]
         assert (replayed["tau"], replayed["steps"]) == (live["tau"], live["steps"])
-    assert replayed["step_ms"] == [] and next(r for r in result["rows"] if r["mode"] == "dflash replay")["step_ms"][2] < 0.01
+    # (That no drafter runs is ReplayProposer's own test: a timer's few microseconds are no proof on a shared core.)
+    assert replayed["step_ms"] == [] and len(next(r for r in result["rows"] if r["mode"] == "dflash replay")["step_ms"]) == 3
     replay_ceiling = ceiling_row("dflash replay k=3")
     assert replay_ceiling[2] == "0.00" and replay_ceiling[4] == replay_ceiling[5]  # c_d 0: with the drafter = the ceiling
     for png in ("tokens_per_s.png", "acceptance_per_position.png"):
