@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from blockspec.common.config import MAX_LOOKUP_TOKENS
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.bench_costs import CPU, CostSampler, Device
 
@@ -48,6 +50,7 @@ class Mode:
 
 
 FLAGS = ("adaptive", "replay", "lookup")
+_LOOKUP_N = re.compile(r"lookup[0-9]+")
 SERVER = Mode("server")  # `bench --server`'s rows: Mode("server", k), k = 0 plain decoding (the baseline)
 
 
@@ -57,20 +60,23 @@ def parse_modes(text: str) -> list[Mode]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, rest = item.partition(":")
         k, *flags = rest.split(":")
-        tokens = [f.removeprefix("lookup") for f in flags if f.startswith("lookup") and f.removeprefix("lookup").isdigit()]
+        tokens = [f.removeprefix("lookup") for f in flags if _LOOKUP_N.fullmatch(f)]
         takes_k = name not in ("none", "hf")
-        flags = ["lookup" if f.startswith("lookup") and f.removeprefix("lookup").isdigit() else f for f in flags]
+        flags = ["lookup" if _LOOKUP_N.fullmatch(f) else f for f in flags]
         if name not in ENGINE_METHODS + HF_MODES:
             raise InvalidArgument("--modes", f"unknown mode {name!r}; use {', '.join(ENGINE_METHODS + HF_MODES)}")
         known = name in ENGINE_METHODS and all(f in FLAGS for f in flags) and len(set(flags)) == len(flags)
         # replay needs a drafter, lookup a model drafter (ngram is a lookup already); adaptive excludes replay
         fits = (name != "none" or "replay" not in flags) and (name in ("draft_model", "dflash") or "lookup" not in flags)
-        bad_tokens = any(int(t) < 1 for t in tokens) or (tokens and "adaptive" in flags)  # adaptive k's widths stop at k + 1
+        # adaptive k's widths stop at k + 1: no lookupN with it
+        bad_tokens = any(not 1 <= int(t) <= MAX_LOOKUP_TOKENS for t in tokens) or (tokens and "adaptive" in flags)
         if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)) or bad_tokens:
             raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those with a "
-                                             "model drafter ':lookup' or ':lookupN' (N >= 1 tokens a lookup drafts, "
+                                             f"model drafter ':lookup' or ':lookupN' (N: 1..{MAX_LOOKUP_TOKENS} tokens a lookup drafts, "
                                              "not with adaptive) too (e.g. dflash:7:lookup:adaptive, dflash:7:lookup16)")
         try:
+            if k and not k.isascii():  # int() reads other scripts' digits too
+                raise ValueError(k)
             modes.append(Mode(name, int(k) if k else 0, "adaptive" in flags, "replay" in flags, "lookup" in flags,
                               int(tokens[0]) if tokens else None))
         except ValueError:
@@ -165,6 +171,24 @@ def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: in
     return elapsed, done, [late[e.request_id] + e.stats.first_token_s for e in done]
 
 
+def model_context(target: Path) -> int:
+    """The target's context in tokens (max_position_embeddings)."""
+    from blockspec.common.models import load_checkpoint
+
+    return load_checkpoint(target, with_weights=False).config.max_position_embeddings
+
+
+def check_lengths(target: Path, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+    """Every prompt and max_tokens after it within the target's context, or InvalidArgument naming the flag."""
+    context, longest = model_context(target), max(len(p) for p in prompts)
+    if longest >= context:
+        raise InvalidArgument("--prompts-file", f"a prompt of {longest} tokens leaves no room in the model's context of "
+                                                f"{context} tokens")
+    if longest + max_tokens > context:
+        raise InvalidArgument("--max-tokens", f"{max_tokens} after the longest prompt ({longest} tokens) passes the "
+                                              f"model's context of {context} tokens: at most {context - longest}")
+
+
 def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int,
                   concurrency: int, device: Device = CPU,
                   arrivals: Sequence[float] | None = None) -> Callable[[], tuple[Row, list]]:
@@ -173,10 +197,16 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     from blockspec.services.drafter.proposers.replay import ReplayProposer
     from blockspec.services.engine import Engine
 
+    room = max(len(p) for p in prompts) + max_tokens + 16  # run_bench checked that prompt + max_tokens fit the context
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
-                    max_batch=concurrency, max_len=max(len(p) for p in prompts) + max_tokens + 16, adaptive_k=mode.adaptive,
+                    max_batch=concurrency, max_len=min(room, model_context(target)), adaptive_k=mode.adaptive,
                     prompt_lookup=mode.lookup, prompt_lookup_tokens=mode.lookup_tokens, device=device[0], dtype=device[1])
-    _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
+    try:
+        _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
+    except InvalidArgument as e:
+        if e.field != "k":
+            raise
+        raise InvalidArgument("--modes", f"{mode.label}: {e.message}") from None
     replay = None
     if mode.replay:  # one untimed run of the whole workload records the drafts every timed pass gives back
         replay = engine.loop.drafter = ReplayProposer(engine.loop.drafter)
@@ -344,6 +374,7 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     needs = sorted({m.label for m in modes if m.name == "draft_model" or m.name.startswith("hf-assisted")})
     if needs and assistant is None:
         raise InvalidArgument("--assistant", f"modes {', '.join(needs)} need an assistant (draft model) directory")
+    check_lengths(target, prompts, max_tokens)
     out.mkdir(parents=True, exist_ok=True)
     if not any(m.name == "none" for m in modes):
         modes = [Mode("none"), *modes]  # the baseline every ratio needs

@@ -96,10 +96,11 @@ def _ceiling_table(rows: list[Row], costs: CostModel) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = next((r for r in rows if r.mode == "none" and r.concurrency == 1), None)  # there whenever a c=1 row is
     for r in rows:
-        # Adaptive k and longer lookups (`lookupN`) verify other widths than k + 1: no ceiling at r(k + 1).
+        # Adaptive k and longer lookups (`lookupN`) verify other widths than k + 1: no ceiling at r(k + 1); nor
+        # has a row that drafted nothing (max_tokens 1 or 2: no room for a draft), whose steps were decodes.
         longer = any(part.startswith("lookup") and part != "lookup" for part in r.mode.split())
         if r.concurrency != 1 or r.mode.split()[0] != "dflash" or "adaptive" in r.mode or longer or r.tau is None \
-                or r.k not in costs.r:
+                or r.acceptance_rate is None or r.k not in costs.r:
             continue
         ceiling = r.tau / costs.r[r.k]
         # Replayed drafts cost nothing; with prompt lookup the drafter runs only on the steps lookup did not draft.
@@ -113,6 +114,8 @@ def _ceiling_table(rows: list[Row], costs: CostModel) -> list[str]:
         lines.append(f"| {Mode(r.mode, r.k).label} | {costs.r[r.k]:.2f} | {c_d:.2f} | {r.tau:.2f} | {ceiling:.2f} | "
                      f"{r.tau / (costs.r[r.k] + c_d):.2f} | {r.speedup:.2f} | {r.speedup / ceiling:.2f} | {_spread(per_round)} | "
                      f"{_fmt(speedup, '.2f')} | {_fmt(speedup and speedup / ceiling, '.2f')} ({_spread(decode)}) |")
+    if len(lines) == 5:  # no row to compare: say so instead of an empty table
+        lines[3:] = ["No dflash row at concurrency 1 drafted at a fixed k: no ceiling to compare with."]
     return lines
 
 

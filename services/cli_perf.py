@@ -11,6 +11,7 @@ from pathlib import Path
 
 from blockspec.common.device import add_device_args, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.cli_args import bounded
 
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
@@ -29,7 +30,7 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--drafter", default=str(home / "drafter"), help="default: the shipped pair's drafter")
     bn.add_argument("--prompts-file", default=str(home / "heldout_prompts.jsonl"), help="default: held-out prompts")
     bn.add_argument("--num-prompts", type=int, help="use the first N prompts")
-    bn.add_argument("--max-tokens", type=int, default=128)
+    bn.add_argument("--max-tokens", type=bounded(1), default=128, help="new tokens per request (default 128)")
     bn.add_argument("--modes", help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive "
                     "k up to K; ':replay': the drafts of an untimed run given back at no cost; ':lookup': prompt lookup first, "
                     "the drafter for the rest), hf, hf-lookup:K, "
@@ -73,16 +74,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     waves = _int_list("--waves", str(args.waves))[0]
     rates = _rate_list(args.request_rates) if args.request_rates else []
     cap = _int_list("--max-concurrency", str(args.max_concurrency))[0]
-    out = Path(args.out)
-    if args.server:
-        return _bench_server(args, concurrency, rounds, waves, rates, cap, out)
+    if args.server is not None:
+        if not args.server.strip():
+            raise InvalidArgument("--server", "give HOST:PORT of a running server")
+        return _bench_server(args, concurrency, rounds, waves, rates, cap)
     from blockspec.common.models import load_checkpoint
 
     target = Path(args.target)
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
-    modes = args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else "")
-    result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, bench.parse_modes(modes),
+    modes = bench.parse_modes(args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else ""))
+    out = _out_dir(args.out)
+    result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, modes,
                              concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
                              rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype),
                              request_rates=rates, max_concurrency=cap)
@@ -92,12 +95,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int, waves: int, rates: list[float],
-                  cap: int, out: Path) -> int:
+                  cap: int) -> int:
     """`bench --server`: the workload over a running server's gRPC API, each --server-k value (0: plain decoding, the
     baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
     import grpc
 
     ks = _int_list("--server-k", args.server_k, minimum=0) if args.server_k else None
+    out = _out_dir(args.out)
     try:
         rows, rate_rows, prompts = _server_passes(args, ks, concurrency, rounds, waves, rates, cap)
     except grpc.RpcError as e:
@@ -163,13 +167,26 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def _out_dir(text: str) -> Path:
+    """--out, made now: a path that cannot be a directory fails before the run, not after it."""
+    out = Path(text)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgument("--out", f"cannot make directory {text!r}: {e.strerror or e}") from None
+    return out
+
+
 def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:
+    """Comma-separated integers of at least `minimum`, each once."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidArgument(flag, f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < minimum for v in values):
         raise InvalidArgument(flag, f"expected integers of at least {minimum}, got {text!r}")
+    if len(set(values)) < len(values):
+        raise InvalidArgument(flag, f"each value once, got {text!r}")
     return values
 
 
@@ -180,6 +197,8 @@ def _rate_list(text: str) -> list[float]:
         raise InvalidArgument("--request-rates", f"expected comma-separated numbers, got {text!r}") from None
     if not values or not all(0 < v < float("inf") for v in values):
         raise InvalidArgument("--request-rates", f"expected positive finite requests per second, got {text!r}")
+    if len(set(values)) < len(values):
+        raise InvalidArgument("--request-rates", f"each value once, got {text!r}")
     return values
 
 

@@ -24,7 +24,8 @@ def test_modes_parse_and_bad_ones_name_the_flag():
     assert Mode("dflash", 7, lookup=True, lookup_tokens=16).label == "dflash k=7 lookup16"
     for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay",
                 "ngram:5:lookup", "none:1:lookup", "dflash:7:lookup:lookup", "dflash:7:adaptive:replay", "hf-lookup:3:lookup",
-                "dflash:7:lookup0", "dflash:7:lookupx", "dflash:7:lookup16:adaptive", "dflash:7:lookup:lookup16"):
+                "dflash:7:lookup0", "dflash:7:lookupx", "dflash:7:lookup16:adaptive", "dflash:7:lookup:lookup16",
+                "dflash:7:lookup\u00b2", "dflash:\u0663", "dflash:7:lookup49"):  # a superscript, an Arabic-Indic 3, > 48
         with pytest.raises(InvalidArgument) as e:
             parse_modes(bad)
         assert e.value.field == "--modes"
@@ -189,6 +190,43 @@ def test_bench_flags_are_checked(capsys):
         assert main(["bench", "--request-rates", bad]) == 2 and "--request-rates" in capsys.readouterr().err
     assert main(["bench", "--request-rates", "5", "--max-concurrency", "0"]) == 2
     assert "--max-concurrency" in capsys.readouterr().err
+    for flag, value in (("--concurrency", "1,1"), ("--request-rates", "5,5.0")):
+        assert main(["bench", flag, value]) == 2 and f"{flag}: each value once" in capsys.readouterr().err
+    assert main(["bench", "--server", " "]) == 2 and "--server: give HOST:PORT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--max-tokens", "0"])
+    assert e.value.code == 2 and "--max-tokens: 0 is out of range: at least 1" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(capsys, tmp_path):
+    taken = tmp_path / "a file"
+    taken.write_text("")
+    for out in (taken, taken / "under"):
+        assert main(["bench", "--modes", "none", "--concurrency", "1", "--out", str(out)]) == 2
+        assert f"--out: cannot make directory '{out}'" in capsys.readouterr().err
+    assert main(["bench", "--server", "127.0.0.1:1", "--out", str(taken)]) == 2  # before connecting: nothing runs
+    assert "--out: " in capsys.readouterr().err
+
+
+def test_lengths_past_the_context_name_the_flag_and_the_room_left(tiny_pair, capsys):
+    from blockspec.services.bench import check_lengths, model_context
+
+    context = model_context(tiny_pair.target)
+    check_lengths(tiny_pair.target, [[5] * 10, [6] * 4], context - 10)  # exactly full: fine
+    with pytest.raises(InvalidArgument) as e:
+        check_lengths(tiny_pair.target, [[5] * 10, [6] * 4], context - 9)
+    assert e.value.field == "--max-tokens" and f"at most {context - 10}" in e.value.message
+    with pytest.raises(InvalidArgument) as e:
+        check_lengths(tiny_pair.target, [[5] * context], 1)
+    assert e.value.field == "--prompts-file"
+
+
+def test_a_k_past_the_method_s_largest_names_the_mode(tiny_pair):
+    from blockspec.services.bench import engine_runner
+
+    with pytest.raises(InvalidArgument) as e:
+        engine_runner(tiny_pair.target, tiny_pair.drafter, Mode("dflash", 99), [[5, 6, 7]], 8, 1)
+    assert e.value.field == "--modes" and e.value.message.startswith("dflash k=99: ")
 
 
 def test_arrivals_are_a_seeded_poisson_process():
@@ -214,3 +252,17 @@ def test_open_loop_submits_at_arrival_and_counts_ttft_from_it(tiny_pair):
     assert elapsed >= 0.5 and done[1].stats.elapsed_s < 0.5  # the first two were done before the third arrived
     assert ttft[1] >= done[0].stats.elapsed_s * 0.9 > 0  # the wait for the slot is in it
     assert 0 < ttft[2] < ttft[1] and ttft[2] < 0.2
+
+
+def test_a_row_that_drafted_nothing_has_no_ceiling(tiny_pair, tmp_path, capsys):
+    """max_tokens 2: the one step after the prefill has no room for a draft, so its steps were decodes."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def wrap(self, text):\\n"\n')
+    assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
+                 str(prompts), "--max-tokens", "2", "--modes", "dflash:3", "--concurrency", "1", "--rounds", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    report = (tmp_path / "out" / "bench.md").read_text()
+    assert "No dflash row at concurrency 1 drafted at a fixed k: no ceiling to compare with." in report
+    assert "| mode | r(k+1) |" not in report  # no table of one row with r(4), c_d and a share of the ceiling above 1
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["rows"][1]["acceptance_rate"] is None
+    capsys.readouterr()
