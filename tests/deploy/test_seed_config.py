@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.protos import api_pb2
-from tests.services.test_serve import http_status, spawn_serve, stop_serve
+from tests.services.test_serve import http_status, spawn_serve, stop_serve, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (ROOT / "models" / "base" / "card.json").is_file(),
@@ -20,7 +20,7 @@ def test_seed_config_serves_the_shipped_pair():
     info = spawn_serve("--config", "deploy/config.yaml", "--no-ray", "--port", "0", "--grpc-port", "0", cwd=ROOT)
     try:
         assert info["before"] == 503
-        assert http_status(info["http"]) == 200
+        assert wait_for(lambda: http_status(info["http"]) == 200)  # readiness probes each role: seconds
         prompt = json.loads((ROOT / "models" / "base" / "heldout_prompts.jsonl").read_text().splitlines()[0])
         msgs = list(info["stub"].Generate(api_pb2.GenerateRequest(text=prompt, max_tokens=32), timeout=60))
         finish = msgs[-1].finish

@@ -43,13 +43,13 @@ def test_a_drafter_op_that_timed_out_still_gets_its_release(roles, prompts):
     def run_late(*args):  # applied, but after the router's timeout
         if slow:
             slow.pop()
-            time.sleep(1.0)
+            time.sleep(2.0)
         return run(*args)
 
     dsvc._run = run_late
     dsvc._end_session = lambda session: None  # the release must come from the router's books, not from the stream's end
     verifier = RemoteVerifier(roles["verifier_address"])
-    remote = RemoteDrafter(roles["drafter_address"], verifier, timeout_s=0.5, retry_s=1.2)
+    remote = RemoteDrafter(roles["drafter_address"], verifier, timeout_s=1.0, retry_s=2.4)  # a proposal here: ms
     steps = StepLoop(verifier, remote, max_batch=2, prefill_chunk=None)
     try:
         for i in range(2):
@@ -57,7 +57,7 @@ def test_a_drafter_op_that_timed_out_still_gets_its_release(roles, prompts):
             steps.submit(Request(f"r{i}", tuple(prompts[0][:20]), max_tokens=4, k=3))
             while not steps.idle:
                 steps.step()
-            time.sleep(1.3)  # past retry_s: the next proposal reconnects
+            time.sleep(2.6)  # past retry_s: the next proposal reconnects
         fallbacks = remote.fallbacks
         steps.submit(Request("fresh", tuple(prompts[0][:20]), max_tokens=12, k=3))
         while not steps.idle:

@@ -358,7 +358,8 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
 def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models, prompts, references):
     """The deadline passes while the submit waits for the step in flight: the request is cancelled as soon as it
     joins (it does not run to max_tokens with nobody listening), and its request_id can be sent again at once."""
-    r = _router_with(tiny_models, _slow_steps(1.0))
+    r = _router_with(tiny_models, _slow_steps(2.0))  # the deadline (0.8 s) passes while a step is in flight
+    drafter = r.engine.loop.drafter
     free = r.engine.verifier.free_slots
     try:
         busy = r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=8,
@@ -367,7 +368,8 @@ def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models,
         late = api_pb2.GenerateRequest(request_id="b", token_ids=api_pb2.TokenIds(ids=prompts[2]), max_tokens=16,
                                        num_speculative_tokens=4)
         with pytest.raises(grpc.RpcError) as e:
-            collect(r.stub.Generate(late, timeout=0.3))
+            collect(r.stub.Generate(late, timeout=0.8))
+        del drafter.propose  # the class's own again: the rest at full speed
         ids, _, finish = collect(r.stub.Generate(late, timeout=60))  # not ALREADY_EXISTS
         collect(busy)
         idle = _wait(lambda: r.engine.loop.idle and r.engine.verifier.free_slots == free)
