@@ -50,7 +50,8 @@ def add_perf_commands(sub) -> None:
                     "0 alone on a server without a drafter)")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=int, help="torch CPU threads")
-    bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median is reported")
+    bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median pass is "
+                    "reported (of an even number, the faster middle one)")
     bn.add_argument("--waves", type=int, default=4, help="a pass at concurrency c serves at least WAVES x c requests "
                     "(the prompts cycled), c in flight: mostly steady state, not one wave's ramp and tail")
     add_device_args(bn)
