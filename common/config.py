@@ -4,6 +4,7 @@ and what is allowed. Components receive only their own section."""
 from __future__ import annotations
 
 import collections.abc
+import reprlib
 from pathlib import Path
 from typing import Literal
 
@@ -121,6 +122,12 @@ class BlockspecConfig(_Section):
     model: ModelSection
 
 
+_SHORT = reprlib.Repr()  # a value in one line, however big (YAML aliases can make a short file a huge value)
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlist = _SHORT.maxdict = 6
+_SHORT.maxlevel = 2
+
+
 def _describe(error: dict) -> str:
     key = ".".join(str(p) for p in error["loc"])
     if error["type"] == "extra_forbidden":
@@ -128,7 +135,7 @@ def _describe(error: dict) -> str:
     if error["type"] == "missing":
         return f"{key}: required key is missing"
     msg = error["msg"].removeprefix("Value error, ")
-    return f"{key}: {error.get('input')!r} is not allowed: {msg}"
+    return f"{key}: {_SHORT.repr(error.get('input'))} is not allowed: {msg}"
 
 
 def parse_config(raw: object, source: str = "config") -> BlockspecConfig:

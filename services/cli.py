@@ -19,7 +19,7 @@ from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
 from blockspec.services.router.validation import validate_stops
-from blockspec.services.cli_args import bounded, port, seconds
+from blockspec.services.cli_args import UINT32, UINT64, address, bounded, port, seconds, threads
 from blockspec.services.cli_models import add_model_commands
 from blockspec.services.cli_perf import add_perf_commands, set_threads
 
@@ -68,6 +68,8 @@ def _prompts(args: argparse.Namespace) -> list[str]:
             prompts = [json.loads(line) for line in lines]
         except json.JSONDecodeError as e:
             raise InvalidArgument("--prompts-file", f"{path}: not JSON lines ({e})") from None
+        except RecursionError:
+            raise InvalidArgument("--prompts-file", f"{path}: a line nests too deep to be one JSON string") from None
         if not all(isinstance(p, str) for p in prompts):
             raise InvalidArgument("--prompts-file", f"{path}: every line must be a JSON string")
     else:
@@ -75,6 +77,15 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     if not prompts:
         raise InvalidArgument("--prompts-file", f"{path} holds no prompt")
     return prompts
+
+
+def _check_utf8(field: str, texts: list[str]) -> None:
+    """Text from the command line is UTF-8 (bytes that are not reach Python as lone surrogates)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(field, f"not UTF-8 text (character {e.start})") from None
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -179,6 +190,8 @@ def _print_results(args: argparse.Namespace, results: list[dict], streamed: bool
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
+    for field, texts in (("prompt", prompts), ("--stop", args.stop or [])):
+        _check_utf8(field, texts)
     if args.server:
         if args.target or args.drafter or args.method:
             raise InvalidArgument("--server", "the server has its models: drop --target, --drafter and --method")
@@ -269,8 +282,14 @@ def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
     from blockspec.services import launch
 
+    from blockspec.common.grpc_server import BindError
+
     launch.watch_supervisor()  # before loading: a server gone meanwhile ends this role too
-    launch.run_role_process(args.role, launch.role_service(args), args.host, args.port, args.unix_socket)
+    try:
+        launch.run_role_process(args.role, launch.role_service(args), args.host, args.port, args.unix_socket)
+    except BindError as e:  # a host not ours, a port taken, a socket path whose directory is missing
+        print(f"blockspec: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -315,23 +334,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", help="one prompt per line (.jsonl: one JSON string per line); all run "
                      "concurrently in batched steps")
     gen.add_argument("--target", help="target checkpoint directory (HF layout)")
-    gen.add_argument("--server", help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
+    gen.add_argument("--server", type=address, help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
     gen.add_argument("--timeout", type=seconds, default=600, help="--server: deadline per request in seconds")
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
-    gen.add_argument("-k", type=int, help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")
-    gen.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    gen.add_argument("-k", type=bounded(0, UINT32), help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")
+    gen.add_argument("--max-tokens", type=bounded(1, UINT32), default=128, help="new tokens per prompt (default 128)")
     gen.add_argument("--stop", action="append", help="stop sequence (text; repeatable): the output ends before it")
     samp = gen.add_argument_group("sampling (defaults: greedy; see README, Sampling)")
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     samp.add_argument("--top-p", type=float, default=1.0)
-    samp.add_argument("--top-k", type=int, default=0, help="0 = off")
-    samp.add_argument("--seed", type=int, help="same seed -> same text (rule strict: with or without speculation)")
+    samp.add_argument("--top-k", type=bounded(0, UINT32), default=0, help="0 = off")
+    samp.add_argument("--seed", type=bounded(0, UINT64), help="same seed -> same text (rule strict: with or without speculation)")
     samp.add_argument("--rule", choices=RULES, default="rejection", help="verification rule when sampling")
     samp.add_argument("--repetition-penalty", type=float, default=1.0, help="HF semantics over prompt + output; 1 = off")
     samp.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics over the output")
     samp.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics over the output")
-    samp.add_argument("--no-repeat-ngram-size", type=int, default=0, help="ban repeating an n-gram of prompt + output")
+    samp.add_argument("--no-repeat-ngram-size", type=bounded(0, UINT32), default=0, help="ban repeating an n-gram of prompt + output")
     samp.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS", help="add BIAS to a token's logit (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     gen.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=16, help="requests stepped together (default 16)")
@@ -339,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
-    gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice, one per core)")
+    gen.add_argument("--threads", type=threads, help="torch CPU threads (default: torch's choice, one per core)")
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.add_argument("--prompt-lookup", action="store_true",
                      help="draft a repeat of the context by n-gram lookup; the drafter drafts the other requests")
@@ -355,8 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grpc-port", type=port, help="gRPC port (default: server.grpc_port, 8001)")
     sv.add_argument("--no-ray", action="store_true", help="run the roles as plain supervised processes")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    sv.add_argument("--verifier-address", help="HOST:PORT of a running verifier role: start only the router")
-    sv.add_argument("--drafter-address", help="HOST:PORT of a running drafter role (with --verifier-address)")
+    sv.add_argument("--verifier-address", type=address, help="HOST:PORT of a running verifier role: start only the router")
+    sv.add_argument("--drafter-address", type=address, help="HOST:PORT of a running drafter role (with --verifier-address)")
     sv.set_defaults(func=cmd_serve)
     add_perf_commands(sub)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")

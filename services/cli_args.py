@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
+
+from blockspec.common.errors import InvalidArgument
 
 
 def port(value: str) -> int:
@@ -26,9 +29,43 @@ def bounded(low: int, high: int | None = None):
     return number
 
 
-def seconds(value: str) -> float:
+def address(value: str) -> str:
+    """argparse type: HOST:PORT (port 1..65535; gRPC would wrap 99999 to 34463) or unix:PATH."""
+    if value.startswith("unix:") and len(value) > len("unix:"):
+        return value
+    host, sep, number = value.rpartition(":")
+    if not (sep and host.strip() and number.isdecimal() and number.isascii() and 1 <= int(number) <= 65535):
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port 1..65535) or unix:PATH")
+    return value
+
+
+MAX_THREADS = 256  # --threads: past a few thousand, OpenMP cannot create them (20,000: an error; 100,000: a crash)
+UINT32, UINT64 = 2**32 - 1, 2**64 - 1  # the gRPC API's integer fields (a larger value cannot be sent at all)
+
+
+def threads(value: str) -> int:
+    """argparse type: torch CPU threads, 1..MAX_THREADS."""
+    return bounded(1, MAX_THREADS)(value)
+
+
+def seconds(value: str, unit: str = "seconds") -> float:
     """argparse type: a finite time > 0."""
     number = float(value)
     if not math.isfinite(number) or number <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a time in seconds > 0")
+        raise argparse.ArgumentTypeError(f"{value} is not a time in {unit} > 0")
     return number
+
+
+def minutes(value: str) -> float:
+    """argparse type: a finite time > 0, in minutes."""
+    return seconds(value, "minutes")
+
+
+def out_dir(text: str) -> Path:
+    """--out, made now: a path that cannot be a directory fails before the run, not after it (InvalidArgument)."""
+    out = Path(text)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgument("--out", f"cannot make directory {text!r}: {e.strerror or e}") from None
+    return out

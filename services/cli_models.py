@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.cli_args import bounded, minutes, out_dir, threads
 
 
 def add_model_commands(sub) -> None:
@@ -16,8 +17,8 @@ def add_model_commands(sub) -> None:
     bd.add_argument("--profile", choices=("tiny", "base"), default="base", help="tiny: <1 min, tests; base: hours")
     bd.add_argument("--home", help="where pairs live (default: $BLOCKSPEC_HOME or the repository's models/)")
     bd.add_argument("--work", default=".cache/default-pair/base", help="base: resumable training directory")
-    bd.add_argument("--minutes", type=float, default=125, help="base: target training budget")
-    bd.add_argument("--threads", type=int, default=2)
+    bd.add_argument("--minutes", type=minutes, default=125, help="base: target training budget")
+    bd.add_argument("--threads", type=threads, default=2)
     bd.add_argument("--json", action="store_true", help='last line: {"target": DIR, "drafter": DIR}')
     bd.set_defaults(func=cmd_build_default)
     ba = sub.add_parser("build-assistant", help="train the base pair's small causal draft model (draft_model, "
@@ -25,8 +26,8 @@ def add_model_commands(sub) -> None:
     ba.add_argument("--home", help="where pairs live (default: $BLOCKSPEC_HOME or the repository's models/)")
     ba.add_argument("--work", default=".cache/default-pair/base", help="the base pair's training directory (its data; "
                     "the assistant's checkpoint goes there: a rerun resumes)")
-    ba.add_argument("--steps", type=int, help="training steps (default: the shipped assistant's 4000, ~40 min on one core)")
-    ba.add_argument("--threads", type=int, default=1)
+    ba.add_argument("--steps", type=bounded(1), help="training steps (default: the shipped assistant's 4000, ~40 min on one core)")
+    ba.add_argument("--threads", type=threads, default=1)
     ba.set_defaults(func=cmd_build_assistant)
     info = sub.add_parser("info", help="model card of a pair directory (or of a target or drafter checkpoint)")
     info.add_argument("path")
@@ -35,13 +36,13 @@ def add_model_commands(sub) -> None:
     td.add_argument("--target", required=True)
     td.add_argument("--out", required=True)
     td.add_argument("--text-file", nargs="+", required=True, help="text files or directories: prompt source")
-    td.add_argument("--prompts", type=int, default=512, help="prompts whose greedy continuations supervise")
-    td.add_argument("--prompt-len", type=int, default=64)
-    td.add_argument("--new-tokens", type=int, default=128)
-    td.add_argument("--steps", type=int, default=2000)
-    td.add_argument("--block-size", type=int, default=8)
-    td.add_argument("--layers", type=int, default=1)
-    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--prompts", type=bounded(1), default=512, help="prompts whose greedy continuations supervise")
+    td.add_argument("--prompt-len", type=bounded(1), default=64)
+    td.add_argument("--new-tokens", type=bounded(1), default=128)
+    td.add_argument("--steps", type=bounded(1), default=2000)
+    td.add_argument("--block-size", type=bounded(2, 64), default=8, help="anchor + draft slots (k up to block size - 1)")
+    td.add_argument("--layers", type=bounded(1, 64), default=1)
+    td.add_argument("--seed", type=bounded(0, 2**32 - 1), default=0)
     td.set_defaults(func=cmd_train_drafter)
     dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "
                         "(draft_vocab.json in its directory; README, 'The DFlash-2 block drafter')")
@@ -72,7 +73,7 @@ def cmd_build_assistant(args: argparse.Namespace) -> int:
         raise InvalidArgument("--home", f"{paths.root}: no built base pair (run build-default first)")
     if not (Path(args.work) / "data" / "train.npy").is_file():
         raise InvalidArgument("--work", f"{args.work}: no training data of the base pair (data/train.npy)")
-    card = build_assistant(paths, Path(args.work), AssistantConfig(**({"steps": args.steps} if args.steps else {})), args.threads)
+    card = build_assistant(paths, Path(args.work), AssistantConfig(**({"steps": args.steps} if args.steps is not None else {})), args.threads)
     print(f"assistant: {paths.assistant}\ntau (draft_model): " +
           ", ".join(f"k={r['k']} {r['tau']}" for r in card["assistant_tau"]))
     return 0
@@ -91,6 +92,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from blockspec.services.drafter.dflash.train import DistillConfig
 
     tokenizer = load_checkpoint(args.target).tokenizer
+    out_dir(args.out)  # before the training, not after it
     ids = tokenizer.encode("\n".join(_read_texts(args.text_file)))
     if len(ids) < args.prompt_len + 1:
         raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from blockspec.common.device import add_device_args, resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli_args import bounded
+from blockspec.services.cli_args import address, bounded, out_dir, threads
 
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
@@ -44,12 +44,12 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--request-rates", help="comma list of requests per second: also run open loop, requests arriving "
                     "at each rate (Poisson, the same times for every mode), TTFT from arrival (engine modes; --server too)")
     bn.add_argument("--max-concurrency", type=int, default=16, help="open loop: requests in flight at most (default 16)")
-    bn.add_argument("--server", help="HOST:PORT: measure a running server instead (its method, --server-k values)")
+    bn.add_argument("--server", type=address, help="HOST:PORT: measure a running server instead (its method, --server-k values)")
     bn.add_argument("--server-k", help="--server: comma list of num_speculative_tokens per request (0: plain decoding "
                     "on any server, the baseline of the ratios and of `exact`; default 0 and the server's default k, "
                     "0 alone on a server without a drafter)")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
-    bn.add_argument("--threads", type=int, help="torch CPU threads")
+    bn.add_argument("--threads", type=threads, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median pass is "
                     "reported (of an even number, the faster middle one)")
     bn.add_argument("--waves", type=int, default=4, help="a pass at concurrency c serves at least WAVES x c requests "
@@ -76,8 +76,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rates = _rate_list(args.request_rates) if args.request_rates else []
     cap = _int_list("--max-concurrency", str(args.max_concurrency))[0]
     if args.server is not None:
-        if not args.server.strip():
-            raise InvalidArgument("--server", "give HOST:PORT of a running server")
         return _bench_server(args, concurrency, rounds, waves, rates, cap)
     from blockspec.common.models import load_checkpoint
 
@@ -85,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
     modes = bench.parse_modes(args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else ""))
-    out = _out_dir(args.out)
+    out = out_dir(args.out)
     result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, modes,
                              concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
                              rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype),
@@ -102,7 +100,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     import grpc
 
     ks = _int_list("--server-k", args.server_k, minimum=0) if args.server_k else None
-    out = _out_dir(args.out)
+    out = out_dir(args.out)
     try:
         rows, rate_rows, prompts = _server_passes(args, ks, concurrency, rounds, waves, rates, cap)
     except grpc.RpcError as e:
@@ -168,16 +166,6 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def _out_dir(text: str) -> Path:
-    """--out, made now: a path that cannot be a directory fails before the run, not after it."""
-    out = Path(text)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InvalidArgument("--out", f"cannot make directory {text!r}: {e.strerror or e}") from None
-    return out
-
-
 def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:
     """Comma-separated integers of at least `minimum`, each once."""
     try:
@@ -219,4 +207,4 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     if not sizes or unknown:
         raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
     resolve_device(args.device)
-    return gpu_check.main(sizes, args.device, Path(args.out) if args.out else None)
+    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None)

@@ -26,7 +26,7 @@ from blockspec.common.models import load_checkpoint
 from blockspec.common.tensor_share import remove_orphans
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.services.drafter.proposers import verifier_needs
+from blockspec.services.drafter.proposers import check_method, verifier_needs
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.engine import DEFAULT_K, serving_len
 from blockspec.services.router.app import RouterServer, close_roles, start_router
@@ -58,6 +58,7 @@ def context_len(target: str, max_len: int | None) -> int:
 
 def role_service(args) -> VerifierService | DrafterService:
     """The service of `blockspec role verifier|drafter ...` arguments."""
+    check_method(args.method, args.drafter)  # a dflash verifier without its drafter cannot know its taps
     device, dtype = resolve_device(args.device, args.dtype)
     if args.role == "verifier":
         return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,

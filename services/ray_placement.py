@@ -198,7 +198,7 @@ def _join(ray, address: str) -> None:
             raise InvalidArgument("--ray-address", f"{address}: no Ray cluster answers there ({e.strerror or e})") from None
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:  # ValueError: an address Ray cannot read
         why = str(e).splitlines()[0]
         if e.__cause__ is not None and str(e.__cause__).strip():  # Ray's reason is the last line of its cause
             why += "; " + str(e.__cause__).strip().splitlines()[-1].strip()

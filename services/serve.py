@@ -61,6 +61,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
     puts every replica there, Ray gives each its own)."""
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
+    _check_context(m.target_model_path, m.max_model_len)
     if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):  # one verify width / a table up to k + 1
         other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
         raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
@@ -97,6 +98,20 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
         drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
         drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
     return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+
+
+def _check_context(target: str, max_model_len: int | None) -> None:
+    """model.max_model_len within the target's context, before any role starts (a role would refuse it, seconds
+    later, naming its own flag)."""
+    from blockspec.common.models import parse_config as parse_model_config
+    from blockspec.services.engine import serving_len
+
+    if max_model_len is None:
+        return
+    try:
+        serving_len(parse_model_config(read_config(Path(target)), Path(target)).max_position_embeddings, max_model_len)
+    except InvalidArgument as e:
+        raise InvalidArgument("model.max_model_len", e.message) from None
 
 
 def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> None:

@@ -16,41 +16,61 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _read(file: Path) -> dict:
+    """A JSON object from `file`, or InvalidArgument naming the file."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InvalidArgument("path", f"{file}: not readable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument("path", f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def describe(path: Path) -> str:
     """The card of a pair (card.json written by build-default), or the basics of one checkpoint."""
     if (path / "card.json").is_file():
-        c = json.loads((path / "card.json").read_text())
-        lines = [
-            f"pair: {path}",
-            f"target parameters:  {c['target_parameters']:,}",
-            f"drafter parameters: {c['drafter_parameters']:,} ({100 * c['drafter_share_of_target']:.1f}% of the target; "
-            "embedding and LM head are the target's)",
-            *([f"draft vocabulary: {v['size']:,} of {v['vocab_size']:,} tokens, {v['coverage']:.1%} of {v['source']}"]
-              if (v := c.get("draft_vocab")) else []),
-            f"target training tokens: {c['training_tokens']}",
-            f"target held-out loss:   {c['heldout_loss'] or 'n/a'} nats/token",
-            f"loop share of greedy output on {c['eval_prompts']} held-out prompts: {c['loop_share']:.1%}",
-            f"tau on the same prompts ({c['max_tokens']} new tokens each):",
-            *_table(c["tau"]),
-            "ablation at k=5 (modules switched off at inference on the same trained drafter):",
-            "| dynamic conv | path selector | tau | acceptance rate |",
-            "|---|---|---|---|",
-            *(f"| {a['dynamic_conv']} | {a['path_selector']} | {a['tau']:.2f} | {a['acceptance_rate']} |"
-              for a in c.get("ablation_k5", [])),
-        ]
-        if c.get("assistant_tau"):
-            lines += [f"assistant (a separate causal LM, {c['assistant_parameters']:,} parameters; method draft_model, "
-                      "transformers assisted generation):", *_table(c["assistant_tau"])]
-        return "\n".join(lines)
+        card = _read(path / "card.json")
+        try:
+            return _card(path, card)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a key missing or of another type
+            raise InvalidArgument("path", f"{path / 'card.json'}: not a card build-default writes "
+                                          f"({type(e).__name__}: {e})") from None
     if not (path / "config.json").is_file():
         raise InvalidArgument("path", f"{path} holds neither card.json nor config.json")
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = _read(path / "config.json")
     training = path / "training.json"
     lines = [f"checkpoint: {path}", f"architectures: {cfg.get('architectures')}",
              f"hidden {cfg.get('hidden_size')}, layers {cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}"]
     if "dflash_config" in cfg:
         lines.append(f"dflash_config: {json.dumps(cfg['dflash_config'])}")
     if training.is_file():
-        t = json.loads(training.read_text())
+        t = _read(training)
         lines.append(f"training tokens {t.get('tokens_seen')}, held-out loss {t.get('heldout_loss')}, loop share {t.get('loop_share')}")
+    return "\n".join(lines)
+
+
+def _card(path: Path, c: dict) -> str:
+    """A pair's card.json, readable."""
+    lines = [
+        f"pair: {path}",
+        f"target parameters:  {c['target_parameters']:,}",
+        f"drafter parameters: {c['drafter_parameters']:,} ({100 * c['drafter_share_of_target']:.1f}% of the target; "
+        "embedding and LM head are the target's)",
+        *([f"draft vocabulary: {v['size']:,} of {v['vocab_size']:,} tokens, {v['coverage']:.1%} of {v['source']}"]
+          if (v := c.get("draft_vocab")) else []),
+        f"target training tokens: {c['training_tokens']}",
+        f"target held-out loss:   {c['heldout_loss'] or 'n/a'} nats/token",
+        f"loop share of greedy output on {c['eval_prompts']} held-out prompts: {c['loop_share']:.1%}",
+        f"tau on the same prompts ({c['max_tokens']} new tokens each):",
+        *_table(c["tau"]),
+        "ablation at k=5 (modules switched off at inference on the same trained drafter):",
+        "| dynamic conv | path selector | tau | acceptance rate |",
+        "|---|---|---|---|",
+        *(f"| {a['dynamic_conv']} | {a['path_selector']} | {a['tau']:.2f} | {a['acceptance_rate']} |"
+          for a in c.get("ablation_k5", [])),
+    ]
+    if c.get("assistant_tau"):
+        lines += [f"assistant (a separate causal LM, {c['assistant_parameters']:,} parameters; method draft_model, "
+                  "transformers assisted generation):", *_table(c["assistant_tau"])]
     return "\n".join(lines)

@@ -109,3 +109,14 @@ def test_a_merge_key_may_be_overridden_without_counting_as_twice(tmp_path):
                     "num_speculative_tokens: 4}\nx: *s\n")
     with pytest.raises(InvalidArgument, match="x: unknown key"):  # parsed: only the config's own check refuses it
         load_config(path)
+
+
+def test_a_value_built_of_yaml_aliases_is_named_in_one_short_line(tmp_path):
+    """A 500-byte file of nested aliases is a value of 10^8 strings: its error once took minutes and a 72 MB line."""
+    path = tmp_path / "config.yaml"
+    levels = [f'  l{i}: &l{i} [{", ".join([f"*l{i - 1}"] * 10)}]' for i in range(1, 9)]
+    path.write_text("anchors:\n  l0: &l0 [" + ", ".join(['"lol"'] * 10) + "]\n" + "\n".join(levels)
+                    + "\nmodel:\n  target_model_path: *l8\n")
+    with pytest.raises(InvalidArgument) as e:
+        load_config(path)
+    assert "model.target_model_path: [[[...], " in str(e.value) and len(str(e.value)) < 1000

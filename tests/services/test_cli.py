@@ -87,9 +87,7 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
     [
         (["", "--method", "ngram"], "prompt: must not be empty"),
         (["x " * 600, "--method", "ngram"], "do not fit the model's context"),
-        (["hi", "--max-tokens", "0"], "max_tokens: must be at least 1"),
         (["hi", "--max-tokens", "600"], "max_tokens: prompt"),
-        (["hi", "--method", "ngram", "-k", "-1"], "k: must be between 0 (plain decoding) and 16"),
         (["hi", "--method", "ngram", "-k", "17"], "k: must be between 0 (plain decoding) and 16"),
         (["hi", "--method", "none", "-k", "3"], "k: this method drafts nothing"),
         (["hi", "--method", "ngram", "--drafter", "DRAFTER"], "drafter: method 'ngram' takes no drafter"),
@@ -104,7 +102,8 @@ def test_prompts_file_runs_concurrently_one_json_line_each(capsys, tiny_models, 
         (["hi", "--method", "ngram", "--stop", ""], "--stop: stop sequences must not be empty"),
         (["hi", "--method", "ngram", *["--stop", "x"] * 65], "--stop: at most 64 stop sequences"),
         (["hi", "--method", "ngram", "--max-model-len", "99999"], "max_model_len: 99999 exceeds the model's context of"),
-        (["hi", "--method", "ngram", "--threads", "0"], "--threads: must be at least 1, got 0"),
+        (["\udcff", "--method", "ngram"], "prompt: not UTF-8 text (character 0)"),  # byte 0xff, as argv brings it
+        (["hi", "--method", "ngram", "--stop", "a\udcff"], "--stop: not UTF-8 text (character 1)"),
         *([] if torch.cuda.is_available() else
           [(["hi", "--method", "ngram", "--device", "cuda"], "--device: 'cuda': CUDA is not available on this machine")]),
     ],
@@ -168,6 +167,24 @@ def test_a_stop_sequence_in_the_last_step_ends_the_text(capsys, tiny_models, tok
     (["role", "verifier", "--target", "t", "--method", "none", "--port", "65536"], "argument --port: 65536 is not a port"),
     (["check-invariance", "--target", "t", "--text-file", "f", "-k", "0"], "argument -k: 0 is out of range: at least 1"),
     (["check-invariance", "--target", "t", "--text-file", "f", "--sequences", "0"], "argument --sequences: 0 is out"),
+    # Values the gRPC API's fields cannot hold (a traceback from the protobuf with --server), threads OpenMP cannot make
+    (["generate", "hi", "--server", "h:1", "--max-tokens", "-1"], "argument --max-tokens: -1 is out of range: 1..4294967295"),
+    (["generate", "hi", "--server", "h:1", "-k", "-1"], "argument -k: -1 is out of range"),
+    (["generate", "hi", "--server", "h:1", "--top-k", "99999999999"], "argument --top-k: 99999999999 is out of range"),
+    (["generate", "hi", "--server", "h:1", "--seed", "-1"], "argument --seed: -1 is out of range: 0..18446744073709551615"),
+    (["generate", "hi", "--server", "h:1", "--no-repeat-ngram-size", "-2"], "argument --no-repeat-ngram-size: -2 is out"),
+    (["generate", "hi", "--threads", "100000"], "argument --threads: 100000 is out of range: 1..256"),
+    (["bench", "--threads", "0"], "argument --threads: 0 is out of range: 1..256"),
+    (["build-default", "--threads", "0"], "argument --threads: 0 is out of range"),
+    (["build-default", "--minutes", "-1"], "argument --minutes: -1 is not a time in minutes > 0"),
+    (["build-assistant", "--steps", "0"], "argument --steps: 0 is out of range: at least 1"),  # was: the default 4,000
+    *[(["train-drafter", "--target", "t", "--out", "o", "--text-file", "f", flag, value], f"argument {flag}: {value} is out")
+      for flag, value in (("--prompts", "0"), ("--prompt-len", "0"), ("--steps", "0"), ("--block-size", "1"),
+                          ("--layers", "0"), ("--seed", "-1"), ("--new-tokens", "0"))],
+    # An address whose port gRPC would wrap (99999 -> 34463), or none at all
+    (["generate", "hi", "--server", "127.0.0.1:99999"], "argument --server: '127.0.0.1:99999' is not HOST:PORT"),
+    (["bench", "--server", ""], "argument --server: '' is not HOST:PORT"),
+    (["serve", "--config", "c.yaml", "--verifier-address", "v"], "argument --verifier-address: 'v' is not HOST:PORT"),
 ])
 def test_flags_out_of_range_are_refused_before_anything_runs(capsys, argv, message):
     """Before: --port 70000 a traceback (HTTP) or a wrapped port (gRPC: 4464), --max-model-len -3 a traceback,
@@ -185,7 +202,7 @@ def test_a_prompts_file_that_is_not_utf8_exits_2(capsys, tiny_models, tmp_path):
 
 
 def test_bench_refuses_bad_counts(capsys):
-    for flag, value in (("--threads", "0"), ("--num-prompts", "0"), ("--num-prompts", "-3")):
+    for flag, value in (("--num-prompts", "0"), ("--num-prompts", "-3")):
         code, out, err = run_cli(capsys, "bench", flag, value, "--modes", "none", "--concurrency", "1")
         assert code == 2 and f"{flag}: must be at least 1, got {value}" in err
 
@@ -197,3 +214,36 @@ def test_serve_refuses_flags_that_do_not_go_together(capsys):
                            (["--ray-address", "127.0.0.1:1"], "--ray-address: 127.0.0.1:1: no Ray cluster answers there")):
         code, out, err = run_cli(capsys, "serve", "--config", config, *extra)
         assert code == 2 and message in err
+    code, out, err = run_cli(capsys, "serve", "--config", config, "--ray-address", "garbage")  # Ray's ValueError
+    assert code == 1 and "--ray-address garbage: cannot join the Ray cluster: Invalid address format" in err
+
+
+def test_bad_files_and_places_are_one_line_naming_them(capsys, tmp_path, tiny_models):
+    """A prompts file nested past Python's recursion limit, a card or config that is not what build-default writes,
+    train-drafter's --out on a file (found before the training, not after it)."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 200_000 + "\n")
+    code, _, err = run_cli(capsys, "generate", "--prompts-file", str(deep), "--target", "t")
+    assert code == 2 and "--prompts-file: " in err and "nests too deep" in err
+    for name, content, message in (("card.json", "{}", "not a card build-default writes (KeyError: 'target_parameters')"),
+                                   ("card.json", "[1]", "expected a JSON object, got list"),
+                                   ("card.json", "\udcff", "not readable JSON"),
+                                   ("config.json", '{"a":', "not readable JSON")):
+        pair = tmp_path / f"pair-{name}-{len(content)}"
+        pair.mkdir()
+        (pair / name).write_bytes(content.encode("utf-8", "surrogateescape"))
+        code, _, err = run_cli(capsys, "info", str(pair))
+        assert code == 2 and err.startswith(f"blockspec: error: path: {pair / name}: ") and message in err, err
+    code, _, err = run_cli(capsys, "train-drafter", "--target", str(tiny_models["qwen3"]["target"]),
+                           "--out", str(deep), "--text-file", str(deep))
+    assert code == 2 and f"--out: cannot make directory '{deep}'" in err
+
+
+def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models):
+    target = str(tiny_models["qwen3"]["target"])
+    for argv, code, message in ((["--method", "dflash"], 2, "drafter: method 'dflash' needs a drafter"),
+                                (["--method", "none", "--host", "999.9.9.9"], 1, "cannot bind 999.9.9.9:0")):
+        proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "role", "verifier", "--target", target,
+                               *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code and proc.stderr.strip().splitlines()[-1].startswith("blockspec: error: "), proc.stderr
+        assert message in proc.stderr

@@ -239,3 +239,11 @@ def test_sampling_on_cuda_runs_its_rules_on_the_host(tiny_models, dflash_drafter
         assert all(outs)
         if rule == "strict":
             assert outs[0] == outs[1]
+
+
+def test_a_max_model_len_past_the_target_s_context_is_refused_by_the_plan(tiny_models, dflash_drafters):
+    """Before: both roles started, and the verifier refused it naming its own flag, exit code 1."""
+    with pytest.raises(InvalidArgument) as e:
+        plan(config(tiny_models, dflash_drafters, max_model_len=99999))
+    assert e.value.field == "model.max_model_len" and "99999 exceeds the model's context" in e.value.message
+    assert plan(config(tiny_models, dflash_drafters, max_model_len=64))
