@@ -97,6 +97,8 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             bias.append((int(token), float(value)))
         except ValueError:
             raise InvalidArgument("--logit-bias", f"expected TOKEN_ID=BIAS, got {item!r}") from None
+        if bias[-1][0] in dict(bias[:-1]):  # a map on the wire: one bias per token
+            raise InvalidArgument("--logit-bias", f"token {bias[-1][0]} is given twice")
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, rule=args.rule,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -200,6 +202,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidArgument("--target", "give a target checkpoint directory (or --server HOST:PORT)")
     from blockspec.services.engine import Engine
 
+    if args.prompt_lookup_tokens and not args.prompt_lookup:  # it would be ignored
+        raise InvalidArgument("--prompt-lookup-tokens", "goes with --prompt-lookup")
     set_threads(args.threads)
     method = args.method or default_method(args.drafter)
     device, dtype = resolve_device(args.device, args.dtype)
@@ -338,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=seconds, default=600, help="--server: deadline per request in seconds")
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
-    gen.add_argument("-k", type=bounded(0, UINT32), help=f"draft tokens per step, 1..{MAX_K} (dflash: 1..block_size-1; default 5)")
+    gen.add_argument("-k", type=bounded(0, UINT32), help=f"draft tokens per step, 0..{MAX_K} (0: plain decoding; dflash: "
+                     "up to block_size-1; default 5)")
     gen.add_argument("--max-tokens", type=bounded(1, UINT32), default=128, help="new tokens per prompt (default 128)")
     gen.add_argument("--stop", action="append", help="stop sequence (text; repeatable): the output ends before it")
     samp = gen.add_argument_group("sampling (defaults: greedy; see README, Sampling)")

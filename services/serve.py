@@ -62,6 +62,9 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
     _check_context(m.target_model_path, m.max_model_len)
+    if spec.prompt_lookup_tokens and not spec.prompt_lookup:  # it would be ignored
+        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens", f"{spec.prompt_lookup_tokens} is not allowed "
+                                                                        "without model.spec_decode.prompt_lookup: true")
     if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):  # one verify width / a table up to k + 1
         other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
         raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",

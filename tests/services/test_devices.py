@@ -60,6 +60,8 @@ def test_longer_lookup_drafts_are_refused_in_invariant_mode_and_with_adaptive_k(
     with pytest.raises(InvalidArgument, match="16 is not allowed with model.spec_decode.adaptive_k: true"):
         plan(cfg)
     assert plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16}))
+    with pytest.raises(InvalidArgument, match="16 is not allowed without model.spec_decode.prompt_lookup: true"):
+        plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup_tokens": 16}))  # it would be ignored
 
 
 def test_a_drafter_the_roles_would_refuse_is_refused_by_the_plan(tiny_models, dflash_drafters):
