@@ -72,8 +72,9 @@ def parse_modes(text: str) -> list[Mode]:
         bad_tokens = any(not 1 <= int(t) <= MAX_LOOKUP_TOKENS for t in tokens) or (tokens and "adaptive" in flags)
         if flags and not (known and fits and not {"adaptive", "replay"} <= set(flags)) or bad_tokens:
             raise InvalidArgument("--modes", f"{item!r}: engine methods take ':adaptive' or ':replay', and those with a "
-                                             f"model drafter ':lookup' or ':lookupN' (N: 1..{MAX_LOOKUP_TOKENS} tokens a lookup drafts, "
-                                             "not with adaptive) too (e.g. dflash:7:lookup:adaptive, dflash:7:lookup16)")
+                                             "model drafter ':lookup' or ':lookupN' (N: 1.."
+                                             f"{MAX_LOOKUP_TOKENS} tokens a lookup drafts, not with adaptive) too "
+                                             "(e.g. dflash:7:lookup:adaptive, dflash:7:lookup16)")
         try:
             if k and not k.isascii():  # int() reads other scripts' digits too
                 raise ValueError(k)

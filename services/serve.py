@@ -62,13 +62,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
     _check_context(m.target_model_path, m.max_model_len)
-    if spec.prompt_lookup_tokens and not spec.prompt_lookup:  # it would be ignored
-        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens", f"{spec.prompt_lookup_tokens} is not allowed "
-                                                                        "without model.spec_decode.prompt_lookup: true")
-    if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):  # one verify width / a table up to k + 1
-        other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
-        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
-                              f"{spec.prompt_lookup_tokens} is not allowed with {other}: true (wider verifies than k + 1)")
+    _check_lookup_tokens(cfg)
     if spec.enabled and m.draft_model_path:
         _check_dir("model.draft_model_path", m.draft_model_path)
     if not spec.enabled:
@@ -101,6 +95,19 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
         drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
         drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
     return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+
+
+def _check_lookup_tokens(cfg: BlockspecConfig) -> None:
+    """spec_decode.prompt_lookup_tokens only with prompt lookup on (else it would be ignored), and not where a verify
+    has one width (model.invariant) or adaptive k's table stops at k + 1."""
+    m, spec = cfg.model, cfg.model.spec_decode
+    if spec.prompt_lookup_tokens and not spec.prompt_lookup:
+        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens", f"{spec.prompt_lookup_tokens} is not allowed "
+                                                                        "without model.spec_decode.prompt_lookup: true")
+    if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):
+        other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
+        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
+                              f"{spec.prompt_lookup_tokens} is not allowed with {other}: true (wider verifies than k + 1)")
 
 
 def _check_context(target: str, max_model_len: int | None) -> None:
