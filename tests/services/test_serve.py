@@ -276,8 +276,9 @@ def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys)
     assert out["token_ids"] == hf_greedy(tiny_models["qwen3"]["target"], tokenizer.encode("def f(x):"), 24)
     assert out["stats"]["drafted"] > 0 and set(out["stats"]) >= {"tau", "acceptance_rate", "accepted_per_pos"}
     assert 0 < out["stats"]["ttft_s"] < out["stats"]["elapsed_s"]  # as the client saw it
-    assert main(["generate", "hi", "--server", address, "--max-tokens", "0"]) == 2
-    assert "max_tokens: must be at least 1" in capsys.readouterr().err
+    assert main(["generate", "hi", "--server", address, "-k", "99"]) == 2  # the server's INVALID_ARGUMENT, one line
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("blockspec: error: ") and "num_speculative_tokens" in last, last
 
 
 def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
