@@ -174,9 +174,7 @@ def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:
         raise InvalidArgument(flag, f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < minimum for v in values):
         raise InvalidArgument(flag, f"expected integers of at least {minimum}, got {text!r}")
-    if len(set(values)) < len(values):
-        raise InvalidArgument(flag, f"each value once, got {text!r}")
-    return values
+    return _once(flag, values, text)
 
 
 def _rate_list(text: str) -> list[float]:
@@ -186,8 +184,13 @@ def _rate_list(text: str) -> list[float]:
         raise InvalidArgument("--request-rates", f"expected comma-separated numbers, got {text!r}") from None
     if not values or not all(0 < v < float("inf") for v in values):
         raise InvalidArgument("--request-rates", f"expected positive finite requests per second, got {text!r}")
+    return _once("--request-rates", values, text)
+
+
+def _once(flag: str, values: list, text: str) -> list:
+    """values, if none is given twice (a repeated one gave duplicate rows, mixed with another block's cost slices)."""
     if len(set(values)) < len(values):
-        raise InvalidArgument("--request-rates", f"each value once, got {text!r}")
+        raise InvalidArgument(flag, f"each value once, got {text!r}")
     return values
 
 
