@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -46,5 +48,22 @@ def _bind(server: grpc.aio.Server, address: str) -> int:
     except RuntimeError:  # grpc's "Failed to bind to address"
         bound = 0
     if bound == 0:
-        raise BindError(f"cannot bind {address} (in use by another process?)")
+        raise BindError(f"cannot bind {address} ({bind_problem(address)})")
     return bound
+
+
+def bind_problem(address: str) -> str:
+    """Why HOST:PORT or unix:PATH cannot be bound, as the system says it (grpc does not): a bind attempt of
+    our own, e.g. "Address already in use", "Cannot assign requested address" (a host not of this machine)."""
+    if address.startswith("unix:"):
+        directory = os.path.dirname(os.path.abspath(address[5:]))
+        return "no such directory" if not os.path.isdir(directory) else "the socket path cannot be bound"
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(where)
+    except OSError as e:  # socket.gaierror too: a host name that does not resolve
+        return str(e.strerror or e)
+    return "grpc refused it"

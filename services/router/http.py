@@ -81,6 +81,6 @@ def start_http(host: str, port: int, readiness: Callable[[], tuple[bool, str]], 
     try:
         server = make_server(host, port, app, server_class=_ThreadingServer, handler_class=_QuietHandler)
     except OSError as e:
-        raise BindError(f"cannot bind {host}:{port} for HTTP ({e.strerror or e}; in use by another process?)") from None
+        raise BindError(f"cannot bind {host}:{port} for HTTP ({e.strerror or e})") from None
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     return server
