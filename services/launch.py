@@ -21,12 +21,13 @@ import torch
 from blockspec.common import tracing
 from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
 from blockspec.common.device import claim_gpu_share, resolve as resolve_device
+from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
 from blockspec.common.tensor_share import remove_orphans
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.services.drafter.proposers import check_method, verifier_needs
+from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.engine import DEFAULT_K, serving_len
 from blockspec.services.router.app import RouterServer, close_roles, start_router
@@ -59,6 +60,9 @@ def context_len(target: str, max_len: int | None) -> int:
 def role_service(args) -> VerifierService | DrafterService:
     """The service of `blockspec role verifier|drafter ...` arguments."""
     check_method(args.method, args.drafter)  # a dflash verifier without its drafter cannot know its taps
+    if args.role == "drafter" and args.method == "none":  # serve starts no drafter role for plain decoding
+        raise InvalidArgument("--method", "a drafter role with method 'none' would draft nothing; choose one of "
+                                          f"{', '.join(m for m in METHODS if m != 'none')}")
     device, dtype = resolve_device(args.device, args.dtype)
     if args.role == "verifier":
         return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,

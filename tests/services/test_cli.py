@@ -243,9 +243,11 @@ def test_bad_files_and_places_are_one_line_naming_them(capsys, tmp_path, tiny_mo
 
 def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models):
     target = str(tiny_models["qwen3"]["target"])
-    for argv, code, message in ((["--method", "dflash"], 2, "drafter: method 'dflash' needs a drafter"),
-                                (["--method", "none", "--host", "999.9.9.9"], 1, "cannot bind 999.9.9.9:0")):
-        proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "role", "verifier", "--target", target,
-                               *argv], capture_output=True, text=True, timeout=120)
+    for argv, code, message in ((["verifier", "--method", "dflash"], 2, "drafter: method 'dflash' needs a drafter"),
+                                (["drafter", "--method", "none"], 2, "--method: a drafter role with method 'none' would"),
+                                (["verifier", "--method", "none", "--host", "192.0.2.1"], 1,
+                                 "cannot bind 192.0.2.1:0 (Cannot assign requested address)")):
+        proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "role", argv[0], "--target", target,
+                               *argv[1:]], capture_output=True, text=True, timeout=120)
         assert proc.returncode == code and proc.stderr.strip().splitlines()[-1].startswith("blockspec: error: "), proc.stderr
         assert message in proc.stderr
