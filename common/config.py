@@ -140,6 +140,8 @@ def _describe(error: dict) -> str:
 
 def parse_config(raw: object, source: str = "config") -> BlockspecConfig:
     """Validate a parsed YAML document; raises InvalidArgument listing every problem."""
+    if raw is None:  # an empty file, or only comments
+        raise InvalidArgument(source, "empty: expected a mapping at the top level (at least model.target_model_path)")
     if not isinstance(raw, dict):
         raise InvalidArgument(source, f"expected a mapping at the top level, got {type(raw).__name__}")
     try:
@@ -183,6 +185,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_config(path: str | Path) -> BlockspecConfig:
     p = Path(path)
+    if p.is_dir():
+        raise InvalidArgument(str(p), "is a directory: give the config file (YAML) itself")
     if not p.is_file():
         raise InvalidArgument(str(p), "config file not found")
     try:

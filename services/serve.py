@@ -67,6 +67,10 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
         _check_dir("model.draft_model_path", m.draft_model_path)
     if not spec.enabled:
         method, drafter = "none", None
+        ignored = sorted(spec.model_fields_set - {"enabled"})
+        if ignored:  # kept for when speculation is turned back on, but said: the server decodes plainly
+            log.warning("spec_decode.enabled is false: plain decoding; spec_decode.%s ignored",
+                        ", spec_decode.".join(ignored))
     else:
         drafter = m.draft_model_path
         method = spec.method or default_method(drafter)

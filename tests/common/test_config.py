@@ -71,6 +71,12 @@ def test_errors_name_key_value_and_allowed(patch, message):
 def test_missing_file_bad_yaml_and_missing_required_key(tmp_path):
     with pytest.raises(InvalidArgument, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(InvalidArgument, match="is a directory: give the config file"):
+        load_config(tmp_path)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing but a comment\n")
+    with pytest.raises(InvalidArgument, match="empty: expected a mapping at the top level"):
+        load_config(empty)
     bad = tmp_path / "bad.yaml"
     bad.write_text("server: [1, 2\n")
     with pytest.raises(InvalidArgument, match="not valid YAML"):

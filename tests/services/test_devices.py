@@ -249,3 +249,18 @@ def test_a_max_model_len_past_the_target_s_context_is_refused_by_the_plan(tiny_m
         plan(config(tiny_models, dflash_drafters, max_model_len=99999))
     assert e.value.field == "model.max_model_len" and "99999 exceeds the model's context" in e.value.message
     assert plan(config(tiny_models, dflash_drafters, max_model_len=64))
+
+
+def test_settings_of_a_disabled_spec_decode_are_said_to_be_ignored(tiny_models, dflash_drafters, caplog):
+    """spec_decode.enabled: false serves plain decoding (no drafter role); a method or k set beside it is kept for
+    when it is turned back on, and the log says it is ignored meanwhile."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="blockspec.services.serve")
+    p = plan(config(tiny_models, dflash_drafters, spec_decode={"enabled": False, "method": "dflash",
+                                                               "num_speculative_tokens": 7}))
+    assert p.method == "none" and p.drafter_argv is None
+    assert "spec_decode.method, spec_decode.num_speculative_tokens ignored" in caplog.text
+    caplog.clear()
+    plan(config(tiny_models, dflash_drafters, spec_decode={"enabled": False}))
+    assert "ignored" not in caplog.text
