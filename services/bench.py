@@ -41,7 +41,8 @@ class Mode:
 
     @property
     def label(self) -> str:
-        return (f"{self.name} k={self.k}" if self.k else self.name) + self.flag
+        """As the report's rows write it (their mode is name + flag): "dflash lookup k=7"."""
+        return self.name + self.flag + (f" k={self.k}" if self.k else "")
 
     @property
     def flag(self) -> str:

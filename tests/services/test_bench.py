@@ -15,13 +15,13 @@ from blockspec.services.cli import main
 def test_modes_parse_and_bad_ones_name_the_flag():
     assert parse_modes("none, dflash:5,hf-lookup:3,ngram:4:adaptive,dflash:7:replay") == [
         Mode("none"), Mode("dflash", 5), Mode("hf-lookup", 3), Mode("ngram", 4, adaptive=True), Mode("dflash", 7, replay=True)]
-    assert Mode("dflash", 7, replay=True).label == "dflash k=7 replay"
+    assert Mode("dflash", 7, replay=True).label == "dflash replay k=7"
     assert parse_modes("dflash:7:lookup,dflash:5:lookup:adaptive,draft_model:3:replay:lookup") == [
         Mode("dflash", 7, lookup=True), Mode("dflash", 5, adaptive=True, lookup=True),
         Mode("draft_model", 3, replay=True, lookup=True)]
-    assert Mode("dflash", 5, adaptive=True, lookup=True).label == "dflash k=5 lookup adaptive"
+    assert Mode("dflash", 5, adaptive=True, lookup=True).label == "dflash lookup adaptive k=5"
     assert parse_modes("dflash:7:lookup16") == [Mode("dflash", 7, lookup=True, lookup_tokens=16)]
-    assert Mode("dflash", 7, lookup=True, lookup_tokens=16).label == "dflash k=7 lookup16"
+    assert Mode("dflash", 7, lookup=True, lookup_tokens=16).label == "dflash lookup16 k=7"
     for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay",
                 "ngram:5:lookup", "none:1:lookup", "dflash:7:lookup:lookup", "dflash:7:adaptive:replay", "hf-lookup:3:lookup",
                 "dflash:7:lookup0", "dflash:7:lookupx", "dflash:7:lookup16:adaptive", "dflash:7:lookup:lookup16",
