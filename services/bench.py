@@ -239,6 +239,10 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     return run
 
 
+class ServerStreamError(RuntimeError):
+    """A server's stream that broke the API's contract (`bench --server` says so in one line, exit 1)."""
+
+
 def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int,
                     arrivals: Sequence[float] | None = None) -> tuple[Row, list]:
     """The same workload (`workload`'s requests) through a running server's gRPC API, `concurrency` streams at a
@@ -262,6 +266,8 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
                 first = time.perf_counter()
             ids += msg.token_ids
             finish = msg.finish if msg.HasField("finish") else finish
+        if finish is None:  # the server closed the stream cleanly without saying how the request ended
+            raise ServerStreamError(f"a stream ended after {len(ids)} tokens without its finish message")
         return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started)
 
     one(prompts[0])  # warm-up

@@ -99,6 +99,8 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
     import grpc
 
+    from blockspec.services import bench
+
     ks = _int_list("--server-k", args.server_k, minimum=0) if args.server_k else None
     out = out_dir(args.out)
     try:
@@ -108,6 +110,9 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
             raise InvalidArgument("--server-k" if "num_speculative_tokens" in e.details() else "request",
                                   e.details()) from None
         print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except bench.ServerStreamError as e:
+        print(f"blockspec: error: server {args.server}: {e}", file=sys.stderr)
         return 1
     from blockspec.services.bench_report import markdown, plots
 

@@ -268,3 +268,26 @@ def test_a_row_that_drafted_nothing_has_no_ceiling(tiny_pair, tmp_path, capsys):
     assert "| mode | r(k+1) |" not in report  # no table of one row with r(4), c_d and a share of the ceiling above 1
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["rows"][1]["acceptance_rate"] is None
     capsys.readouterr()
+
+
+def test_a_server_stream_without_its_finish_message_is_one_line(monkeypatch, tmp_path, capsys):
+    """A stream the server closes cleanly before its finish message breaks the API's contract: `bench --server` says
+    so in one line, exit code 1 (it was an AttributeError traceback). A fake stub stands for the server."""
+    from blockspec.protos import api_grpc, api_pb2
+
+    class Truncating:
+        def __init__(self, channel) -> None:
+            pass
+
+        def Tokenize(self, request, timeout=None):
+            return api_pb2.TokenizeResponse(token_ids=[5, 6, 7])
+
+        def Generate(self, request, timeout=None):
+            yield api_pb2.GenerateResponse(token_ids=[8, 9])  # then the stream ends: no finish
+
+    monkeypatch.setattr(api_grpc, "GenerationStub", Truncating)
+    code = main(["bench", "--server", "127.0.0.1:1", "--server-k", "0", "--num-prompts", "1", "--rounds", "1",
+                 "--concurrency", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == ("blockspec: error: server 127.0.0.1:1: a stream ended after 2 tokens without "
+                                         "its finish message"), err
