@@ -376,13 +376,14 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`.
     With request_rates, the engine modes also run open loop (bench_rate): requests arriving at each rate, at most
     max_concurrency in flight, over `workload(prompts, max_concurrency, waves)`."""
-    from blockspec.services.bench_rate import arrival_times
+    from blockspec.services.bench_rate import arrival_times, check_rates
     from blockspec.services.bench_report import describe, markdown, plots  # it imports Mode and Row from here
 
     needs = sorted({m.label for m in modes if m.name == "draft_model" or m.name.startswith("hf-assisted")})
     if needs and assistant is None:
         raise InvalidArgument("--assistant", f"modes {', '.join(needs)} need an assistant (draft model) directory")
     check_lengths(target, prompts, max_tokens)
+    check_rates(request_rates, len(workload(prompts, max_concurrency, waves)))
     out.mkdir(parents=True, exist_ok=True)
     if not any(m.name == "none" for m in modes):
         modes = [Mode("none"), *modes]  # the baseline every ratio needs

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from blockspec.common.errors import InvalidArgument
+
 ARRIVAL_SEED = 0  # the same arrival times for every mode and round: the modes meet the same load
+MAX_ARRIVAL_SPAN_S = 3600.0  # a rate whose pass would take longer to arrive is refused (a rate mistyped, not a load)
 
 
 def arrival_times(n: int, rate: float, seed: int = ARRIVAL_SEED) -> list[float]:
@@ -18,6 +21,18 @@ def arrival_times(n: int, rate: float, seed: int = ARRIVAL_SEED) -> list[float]:
     1 / rate (a Poisson process of `rate` requests per second)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, max(n - 1, 0))
     return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+def check_rates(rates: Sequence[float], requests: int) -> None:
+    """Refuse, naming --request-rates, a rate at which a pass's `requests` would arrive over more than
+    MAX_ARRIVAL_SPAN_S (the seeded schedule's last arrival): --request-rates 0.001 would have run for days."""
+    unit_span = arrival_times(requests, 1.0)[-1]  # the schedule scales as 1 / rate
+    for rate in rates:
+        if unit_span / rate > MAX_ARRIVAL_SPAN_S:
+            raise InvalidArgument("--request-rates", f"at {rate:g} requests/s the {requests} requests of a pass would "
+                                                     f"arrive over {unit_span / rate:.0f} s, past the "
+                                                     f"{MAX_ARRIVAL_SPAN_S:.0f} s allowed: at least "
+                                                     f"{unit_span / MAX_ARRIVAL_SPAN_S:.3g} requests/s")
 
 
 def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: float) -> tuple[list, dict[str, float]]:

@@ -140,7 +140,7 @@ def _server_passes(args: argparse.Namespace, ks: list[int] | None, concurrency: 
     from blockspec.common.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
     from blockspec.services import bench
-    from blockspec.services.bench_rate import arrival_times
+    from blockspec.services.bench_rate import arrival_times, check_rates
 
     with client_channel(args.server) as channel:
         stub = api_grpc.GenerationStub(channel)
@@ -148,6 +148,7 @@ def _server_passes(args: argparse.Namespace, ks: list[int] | None, concurrency: 
         if ks is None:
             max_k = stub.ModelInfo(api_pb2.ModelInfoRequest(), timeout=60).max_speculative_tokens
             ks = [0, min(DEFAULT_SERVER_K, max_k)] if max_k else [0]
+    check_rates(rates, len(bench.workload(prompts, cap, waves)))
     ks = sorted(set(ks))
     rows, rate_rows = [], []
     for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:

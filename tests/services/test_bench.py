@@ -179,7 +179,7 @@ def test_the_cost_model_times_each_target_forward_after_a_decode():
     assert events == forwards * 4 + proposals * 4
 
 
-def test_bench_flags_are_checked(capsys):
+def test_bench_flags_are_checked(capsys, tmp_path):
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "--concurrency" in capsys.readouterr().err
     assert main(["bench", "--rounds", "0"]) == 2
@@ -189,6 +189,11 @@ def test_bench_flags_are_checked(capsys):
     assert main(["bench", "--device", "tpu"]) == 2 and "--device: 'tpu' is not a device" in capsys.readouterr().err
     for bad in ("0", "fast", "5,-1", "inf"):
         assert main(["bench", "--request-rates", bad]) == 2 and "--request-rates" in capsys.readouterr().err
+    # 64 requests a pass (16 prompts, 4 waves of 16): 0.01 / s would arrive over about 1.8 hours
+    assert main(["bench", "--request-rates", "10,0.01", "--out", str(tmp_path / "rates")]) == 2
+    err = capsys.readouterr().err
+    assert "--request-rates: at 0.01 requests/s the 64 requests of a pass would arrive over" in err
+    assert "past the 3600 s allowed: at least 0.0182 requests/s" in err  # refused before any model loads
     assert main(["bench", "--request-rates", "5", "--max-concurrency", "0"]) == 2
     assert "--max-concurrency" in capsys.readouterr().err
     for flag, value in (("--concurrency", "1,1"), ("--request-rates", "5,5.0")):
