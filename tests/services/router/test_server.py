@@ -467,3 +467,31 @@ def test_a_chat_template_that_raises_is_invalid_argument_on_the_messages():
     chat = api_pb2.Chat(messages=[api_pb2.ChatMessage(role="user", content="hi")])
     with pytest.raises(InvalidArgument, match=r"chat.messages: the chat template failed on them: TypeError: unsupported"):
         chat_ids(chat, Tokenizer())
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(router, monkeypatch):
+    """Tokenizing the longest text the context allows took 0.4 s on the default pair, and on the event loop no
+    other stream got its tokens meanwhile: texts over OFF_LOOP_CHARS go to a worker thread, shorter ones stay."""
+    from blockspec.services.router.server import OFF_LOOP_CHARS
+
+    tokenizer = router.engine.tokenizer
+    encode, threads = tokenizer.encode, []
+
+    def recording(text, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    long_text = "def f(x):\n    return x + 1\n" * (OFF_LOOP_CHARS // 26 + 1)
+    assert OFF_LOOP_CHARS < len(long_text) <= facts_from_engine(router.engine).max_text_chars
+    for text in ("def f(x):", long_text):
+        threads.clear()
+        ids = router.stub.Tokenize(api_pb2.TokenizeRequest(text=text), timeout=30).token_ids
+        assert list(ids) == encode(text) and threads
+        assert (threads[-1] is router.thread) == (text != long_text)
+        threads.clear()
+        try:  # the long one does not fit the tiny target's context: refused, after it was tokenized
+            collect(router.stub.Generate(api_pb2.GenerateRequest(text=text, max_tokens=2), timeout=30))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and text == long_text, e.details()
+        assert threads and (threads[-1] is router.thread) == (text != long_text)
