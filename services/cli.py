@@ -19,7 +19,7 @@ from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
 from blockspec.services.router.validation import validate_stops
-from blockspec.services.cli_args import UINT32, UINT64, address, bounded, port, seconds, threads
+from blockspec.services.cli_args import UINT32, UINT64, address, as_flag, bounded, port, seconds, threads
 from blockspec.services.cli_models import add_model_commands
 from blockspec.services.cli_perf import add_perf_commands, set_threads
 
@@ -151,8 +151,11 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
         with ThreadPoolExecutor(max(1, min(len(prompts), args.max_batch))) as pool:
             results = list(pool.map(one, prompts))
     except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise InvalidArgument("request", e.details()) from None
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "FIELD: why" from the server: FIELD as the flag
+            field, _, why = e.details().partition(": ")
+            if not why or " " in field:
+                field, why = "request", e.details()
+            raise InvalidArgument(as_flag(field), why) from None
         print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     finally:
@@ -207,15 +210,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     method = args.method or default_method(args.drafter)
     device, dtype = resolve_device(args.device, args.dtype)
-    engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
-                    max_len=args.max_model_len, invariant=args.invariant,
-                    use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
-                    adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
-                    prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype)
-    # Validate every prompt before anything is generated or written.
-    validate_stops(args.stop or [], "--stop")
-    sampling = _sampling(args)
-    requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling) for i, p in enumerate(prompts)]
+    try:  # the engine's errors name its own fields: said as the flags
+        engine = Engine(args.target, args.drafter, method, max_batch=min(len(prompts), args.max_batch),
+                        max_len=args.max_model_len, invariant=args.invariant,
+                        use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
+                        adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
+                        prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype)
+        # Validate every prompt before anything is generated or written.
+        validate_stops(args.stop or [], "--stop")
+        sampling = _sampling(args)
+        requests = [engine.request(str(i), engine.encode(p), args.max_tokens, args.k, sampling)
+                    for i, p in enumerate(prompts)]
+    except InvalidArgument as e:
+        raise InvalidArgument(as_flag(e.field), e.message) from None
     stream_text = not args.json and len(prompts) == 1
     results = _generate_texts(engine, requests, args.stop or [], sys.stdout.write if stream_text else None)
     if stream_text:
