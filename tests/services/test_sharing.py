@@ -32,7 +32,9 @@ def test_drafter_private_memory_does_not_grow_by_the_target_tensors(tmp_path, to
         from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 
         remote_v = RemoteVerifier(verifier.address)
-        remote_d = RemoteDrafter(drafter_role.address, remote_v)
+        # Not the serving deadline (5 s): the first proposal builds the drafter's packed weights, which on a
+        # loaded machine may take longer, and a late one would draft nothing (the fallback), failing the test.
+        remote_d = RemoteDrafter(drafter_role.address, remote_v, timeout_s=120.0)
         remote_v.add("r", list(range(5, 60)))
         committed = list(range(5, 60)) + list(remote_v.prefill(["r"])[0].token_ids)
         for _ in range(3):
