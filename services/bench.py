@@ -239,53 +239,6 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     return run
 
 
-class ServerStreamError(RuntimeError):
-    """A server's stream that broke the API's contract (`bench --server` says so in one line, exit 1)."""
-
-
-def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int,
-                    arrivals: Sequence[float] | None = None) -> tuple[Row, list]:
-    """The same workload (`workload`'s requests) through a running server's gRPC API, `concurrency` streams at a
-    time; with arrivals (open loop), request i is sent arrivals[i] seconds into the pass, or when a stream frees
-    if all are busy then, and its TTFT counts from its arrival."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from blockspec.common.auth import client_channel
-    from blockspec.protos import api_grpc, api_pb2
-
-    channel = client_channel(address)
-    stub = api_grpc.GenerationStub(channel)
-
-    def one(p, at: float | None = None):
-        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens, num_speculative_tokens=k)
-        if at is not None:
-            time.sleep(max(pass_started + at - time.perf_counter(), 0.0))
-        ids, finish, started, first = [], None, time.perf_counter() if at is None else pass_started + at, None
-        for msg in stub.Generate(req, timeout=600):
-            if msg.token_ids and first is None:
-                first = time.perf_counter()
-            ids += msg.token_ids
-            finish = msg.finish if msg.HasField("finish") else finish
-        if finish is None:  # the server closed the stream cleanly without saying how the request ended
-            raise ServerStreamError(f"a stream ended after {len(ids)} tokens without its finish message")
-        return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started)
-
-    one(prompts[0])  # warm-up
-    pass_started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(one, prompts, *([arrivals] if arrivals is not None else [])))
-    elapsed = time.perf_counter() - pass_started
-    channel.close()
-    acc = [a for _, a, _, _ in results]
-    steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
-    per_pos = accepted_per_position([a.accepted_per_pos for a in acc])
-    tokens = sum(len(ids) for ids, *_ in results)
-    times = latency([t for *_, t, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d in results])
-    return Row(SERVER.name, k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
-               acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
-               **times), [ids for ids, *_ in results]
-
-
 def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None,
               device: Device = CPU) -> Callable[[], tuple[Row, list]]:
     """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted. The

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from dataclasses import asdict
@@ -16,7 +15,6 @@ from blockspec.services.cli_args import address, bounded, out_dir, threads
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
-DEFAULT_SERVER_K = 5  # bench --server's speculative k beside plain decoding (the shipped config's)
 ASSISTANT_MODES = "draft_model:3,draft_model:3:lookup,hf-assisted:5,hf-assisted-default:20"  # k: the best of 3 / 5 here; 20 is transformers' default
 
 
@@ -99,19 +97,20 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
     import grpc
 
-    from blockspec.services import bench
+    from blockspec.services.bench_server import ServerStreamError, server_passes
 
     ks = _int_list("--server-k", args.server_k, minimum=0) if args.server_k else None
     out = out_dir(args.out)
     try:
-        rows, rate_rows, prompts = _server_passes(args, ks, concurrency, rounds, waves, rates, cap)
+        rows, rate_rows, prompts = server_passes(args.server, _bench_prompts(args), args.max_tokens, ks, concurrency,
+                                                 rounds, waves, rates, cap)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise InvalidArgument("--server-k" if "num_speculative_tokens" in e.details() else "request",
                                   e.details()) from None
         print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    except bench.ServerStreamError as e:
+    except ServerStreamError as e:
         print(f"blockspec: error: server {args.server}: {e}", file=sys.stderr)
         return 1
     from blockspec.services.bench_report import markdown, plots
@@ -130,35 +129,6 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     print(report)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(map(str, paths))}")
     return 0
-
-
-def _server_passes(args: argparse.Namespace, ks: list[int] | None, concurrency: list[int], rounds: int, waves: int,
-                   rates: list[float], cap: int) -> tuple[list, list, list]:
-    """(closed-loop rows, open-loop rows, the prompts' token ids): each k's passes interleaved per concurrency and
-    rate, against k = 0's where it ran. ks None: 0 and the server's default k (ModelInfo), 0 alone without a
-    drafter."""
-    from blockspec.common.auth import client_channel
-    from blockspec.protos import api_grpc, api_pb2
-    from blockspec.services import bench
-    from blockspec.services.bench_rate import arrival_times, check_rates
-
-    with client_channel(args.server) as channel:
-        stub = api_grpc.GenerationStub(channel)
-        prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in _bench_prompts(args)]
-        if ks is None:
-            max_k = stub.ModelInfo(api_pb2.ModelInfoRequest(), timeout=60).max_speculative_tokens
-            ks = [0, min(DEFAULT_SERVER_K, max_k)] if max_k else [0]
-    check_rates(rates, len(bench.workload(prompts, cap, waves)))
-    ks = sorted(set(ks))
-    rows, rate_rows = [], []
-    for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
-        work = bench.workload(prompts, c, waves)
-        arrivals = arrival_times(len(work), rate) if rate else None
-        runners = {bench.Mode(bench.SERVER.name, k): functools.partial(bench.run_server_mode, args.server, k, work,
-                                                                       args.max_tokens, c, arrivals) for k in ks}
-        passes = bench.timed_passes(runners, rounds)
-        (rate_rows if rate else rows).extend(bench.against_plain(passes, rate, bench.SERVER))
-    return rows, rate_rows, prompts
 
 
 def set_threads(threads: int | None) -> None:

@@ -372,5 +372,6 @@ class GenerationService(api_grpc.GenerationServicer):
         except InvalidArgument as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         encode = self.facts.tokenizer.encode
-        ids = await asyncio.to_thread(encode, msg.text) if len(msg.text) > OFF_LOOP_CHARS else encode(msg.text) if msg.text else []
-        return api_pb2.TokenizeResponse(token_ids=ids)
+        if len(msg.text) > OFF_LOOP_CHARS:
+            return api_pb2.TokenizeResponse(token_ids=await asyncio.to_thread(encode, msg.text))
+        return api_pb2.TokenizeResponse(token_ids=encode(msg.text) if msg.text else [])

@@ -1,0 +1,84 @@
+"""`blockspec bench --server`: the benchmark's workload through a running server's public gRPC API (the generated
+stubs, as a platform team calls it), each k's passes interleaved with plain decoding's on the same server."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from blockspec.common.auth import client_channel
+from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.bench import (SERVER, Mode, Row, accepted_per_position, against_plain, latency, timed_passes,
+                                      workload)
+from blockspec.services.bench_rate import arrival_times, check_rates
+
+DEFAULT_SERVER_K = 5  # the speculative k beside plain decoding (the shipped config's)
+
+
+class ServerStreamError(RuntimeError):
+    """A server's stream that broke the API's contract (`bench --server` says so in one line, exit 1)."""
+
+
+def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int,
+                    arrivals: Sequence[float] | None = None) -> tuple[Row, list]:
+    """The same workload (`workload`'s requests) through a running server's gRPC API, `concurrency` streams at a
+    time; with arrivals (open loop), request i is sent arrivals[i] seconds into the pass, or when a stream frees
+    if all are busy then, and its TTFT counts from its arrival."""
+    channel = client_channel(address)
+    stub = api_grpc.GenerationStub(channel)
+
+    def one(p, at: float | None = None):
+        req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p), max_tokens=max_tokens, num_speculative_tokens=k)
+        if at is not None:
+            time.sleep(max(pass_started + at - time.perf_counter(), 0.0))
+        ids, finish, started, first = [], None, time.perf_counter() if at is None else pass_started + at, None
+        for msg in stub.Generate(req, timeout=600):
+            if msg.token_ids and first is None:
+                first = time.perf_counter()
+            ids += msg.token_ids
+            finish = msg.finish if msg.HasField("finish") else finish
+        if finish is None:  # the server closed the stream cleanly without saying how the request ended
+            raise ServerStreamError(f"a stream ended after {len(ids)} tokens without its finish message")
+        return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started)
+
+    one(prompts[0])  # warm-up
+    pass_started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, prompts, *([arrivals] if arrivals is not None else [])))
+    elapsed = time.perf_counter() - pass_started
+    channel.close()
+    acc = [a for _, a, _, _ in results]
+    steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
+    per_pos = accepted_per_position([a.accepted_per_pos for a in acc])
+    tokens = sum(len(ids) for ids, *_ in results)
+    times = latency([t for *_, t, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d in results])
+    return Row(SERVER.name, k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
+               acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
+               **times), [ids for ids, *_ in results]
+
+
+
+def server_passes(address: str, texts: Sequence[str], max_tokens: int, ks: list[int] | None, concurrency: list[int],
+                  rounds: int, waves: int, rates: Sequence[float], cap: int) -> tuple[list, list, list]:
+    """(closed-loop rows, open-loop rows, the prompts' token ids, tokenized by the server): each k's passes interleaved
+    per concurrency and rate, against k = 0's where it ran. ks None: 0 and the server's default k (ModelInfo), 0 alone
+    without a drafter."""
+    with client_channel(address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
+        if ks is None:
+            max_k = stub.ModelInfo(api_pb2.ModelInfoRequest(), timeout=60).max_speculative_tokens
+            ks = [0, min(DEFAULT_SERVER_K, max_k)] if max_k else [0]
+    check_rates(rates, len(workload(prompts, cap, waves)))
+    ks = sorted(set(ks))
+    rows, rate_rows = [], []
+    for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
+        work = workload(prompts, c, waves)
+        arrivals = arrival_times(len(work), rate) if rate else None
+        runners = {Mode(SERVER.name, k): functools.partial(run_server_mode, address, k, work, max_tokens, c, arrivals)
+                   for k in ks}
+        passes = timed_passes(runners, rounds)
+        (rate_rows if rate else rows).extend(against_plain(passes, rate, SERVER))
+    return rows, rate_rows, prompts
