@@ -171,7 +171,7 @@ def _once(flag: str, values: list, text: str) -> list:
 
 
 def _bench_prompts(args: argparse.Namespace) -> list[str]:
-    from blockspec.services.cli import _prompts as cli_prompts
+    from blockspec.services.cli_generate import _prompts as cli_prompts
 
     args.prompt = None
     prompts = cli_prompts(args)
