@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import Checkpoint, parse_config
 from blockspec.common.runner import Runner
 
@@ -52,6 +53,38 @@ def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
     weights = {k: (torch.ones(s, dtype=dtype, device=device) if k.endswith("norm.weight") else
                    torch.randn(s, dtype=dtype, device=device, generator=gen) * 0.02) for k, s in shapes.items()}
     return Checkpoint(path=Path(f"<random {size}>"), config=cfg, weights=weights, tokenizer=None)
+
+
+def weights_bytes(size: str, dtype: torch.dtype) -> int:
+    """The bytes of the size's target and drafter weights in dtype (counted on the meta device: nothing allocated)."""
+    from blockspec.common.decoder import Decoder
+
+    cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Decoder(cfg).parameters())
+        params += sum(p.numel() for p in random_drafter(size, cfg, "meta", dtype).parameters())
+    return params * dtype.itemsize
+
+
+def free_bytes(device: str) -> int:
+    """Memory the device has free now: the GPU's (cudaMemGetInfo), or the host's MemAvailable."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def check_fits(sizes: list[str], device: str, dtype: torch.dtype) -> None:
+    """Refuse, naming --sizes, a size whose weights alone pass the device's free memory (each size is built after the
+    last one is freed): `--device cpu` with the default sizes would build a 27B model in fp32 and be killed."""
+    free = free_bytes(device)
+    for size in sizes:
+        need = weights_bytes(size, dtype)
+        if need > free:
+            fitting = [s for s in SIZES if weights_bytes(s, dtype) <= free]
+            raise InvalidArgument("--sizes", f"{size} needs {need / 2**30:.1f} GiB for its weights in {dtype} on "
+                                             f"{device}, which has {free / 2**30:.1f} GiB free: choose from "
+                                             f"{', '.join(fitting) or 'none'}")
 
 
 @dataclass
@@ -229,6 +262,7 @@ def table(reports: list[SizeReport]) -> str:
 
 def main(sizes: list[str], device: str, out: Path | None) -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    check_fits(sizes, device, dtype)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     reports = []
     for size in sizes:  # the files are rewritten after each size: a run cut short keeps what it measured

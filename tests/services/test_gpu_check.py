@@ -48,6 +48,19 @@ def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
         assert main(["gpu-check", "--device", "cuda", "--sizes", "tiny"]) == 2
 
 
+def test_sizes_whose_weights_pass_the_free_memory_are_refused_before_anything_is_built(capsys, monkeypatch):
+    """`--device cpu` with the default sizes would have built the 27B target in fp32 (108 GiB with its drafter) and been
+    killed by the kernel: each size's weights are counted first, on the meta device."""
+    from blockspec.services import gpu_check
+
+    assert gpu_check.weights_bytes("1b", torch.float32) == 2 * gpu_check.weights_bytes("1b", torch.bfloat16)
+    monkeypatch.setattr(gpu_check, "free_bytes", lambda device: 8 * 2**30)
+    monkeypatch.setattr(gpu_check, "check_size", lambda *a: pytest.fail("a size was built"))
+    assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny,8b"]) == 2
+    assert capsys.readouterr().err.strip() == ("blockspec: error: --sizes: 8b needs 33.2 GiB for its weights in "
+                                               "torch.float32 on cpu, which has 8.0 GiB free: choose from tiny, 1b")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run deploy/gpu_check.sh there)")
 def test_gpu_check_on_cuda_small(capsys):
