@@ -82,8 +82,9 @@ MAX_REQUEST_ID_CHARS = 256
 OFF_LOOP_CHARS = 8192
 
 
-def _prompt_chars(msg: api_pb2.GenerateRequest) -> int:
-    which = msg.WhichOneof("prompt")
+def _prompt_chars(msg: api_pb2.GenerateRequest | Exception) -> int:
+    """The characters the prompt gives the tokenizer (0: token ids, or a message that did not parse)."""
+    which = msg.WhichOneof("prompt") if isinstance(msg, api_pb2.GenerateRequest) else None
     if which == "text":
         return len(msg.text)
     return sum(len(m.content) for m in msg.chat.messages) if which == "chat" else 0
