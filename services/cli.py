@@ -11,7 +11,7 @@ from pathlib import Path
 from blockspec.common.config import MAX_BATCH, MIN_MODEL_LEN
 from blockspec.common.device import add_device_args
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli_args import address, bounded, port
+from blockspec.services.cli_args import address, as_flag, bounded, port
 from blockspec.services.cli_generate import add_generate_command
 from blockspec.services.cli_models import add_model_commands
 from blockspec.services.cli_perf import add_perf_commands
@@ -51,7 +51,11 @@ def cmd_role(args: argparse.Namespace) -> int:
 
     launch.watch_supervisor()  # before loading: a server gone meanwhile ends this role too
     try:
-        launch.run_role_process(args.role, launch.role_service(args), args.host, args.port, args.unix_socket)
+        service = launch.role_service(args)
+    except InvalidArgument as e:  # the engine's field names, said as the role's flags
+        raise InvalidArgument(as_flag(e.field), e.message) from None
+    try:
+        launch.run_role_process(args.role, service, args.host, args.port, args.unix_socket)
     except BindError as e:  # a host not ours, a port taken, a socket path whose directory is missing
         print(f"blockspec: error: {e}", file=sys.stderr)
         return 1

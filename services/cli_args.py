@@ -71,15 +71,15 @@ def out_dir(text: str) -> Path:
     return out
 
 
-# What the engine and the gRPC API call the settings `generate`'s flags give (sampling.X is --X): their errors
-# name the flag the user typed instead.
+# What the engine and the gRPC API call the settings the CLI's flags give (sampling.X is --X): `generate`'s and
+# `role`'s errors name the flag the user typed instead.
 _FLAG_OF = {"k": "-k", "num_speculative_tokens": "-k", "max_tokens": "--max-tokens", "max_model_len": "--max-model-len",
             "prompt_lookup_tokens": "--prompt-lookup-tokens", "drafter": "--drafter", "method": "--method",
             "stop": "--stop", "text": "prompt"}
 
 
 def as_flag(field: str) -> str:
-    """generate's flag for an engine or API field name (unchanged where none sets it: a path, `prompt`)."""
+    """The flag for an engine or API field name (unchanged where no flag sets it: a path, `prompt`)."""
     if field.startswith("sampling."):
         return "--" + field.removeprefix("sampling.").replace("_", "-")
     return _FLAG_OF.get(field, field)

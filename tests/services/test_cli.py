@@ -243,7 +243,7 @@ def test_bad_files_and_places_are_one_line_naming_them(capsys, tmp_path, tiny_mo
 
 def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models):
     target = str(tiny_models["qwen3"]["target"])
-    for argv, code, message in ((["verifier", "--method", "dflash"], 2, "drafter: method 'dflash' needs a drafter"),
+    for argv, code, message in ((["verifier", "--method", "dflash"], 2, "--drafter: method 'dflash' needs a drafter"),
                                 (["drafter", "--method", "none"], 2, "--method: a drafter role with method 'none' would"),
                                 (["verifier", "--method", "none", "--host", "192.0.2.1"], 1,
                                  "cannot bind 192.0.2.1:0 (Cannot assign requested address)")):
