@@ -241,13 +241,15 @@ def test_bad_files_and_places_are_one_line_naming_them(capsys, tmp_path, tiny_mo
     assert code == 2 and f"--out: cannot make directory '{deep}'" in err
 
 
-def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models):
+def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models, capsys):
     target = str(tiny_models["qwen3"]["target"])
-    for argv, code, message in ((["verifier", "--method", "dflash"], 2, "--drafter: method 'dflash' needs a drafter"),
-                                (["drafter", "--method", "none"], 2, "--method: a drafter role with method 'none' would"),
-                                (["verifier", "--method", "none", "--host", "192.0.2.1"], 1,
-                                 "cannot bind 192.0.2.1:0 (Cannot assign requested address)")):
-        proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "role", argv[0], "--target", target,
-                               *argv[1:]], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == code and proc.stderr.strip().splitlines()[-1].startswith("blockspec: error: "), proc.stderr
-        assert message in proc.stderr
+    # Refused before the role loads or serves anything: in this process.
+    for argv, message in ((["verifier", "--method", "dflash"], "--drafter: method 'dflash' needs a drafter"),
+                          (["drafter", "--method", "none"], "--method: a drafter role with method 'none' would")):
+        code, out, err = run_cli(capsys, "role", argv[0], "--target", target, *argv[1:])
+        assert code == 2 and out == "" and err.startswith(f"blockspec: error: {message}"), err
+    # Once loaded, an address it cannot bind: one line, exit 1 (a process of its own, as serve starts it).
+    proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "role", "verifier", "--target", target,
+                           "--method", "none", "--host", "192.0.2.1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("blockspec: error: "), proc.stderr
+    assert "cannot bind 192.0.2.1:0 (Cannot assign requested address)" in proc.stderr
