@@ -59,7 +59,6 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
                **times), [ids for ids, *_ in results]
 
 
-
 def server_passes(address: str, texts: Sequence[str], max_tokens: int, ks: list[int] | None, concurrency: list[int],
                   rounds: int, waves: int, rates: Sequence[float], cap: int) -> tuple[list, list, list]:
     """(closed-loop rows, open-loop rows, the prompts' token ids, tokenized by the server): each k's passes interleaved
