@@ -337,7 +337,8 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
         _slow_steps(0.5)(e)
         return e
 
-    r = RouterThread(engine(), replicas=(engine(),))
+    engines = [engine(), engine()]
+    r = RouterThread(engines[0], replicas=(engines[1],))
     request = api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=16,
                                       num_speculative_tokens=2)
     try:
@@ -345,8 +346,11 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
         next(a)
         a.cancel()
         b = r.stub.Generate(request, timeout=60)
-        next(b)  # B runs; A's end came meanwhile
-        time.sleep(0.6)
+        next(b)  # B runs
+        # A's end: its cancel has waited out the step in flight once only B is left in the engines (however long a
+        # step takes on a loaded machine), then the event loop ends A's stream.
+        assert _wait(lambda: sum(e.loop.num_running + e.loop.num_waiting for e in engines) == 1, 60)
+        time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as e:
             collect(r.stub.Generate(request, timeout=60))
         collect(b)
