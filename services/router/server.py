@@ -82,12 +82,13 @@ MAX_REQUEST_ID_CHARS = 256
 OFF_LOOP_CHARS = 8192
 
 
-def _prompt_chars(msg: api_pb2.GenerateRequest | Exception) -> int:
-    """The characters the prompt gives the tokenizer (0: token ids, or a message that did not parse)."""
+def prompt_chars(msg: api_pb2.GenerateRequest | Exception) -> int:
+    """The characters the prompt gives the tokenizer, chat roles included (0: token ids, or a message that did not
+    parse): what check_text bounds and what decides where it is tokenized."""
     which = msg.WhichOneof("prompt") if isinstance(msg, api_pb2.GenerateRequest) else None
     if which == "text":
         return len(msg.text)
-    return sum(len(m.content) for m in msg.chat.messages) if which == "chat" else 0
+    return sum(len(m.content) + len(m.role) for m in msg.chat.messages) if which == "chat" else 0
 
 
 def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
@@ -99,10 +100,10 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     if len(msg.request_id) > MAX_REQUEST_ID_CHARS:  # it comes back in every message of the stream
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(msg.request_id)}")
     if which == "text":
-        facts.check_text("prompt", len(msg.text))
+        facts.check_text("prompt", prompt_chars(msg))
         ids = facts.tokenizer.encode(msg.text) if msg.text else []
     elif which == "chat":
-        facts.check_text("chat.messages", sum(len(m.content) + len(m.role) for m in msg.chat.messages))
+        facts.check_text("chat.messages", prompt_chars(msg))
         ids = chat_ids(msg.chat, facts.tokenizer)
     else:
         ids = list(msg.token_ids.ids)
@@ -212,7 +213,7 @@ class GenerationService(api_grpc.GenerationServicer):
     async def _request(self, msg, context, span) -> tuple[Request, str]:
         """The validated request and its caller's tenant, once the tenant's rate limits admit it (else aborted)."""
         try:
-            if _prompt_chars(msg) > OFF_LOOP_CHARS:  # the tokenizer releases the GIL: other streams go on
+            if prompt_chars(msg) > OFF_LOOP_CHARS:  # the tokenizer releases the GIL: other streams go on
                 request = await asyncio.to_thread(to_request, msg, self.facts)
             else:
                 request = to_request(msg, self.facts)
