@@ -115,6 +115,10 @@ class Row:
     tpot_ms: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    # Inter-token latency: the time between two consecutive chunks of a stream (a step's tokens arrive together),
+    # all streams' gaps pooled: the median and the 99th percentile
+    itl_ms: float | None = None
+    itl_p99_ms: float | None = None
     request_rate: float | None = None  # open-loop passes (bench_rate): requests per second; concurrency is the cap
     tpot_rounds: list[float] = field(default_factory=list)  # TPOT of every pass, in the order of `rounds`
 
@@ -128,17 +132,46 @@ def workload(prompts: Sequence[Sequence[int]], concurrency: int, waves: int) -> 
     return [prompts[i % len(prompts)] for i in range(need)]
 
 
-def latency(ttft_s: Sequence[float], decodes: Sequence[tuple[float, int]]) -> dict[str, float | None]:
-    """Row fields from each request's time to first token and its decode (seconds from the first token to the
-    last, tokens after the first). TPOT is the decode time over the tokens, all requests summed, so the prefill
-    stays out of it as it stays out of the ceiling tau / r(k+1); the percentiles are numpy's (linear), as vLLM's
-    serving benchmark reports them."""
+def latency(ttft_s: Sequence[float], decodes: Sequence[tuple[float, int]],
+            gaps_s: Sequence[float] = ()) -> dict[str, float | None]:
+    """Row fields from each request's time to first token, its decode (seconds from the first token to the
+    last, tokens after the first) and the gaps between its chunks (ChunkGaps). TPOT is the decode time over the
+    tokens, all requests summed, so the prefill stays out of it as it stays out of the ceiling tau / r(k+1); the
+    percentiles are numpy's (linear), as vLLM's serving benchmark reports them."""
     seconds, tokens = sum(d for d, _ in decodes), sum(n for _, n in decodes)
     per_request = [d / n for d, n in decodes if n]
-    return {"ttft_ms": float(np.median(ttft_s)) * 1e3 if len(ttft_s) else None,
-            "ttft_p99_ms": float(np.percentile(ttft_s, 99)) * 1e3 if len(ttft_s) else None,
-            "tpot_ms": seconds / tokens * 1e3 if tokens else None,
-            "tpot_p99_ms": float(np.percentile(per_request, 99)) * 1e3 if per_request else None}
+
+    def ms(values: Sequence[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) * 1e3 if len(values) else None
+
+    return {"ttft_ms": ms(ttft_s, 50), "ttft_p99_ms": ms(ttft_s, 99),
+            "tpot_ms": seconds / tokens * 1e3 if tokens else None, "tpot_p99_ms": ms(per_request, 99),
+            "itl_ms": ms(gaps_s, 50), "itl_p99_ms": ms(gaps_s, 99)}
+
+
+class ChunkGaps:
+    """Inter-token latency as vLLM's serving benchmark takes it: the seconds between two consecutive chunks of
+    tokens that one stream receives (with speculation a chunk holds a step's tokens, so the gaps show how evenly
+    the text arrives, where TPOT averages it). `saw` each chunk as it arrives; `gaps` pools every stream's."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._last: dict[str, float] = {}
+
+    def saw(self, stream: str, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        if stream in self._last:
+            self.gaps.append(now - self._last[stream])
+        self._last[stream] = now
+
+    def saw_events(self, events: Sequence) -> None:
+        """A step loop's events: each TokenEvent with tokens is a chunk of its request's stream."""
+        from blockspec.services.router.step_loop import TokenEvent
+
+        now = time.perf_counter()
+        for e in events:
+            if isinstance(e, TokenEvent) and e.token_ids:
+                self.saw(e.request_id, now)
 
 
 def accepted_per_position(counts: Sequence[Sequence[int]], k: int = 0) -> np.ndarray:
@@ -151,26 +184,31 @@ def accepted_per_position(counts: Sequence[Sequence[int]], k: int = 0) -> np.nda
 
 
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None,
-                arrivals: Sequence[float] | None = None) -> tuple[float, list, list[float]]:
-    """One pass: (seconds, the finish events in request order, each request's time to first token). Closed loop
-    (arrivals None): every request queued at once, its TTFT from admission. Open loop: request i arrives
-    arrivals[i] seconds into the pass (bench_rate.open_loop), its TTFT from arrival."""
+                arrivals: Sequence[float] | None = None) -> tuple[float, list, list[float], list[float]]:
+    """One pass: (seconds, the finish events in request order, each request's time to first token, the gaps
+    between the chunks of every stream). Closed loop (arrivals None): every request queued at once, its TTFT from
+    admission. Open loop: request i arrives arrivals[i] seconds into the pass (bench_rate.open_loop), its TTFT from
+    arrival."""
     from blockspec.services.router.step_loop import FinishEvent
 
     requests = [engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)]
+    chunks = ChunkGaps()
     started = time.perf_counter()
     if arrivals is None:
-        done = [e for e in engine.generate(requests) if isinstance(e, FinishEvent)]
-        late = {}
+        done, late = [], {}
+        for event in engine.generate(requests):
+            chunks.saw_events((event,))
+            if isinstance(event, FinishEvent):
+                done.append(event)
     else:
         from blockspec.services.bench_rate import open_loop
 
-        done, late = open_loop(engine.loop, requests, arrivals, started)
+        done, late = open_loop(engine.loop, requests, arrivals, started, chunks)
     elapsed = time.perf_counter() - started
     done = sorted(done, key=lambda e: int(e.request_id))
     if arrivals is None:
-        return elapsed, done, [e.stats.first_token_s - e.stats.queued_s for e in done]
-    return elapsed, done, [late[e.request_id] + e.stats.first_token_s for e in done]
+        return elapsed, done, [e.stats.first_token_s - e.stats.queued_s for e in done], chunks.gaps
+    return elapsed, done, [late[e.request_id] + e.stats.first_token_s for e in done], chunks.gaps
 
 
 def model_context(target: Path) -> int:
@@ -216,7 +254,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
         replay.recording = False
 
     def run() -> tuple[Row, list]:
-        elapsed, done, ttft = _engine_run(engine, prompts, max_tokens, mode.k or None, arrivals)
+        elapsed, done, ttft, gaps = _engine_run(engine, prompts, max_tokens, mode.k or None, arrivals)
         if replay is not None and replay.misses:
             log.warning("%s: %d proposals were not in the record and drafted nothing", mode.label, replay.misses)
             replay.misses = 0
@@ -233,7 +271,8 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
                   tau=1 + accepted / steps if steps and mode.k else None,
                   acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
                   step_ms=split, looked_up=looked_up,
-                  **latency(ttft, [(e.stats.elapsed_s - e.stats.first_token_s, len(e.token_ids) - 1) for e in done]))
+                  **latency(ttft, [(e.stats.elapsed_s - e.stats.first_token_s, len(e.token_ids) - 1) for e in done],
+                            gaps))
         return row, [list(e.token_ids) for e in done]
 
     return run

@@ -35,10 +35,12 @@ def check_rates(rates: Sequence[float], requests: int) -> None:
                                                      f"{unit_span / MAX_ARRIVAL_SPAN_S:.3g} requests/s")
 
 
-def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: float) -> tuple[list, dict[str, float]]:
+def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: float,
+              chunks=None) -> tuple[list, dict[str, float]]:
     """Step `loop` (router/step_loop.StepLoop) while submitting request i once arrivals[i] seconds have passed since
     `started`; idle until the next arrival when nothing runs. Returns the finish events and, per request id, how
-    long after its arrival it was submitted (a step was running when it arrived): its TTFT counts that too."""
+    long after its arrival it was submitted (a step was running when it arrived): its TTFT counts that too.
+    chunks (bench.ChunkGaps): sees every step's events as they come."""
     from blockspec.services.router.step_loop import FinishEvent
 
     done, late, i = [], {}, 0
@@ -51,5 +53,8 @@ def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: floa
         if loop.idle:
             time.sleep(max(arrivals[i] - now, 0.0))
             continue
-        done += [e for e in loop.step() if isinstance(e, FinishEvent)]
+        events = loop.step()
+        if chunks is not None:
+            chunks.saw_events(events)
+        done += [e for e in events if isinstance(e, FinishEvent)]
     return done, late

@@ -29,13 +29,12 @@ def describe(machine: str, pair: str, prompts: int, max_tokens: int, waves: int,
 
 def markdown(rows: list[Row], costs: CostModel | None, header: str, rate_rows: Sequence[Row] = ()) -> str:
     lines = [header, "", "| mode | concurrency | tokens/s | passes (min-max) | vs plain | TTFT ms (p50 / p99) | TPOT ms (all / p99) "
-             "| tau | acceptance "
-             "| accepted per position | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| ITL ms (p50 / p99) | tau | acceptance "
+             "| accepted per position | exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spread = _spread(r.rounds, ".0f")
         lines.append(f"| {Mode(r.mode, r.k).label} | {r.concurrency} | {r.tokens_per_s:.1f} | {spread} | {_ratio(r.speedup)} | "
-                     f"{_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | {_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | "
-                     f"{_fmt(r.tau, '.2f')} | "
+                     f"{_latencies(r)} | {_fmt(r.tau, '.2f')} | "
                      f"{_fmt(r.acceptance_rate, '.3f')} | {', '.join(map(str, r.accepted_per_pos)) or '-'} | "
                      f"{_exact(r.exact)} |")
     looked = [f"{Mode(r.mode, r.k).label} {r.looked_up:.0%} at concurrency {r.concurrency}" for r in rows if r.looked_up is not None]
@@ -56,12 +55,18 @@ def _rate_table(rows: Sequence[Row]) -> list[str]:
     lines = ["", "Open loop (requests arriving at a rate; at most `cap` in flight; TTFT from arrival, the wait for a "
              "slot included):", "",
              "| mode | requests/s | cap | tokens/s | passes (min-max) | vs plain | TTFT ms (p50 / p99) | TPOT ms (all / p99) "
-             "| tau | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ITL ms (p50 / p99) | tau | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {Mode(r.mode, r.k).label} | {r.request_rate:g} | {r.concurrency} | {r.tokens_per_s:.1f} | "
-                     f"{_spread(r.rounds, '.0f')} | {_ratio(r.speedup)} | {_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | "
-                     f"{_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | {_fmt(r.tau, '.2f')} | {_exact(r.exact)} |")
+                     f"{_spread(r.rounds, '.0f')} | {_ratio(r.speedup)} | {_latencies(r)} | {_fmt(r.tau, '.2f')} | "
+                     f"{_exact(r.exact)} |")
     return lines
+
+
+def _latencies(r: Row) -> str:
+    """The TTFT, TPOT and ITL cells of a row."""
+    return (f"{_pair(r.ttft_ms, r.ttft_p99_ms, '.2f')} | {_pair(r.tpot_ms, r.tpot_p99_ms, '.3f')} | "
+            f"{_pair(r.itl_ms, r.itl_p99_ms, '.3f')}")
 
 
 def _exact(exact: bool | None) -> str:

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from blockspec.common.auth import client_channel
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.bench import (SERVER, Mode, Row, accepted_per_position, against_plain, latency, timed_passes,
-                                      workload)
+from blockspec.services.bench import (SERVER, ChunkGaps, Mode, Row, accepted_per_position, against_plain, latency,
+                                      timed_passes, workload)
 from blockspec.services.bench_rate import arrival_times, check_rates
 
 DEFAULT_SERVER_K = 5  # the speculative k beside plain decoding (the shipped config's)
@@ -34,14 +34,16 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
         if at is not None:
             time.sleep(max(pass_started + at - time.perf_counter(), 0.0))
         ids, finish, started, first = [], None, time.perf_counter() if at is None else pass_started + at, None
+        chunks = ChunkGaps()  # this stream's
         for msg in stub.Generate(req, timeout=600):
-            if msg.token_ids and first is None:
-                first = time.perf_counter()
+            if msg.token_ids:
+                chunks.saw("")
+                first = first or time.perf_counter()
             ids += msg.token_ids
             finish = msg.finish if msg.HasField("finish") else finish
         if finish is None:  # the server closed the stream cleanly without saying how the request ended
             raise ServerStreamError(f"a stream ended after {len(ids)} tokens without its finish message")
-        return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started)
+        return ids, finish.acceptance, (first or started) - started, time.perf_counter() - (first or started), chunks.gaps
 
     one(prompts[0])  # warm-up
     pass_started = time.perf_counter()
@@ -49,11 +51,12 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
         results = list(pool.map(one, prompts, *([arrivals] if arrivals is not None else [])))
     elapsed = time.perf_counter() - pass_started
     channel.close()
-    acc = [a for _, a, _, _ in results]
+    acc = [a for _, a, *_ in results]
     steps, drafted, accepted = (sum(getattr(a, f) for a in acc) for f in ("steps", "drafted", "accepted"))
     per_pos = accepted_per_position([a.accepted_per_pos for a in acc])
     tokens = sum(len(ids) for ids, *_ in results)
-    times = latency([t for *_, t, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d in results])
+    times = latency([t for *_, t, _, _ in results], [(d, max(len(ids) - 1, 0)) for ids, *_, d, _ in results],
+                    [g for *_, gaps in results for g in gaps])
     return Row(SERVER.name, k, concurrency, tokens, elapsed, tokens / elapsed, tau=1 + accepted / steps if drafted else None,
                acceptance_rate=accepted / drafted if drafted else None, accepted_per_pos=per_pos.tolist(), steps=steps,
                **times), [ids for ids, *_ in results]

@@ -97,8 +97,12 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     assert all(0 < r["ttft_ms"] and 0 < r["tpot_ms"] and len(r["tpot_rounds"]) == 2 for r in engine_rows)
     assert all(r["ttft_ms"] <= r["ttft_p99_ms"] and 0 < r["tpot_p99_ms"] for r in engine_rows)
     assert all(r["ttft_ms"] is r["ttft_p99_ms"] is r["tpot_p99_ms"] is None for r in result["rows"] if r["mode"].startswith("hf"))
-    assert cells[5:7] == [f"{dflash['ttft_ms']:.2f} / {dflash['ttft_p99_ms']:.2f}",
-                          f"{dflash['tpot_ms']:.3f} / {dflash['tpot_p99_ms']:.3f}"]  # p50 / p99, all / p99
+    assert cells[5:8] == [f"{dflash['ttft_ms']:.2f} / {dflash['ttft_p99_ms']:.2f}",
+                          f"{dflash['tpot_ms']:.3f} / {dflash['tpot_p99_ms']:.3f}",
+                          f"{dflash['itl_ms']:.3f} / {dflash['itl_p99_ms']:.3f}"]  # p50 / p99, all / p99, p50 / p99
+    # ITL: the gaps between a stream's chunks (test_chunk_gaps_...); transformers' rows stream nothing
+    assert all(0 < r["itl_ms"] <= r["itl_p99_ms"] for r in engine_rows)
+    assert all(r["itl_ms"] is r["itl_p99_ms"] is None for r in result["rows"] if r["mode"].startswith("hf"))
     assert dflash["tpot_ms"] * (24 - 1) < dflash["elapsed_s"] * 1e3  # per request, less than its share of the pass
     decode_speedup = plain["tpot_ms"] / dflash["tpot_ms"]
     cell, decode_spread = ceiling_row("dflash k=3")[-1].split(" (")
@@ -133,9 +137,27 @@ def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
     a single token has no decode)."""
     from blockspec.services.bench import latency
 
-    got = latency([0.001, 0.002, 0.003, 0.010], [(0.1, 100), (0.3, 100), (0.0, 0)])
-    assert got == pytest.approx({"ttft_ms": 2.5, "ttft_p99_ms": 9.79, "tpot_ms": 2.0, "tpot_p99_ms": 2.98})
-    assert latency([], []) == {"ttft_ms": None, "ttft_p99_ms": None, "tpot_ms": None, "tpot_p99_ms": None}
+    got = latency([0.001, 0.002, 0.003, 0.010], [(0.1, 100), (0.3, 100), (0.0, 0)], [0.004] * 99 + [0.104])
+    assert got == pytest.approx({"ttft_ms": 2.5, "ttft_p99_ms": 9.79, "tpot_ms": 2.0, "tpot_p99_ms": 2.98,
+                                 "itl_ms": 4.0, "itl_p99_ms": 5.0})
+    assert latency([], []) == {"ttft_ms": None, "ttft_p99_ms": None, "tpot_ms": None, "tpot_p99_ms": None,
+                               "itl_ms": None, "itl_p99_ms": None}
+
+
+def test_chunk_gaps_are_per_stream_and_count_only_chunks_with_tokens():
+    """ITL as vLLM's serving benchmark takes it: the gaps between consecutive chunks of one stream (not between
+    two streams' chunks, nor before a stream's first); a step loop's finish events and empty chunks are no chunk."""
+    from blockspec.services.bench import ChunkGaps
+    from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
+
+    chunks = ChunkGaps()
+    for stream, at in (("a", 1.0), ("b", 1.5), ("a", 3.0), ("b", 4.0), ("a", 3.5)):
+        chunks.saw(stream, at)
+    assert chunks.gaps == [2.0, 2.5, 0.5]
+    events = ChunkGaps()
+    events.saw_events([TokenEvent("a", (1, 2)), TokenEvent("b", ()), FinishEvent("a", "stop", (1, 2), RequestStats())])
+    events.saw_events([TokenEvent("a", (3,)), TokenEvent("b", (4,))])
+    assert len(events.gaps) == 1 and events.gaps[0] > 0  # a's second chunk; b's first
 
 
 def test_accepted_per_position_sums_lists_of_any_length():
@@ -252,13 +274,15 @@ def test_open_loop_submits_at_arrival_and_counts_ttft_from_it(tiny_pair):
     from blockspec.services.engine import Engine
 
     engine = Engine(tiny_pair.target, None, "none", max_batch=1)
-    elapsed, done, ttft = _engine_run(engine, [[5, 6, 7], [8, 9, 10], [11, 12, 13]], 8, None, [0.0, 0.0, 1.0])
+    elapsed, done, ttft, gaps = _engine_run(engine, [[5, 6, 7], [8, 9, 10], [11, 12, 13]], 8, None, [0.0, 0.0, 1.0])
     assert [e.request_id for e in done] == ["0", "1", "2"] and all(len(e.token_ids) == 8 for e in done)
     a, b, c = (e.stats for e in done)
     assert elapsed >= 1.0 and b.started + b.elapsed_s <= c.started  # the first two were done before the third arrived
     assert b.started + b.queued_s >= a.started + a.elapsed_s  # admitted once the first had finished
     assert ttft[1] >= b.queued_s > 0  # the wait for the slot is in its TTFT
     assert 0 < ttft[2] < 0.9  # the third's is its own prefill, not the second it arrived after the pass began
+    # Plain decoding streams a token a chunk: 7 gaps a request, each its own stream's (none spans the idle second)
+    assert len(gaps) == 3 * 7 and 0 < max(gaps) < 0.9
 
 
 def test_a_row_that_drafted_nothing_has_no_ceiling(tiny_pair, tmp_path, capsys):

@@ -312,10 +312,10 @@ def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
     rate_rows = [line.strip(" |").split(" | ") for line in open_loop.splitlines() if line.startswith("| server")]
     assert [(r[0], r[1], r[2]) for r in rate_rows] == [("server", "30", "2"), ("server k=1", "30", "2")]
     assert all(0 < float(r[6].split(" / ")[0]) and r[-1] == "yes" for r in rate_rows)
-    for r in rows:  # mode, concurrency, tokens/s, passes, vs plain, TTFT ms, TPOT ms, tau, acceptance, per position, exact
-        (ttft, ttft_p99), (tpot, tpot_p99) = (map(float, cell.split(" / ")) for cell in r[5:7])  # p50 / p99, all / p99
-        assert 0 < ttft <= ttft_p99 and 0 < tpot and 0 < tpot_p99 and r[-1] == "yes"
-    assert [r[7] for r in rows[::2]] == ["-", "-"] and all(float(r[7]) >= 1 for r in rows[1::2])  # tau: k=1 rows
+    for r in rows:  # mode, concurrency, tokens/s, passes, vs plain, TTFT, TPOT, ITL, tau, acceptance, per position, exact
+        (ttft, ttft_p99), (tpot, tpot_p99), (itl, itl_p99) = (map(float, cell.split(" / ")) for cell in r[5:8])
+        assert 0 < ttft <= ttft_p99 and 0 < tpot and 0 < tpot_p99 and 0 < itl <= itl_p99 and r[-1] == "yes"
+    assert [r[8] for r in rows[::2]] == ["-", "-"] and all(float(r[8]) >= 1 for r in rows[1::2])  # tau: k=1 rows
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(saved["rows"]) == 4 and len(saved["rows"][0]["rounds"]) == 2
     assert (tmp_path / "out" / "tokens_per_s.png").is_file()
