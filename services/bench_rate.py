@@ -40,7 +40,7 @@ def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: floa
     """Step `loop` (router/step_loop.StepLoop) while submitting request i once arrivals[i] seconds have passed since
     `started`; idle until the next arrival when nothing runs. Returns the finish events and, per request id, how
     long after its arrival it was submitted (a step was running when it arrived): its TTFT counts that too.
-    chunks (bench.ChunkGaps): sees every step's events as they come."""
+    chunks (bench_latency.ChunkGaps): sees every step's events as they come."""
     from blockspec.services.router.step_loop import FinishEvent
 
     done, late, i = [], {}, 0

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from blockspec.common.auth import client_channel
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.bench import (SERVER, ChunkGaps, Mode, Row, accepted_per_position, against_plain, latency,
-                                      timed_passes, workload)
+from blockspec.services.bench import SERVER, Mode, Row, accepted_per_position, against_plain, timed_passes, workload
+from blockspec.services.bench_latency import ChunkGaps, latency
 from blockspec.services.bench_rate import arrival_times, check_rates
 
 DEFAULT_SERVER_K = 5  # the speculative k beside plain decoding (the shipped config's)

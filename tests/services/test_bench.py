@@ -135,7 +135,7 @@ def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
     """TTFT: the median request's and the 99th percentile (numpy's linear one, as vLLM's serving benchmark); TPOT:
     all decode time over all tokens after the first, and the 99th percentile of each request's own (a request with
     a single token has no decode)."""
-    from blockspec.services.bench import latency
+    from blockspec.services.bench_latency import latency
 
     got = latency([0.001, 0.002, 0.003, 0.010], [(0.1, 100), (0.3, 100), (0.0, 0)], [0.004] * 99 + [0.104])
     assert got == pytest.approx({"ttft_ms": 2.5, "ttft_p99_ms": 9.79, "tpot_ms": 2.0, "tpot_p99_ms": 2.98,
@@ -147,7 +147,7 @@ def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
 def test_chunk_gaps_are_per_stream_and_count_only_chunks_with_tokens():
     """ITL as vLLM's serving benchmark takes it: the gaps between consecutive chunks of one stream (not between
     two streams' chunks, nor before a stream's first); a step loop's finish events and empty chunks are no chunk."""
-    from blockspec.services.bench import ChunkGaps
+    from blockspec.services.bench_latency import ChunkGaps
     from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 
     chunks = ChunkGaps()
