@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.bench_latency import ChunkGaps
 
 ARRIVAL_SEED = 0  # the same arrival times for every mode and round: the modes meet the same load
 MAX_ARRIVAL_SPAN_S = 3600.0  # a rate whose pass would take longer to arrive is refused (a rate mistyped, not a load)
@@ -36,11 +37,11 @@ def check_rates(rates: Sequence[float], requests: int) -> None:
 
 
 def open_loop(loop, requests: Sequence, arrivals: Sequence[float], started: float,
-              chunks=None) -> tuple[list, dict[str, float]]:
+              chunks: ChunkGaps | None = None) -> tuple[list, dict[str, float]]:
     """Step `loop` (router/step_loop.StepLoop) while submitting request i once arrivals[i] seconds have passed since
     `started`; idle until the next arrival when nothing runs. Returns the finish events and, per request id, how
     long after its arrival it was submitted (a step was running when it arrived): its TTFT counts that too.
-    chunks (bench_latency.ChunkGaps): sees every step's events as they come."""
+    chunks: sees every step's events as they come (the streams' ITL)."""
     from blockspec.services.router.step_loop import FinishEvent
 
     done, late, i = [], {}, 0
