@@ -1,5 +1,8 @@
 """Concurrency 1 on the served default pair (deploy/config.yaml, `serve --no-ray`): the held-out prompts x 128 tokens
-through gRPC `Generate` and through `/v1/completions` (SSE, the OpenAI client), in alternating rounds.
+through gRPC `Generate`, through `/v1/completions` streamed by the OpenAI client, and through `/v1/completions` read
+as raw server-sent events (http.client; only the last chunk, with the usage, is parsed), in rounds that rotate
+their order. The raw reader separates the server's own /v1 cost from the OpenAI client's parsing, which shares
+the machine's cores with the server.
 Usage: .venv/bin/python benchmarks/cpu-2core/v1_overhead.py [ROUNDS]"""
 
 import json
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import openai
+from http.client import HTTPConnection
 
 from blockspec.protos import api_grpc, api_pb2
 
@@ -44,12 +48,28 @@ def main(rounds: int) -> None:
                    for c in client.completions.create(model=model, prompt=p, max_tokens=128, temperature=0, stream=True,
                                                       stream_options={"include_usage": True}) if c.usage)
 
-    ways = {"grpc": via_grpc, "http": via_http}
-    via_grpc(), via_http()  # warm
+    raw = HTTPConnection("127.0.0.1", http_port)
+
+    def via_raw_sse() -> int:
+        tokens = 0
+        for p in PROMPTS:
+            raw.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": p, "max_tokens": 128, "temperature": 0,
+                                                               "stream": True, "stream_options": {"include_usage": True}}),
+                        {"Content-Type": "application/json"})
+            last = b""
+            for line in raw.getresponse():  # the usage chunk is the last data line before [DONE]
+                last = line if line.startswith(b"data: {") else last
+            tokens += json.loads(last.removeprefix(b"data: "))["usage"]["completion_tokens"]
+        return tokens
+
+    ways = {"grpc": via_grpc, "http": via_http, "http-raw": via_raw_sse}
+    for way in ways.values():  # warm
+        way()
     rates: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
     try:
         for r in range(rounds):
-            for name in sorted(ways, reverse=r % 2 == 1):
+            for name in names[r % len(names):] + names[: r % len(names)]:
                 started = time.perf_counter()
                 tokens = ways[name]()
                 rates[name].append(tokens / (time.perf_counter() - started))
