@@ -34,6 +34,20 @@ def start() -> tuple[subprocess.Popen, int, int]:
     raise SystemExit("serve did not start")
 
 
+def raw_sse(conn: HTTPConnection, model: str) -> int:
+    """The prompts through /v1/completions, each stream read line by line; only its usage chunk is parsed."""
+    tokens = 0
+    for p in PROMPTS:
+        body = {"model": model, "prompt": p, "max_tokens": 128, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        last = b""
+        for line in conn.getresponse():  # the usage chunk is the last data line before [DONE]
+            last = line if line.startswith(b"data: {") else last
+        tokens += json.loads(last.removeprefix(b"data: "))["usage"]["completion_tokens"]
+    return tokens
+
+
 def main(rounds: int) -> None:
     proc, grpc_port, http_port = start()
     stub = api_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
@@ -49,20 +63,7 @@ def main(rounds: int) -> None:
                                                       stream_options={"include_usage": True}) if c.usage)
 
     raw = HTTPConnection("127.0.0.1", http_port)
-
-    def via_raw_sse() -> int:
-        tokens = 0
-        for p in PROMPTS:
-            raw.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": p, "max_tokens": 128, "temperature": 0,
-                                                               "stream": True, "stream_options": {"include_usage": True}}),
-                        {"Content-Type": "application/json"})
-            last = b""
-            for line in raw.getresponse():  # the usage chunk is the last data line before [DONE]
-                last = line if line.startswith(b"data: {") else last
-            tokens += json.loads(last.removeprefix(b"data: "))["usage"]["completion_tokens"]
-        return tokens
-
-    ways = {"grpc": via_grpc, "http": via_http, "http-raw": via_raw_sse}
+    ways = {"grpc": via_grpc, "http": via_http, "http-raw": lambda: raw_sse(raw, model)}
     for way in ways.values():  # warm
         way()
     rates: dict[str, list[float]] = {name: [] for name in ways}
