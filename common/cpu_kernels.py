@@ -144,13 +144,15 @@ def _applies(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:
     rows = x.numel() // features if features else 0
     if not 0 < rows <= MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or not enabled():
         return 0
-    for w in weights:
-        # Only a module's own parameters: a tensor mapped from another process (the target's LM head in
-        # a remote drafter) is never copied.
-        if (not isinstance(w, nn.Parameter) or w.dtype != torch.float32 or w.shape[0] % 64
-                or (w.requires_grad and torch.is_grad_enabled())):
-            return 0
-    return rows
+    return rows if kernel_weights(weights) else 0
+
+
+def kernel_weights(weights: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernel takes these weights: fp32 parameters of a module (a tensor mapped from another process,
+    such as the target's LM head in a remote drafter, is never copied), whole panels of 64 output features, no
+    autograd."""
+    return all(isinstance(w, nn.Parameter) and w.dtype == torch.float32 and not w.shape[0] % 64
+               and not (w.requires_grad and torch.is_grad_enabled()) for w in weights)
 
 
 def _kernel_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
@@ -205,7 +207,7 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _kernels.module.cached_attention(q, k_cache, v_cache, slots, positions, q.shape[-1] ** -0.5)
 
 
-_NO_WEIGHT = torch.empty(0)  # qk_norm_rope: rotate without a norm
+NO_WEIGHT = torch.empty(0)  # qk_norm_rope: rotate without a norm
 
 
 def _norms_apply(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -233,8 +235,19 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
     weights = [w for w in (q_weight, k_weight) if w is not None]
     if not _norms_apply(qkv, *weights, *cos_sin) or qkv.stride(-1) != 1 or qkv.shape[-1] > 1024:
         return None
-    q_w, k_w = (_NO_WEIGHT if w is None else w for w in (q_weight, k_weight))
+    q_w, k_w = (NO_WEIGHT if w is None else w for w in (q_weight, k_weight))
     return _kernels.module.qk_norm_rope(qkv, q_w, k_w, cos_sin[0], cos_sin[1], positions.contiguous(), heads, kv_heads, eps)
+
+
+def decoder_row(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[torch.Tensor], final_norm: torch.Tensor,
+                cache, cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+                span: tuple[int, int], taps: list[int], heads: int, kv_heads: int, eps: float) -> list[torch.Tensor]:
+    """A decoder's layers over one row of real tokens (tokens [1, T], T <= ATTENTION_MAX_QUERIES) in one C++ call:
+    [final-normed hidden [1, T, H], the outputs of the layers in `taps`]. Its K/V go to the slot's positions
+    span = (slot, start) onwards. The same kernels and ATen operations as the module path, bitwise
+    (`Decoder.forward` decides where it applies)."""
+    return _kernels.module.decoder_row(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0], cos_sin[1],
+                                       positions, slots, span[0], span[1], taps, heads, kv_heads, cache.k.shape[-1], eps)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

@@ -220,11 +220,21 @@ class Decoder(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._row: tuple | None = None  # _row_weights: (the projections copied, their versions, the weights)
 
     def forward(
         self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`."""
+        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`. One row of
+        real tokens attending in place (a request's decode, verify or short prefill chunk on the CPU) runs as one
+        C++ call where the kernels take the weights (`cpu_kernels.decoder_row`, bitwise this path)."""
+        weights = self._row_weights() if batch.span0 is not None and batch.in_place else None
+        if weights is not None:
+            hidden, *taps = cpu_kernels.decoder_row(
+                tokens, self.embed_tokens.weight, weights, self.norm.weight, batch.cache, batch.cos_sin, batch.positions,
+                batch.slots, batch.span0, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
+                self.cfg.rms_norm_eps)
+            return hidden, taps
         x = self.embed_tokens(tokens)
         taps = []
         for i, layer in enumerate(self.layers):
@@ -235,3 +245,34 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def _row_weights(self) -> list[torch.Tensor] | None:
+        """`decoder_row`'s weights (8 a layer, the projections packed), gathered again only after a projection they
+        copy changed in place (the norms go as views, which see such changes): checking every parameter each
+        forward would cost more than a decode's Python saves. None where it does not apply: biases, shapes or
+        weights the kernels do not take, a packing budget spent."""
+        if self._row is None or tuple(w._version for w in self._row[0]) != self._row[1]:
+            copied, weights = self._gather_row_weights()
+            self._row = (copied, tuple(w._version for w in copied), weights)
+        return self._row[2]
+
+    def _gather_row_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        cfg = self.cfg
+        groups = [[(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.o_proj.weight,),
+                   (m.gate_proj.weight, m.up_proj.weight), (m.down_proj.weight,)]
+                  for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers)]
+        copied = [w for layer in groups for group in layer for w in group]
+        if (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.hidden_size % 16 or cfg.head_dim % 16
+                or cfg.head_dim > 1024 or self.embed_tokens.weight.dtype != torch.float32):
+            return copied, None
+        weights = []
+        for layer, layer_groups in zip(self.layers, groups):
+            panels = [cpu_kernels.packed(g) if cpu_kernels.kernel_weights(g) else None for g in layer_groups]
+            if any(p is None for p in panels):
+                return copied, None
+            att = layer.self_attn
+            q_norm, k_norm = ((att.q_norm.weight.detach(), att.k_norm.weight.detach()) if cfg.qk_norm
+                              else (cpu_kernels.NO_WEIGHT, cpu_kernels.NO_WEIGHT))
+            weights += [layer.input_layernorm.weight.detach(), panels[0], q_norm, k_norm, panels[1],
+                        layer.post_attention_layernorm.weight.detach(), panels[2], panels[3]]
+        return copied, weights
