@@ -22,7 +22,9 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
   1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
   queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
   built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
-  `argmax_rows`, the row argmax of a verify's logits.
+  `argmax_rows`, the row argmax of a verify's logits; and `decoder_row`, a decoder's layers over one row of real
+  tokens in one call (the same kernels and ATen operations as the module path, bitwise; a decode 1.50 -> 0.87 ms in
+  the step loop: the module path's Python and dispatch were most of it).
 * Switch: BLOCKSPEC_CPU_KERNELS=0 (or `set_enabled(False)`) turns the kernel off.
 * Build: compiled on first use by torch's C++ extension loader (g++ and ninja, about 35 s here, then
   cached under ~/.cache/torch_extensions). Where it cannot be built, torch's linear is used and the
