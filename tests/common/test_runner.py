@@ -179,3 +179,11 @@ def test_one_row_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_pa
                         runner.cache.v[:, a].clone()])
     assert all(torch.equal(x, y) for x, y in zip(*results))
     assert calls == ([] if family == "qwen2" else [40, 8, 1])  # qwen2 has q/k/v biases
+    # And against the target alone: transformers' logits of the same 49 tokens, at the verify's and decode's rows
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([list(range(3, 43)) + list(range(5, 14))])).logits[0]
+    got = torch.cat([results[0][2], results[0][4]])  # the verify's 8 rows, then the decode's
+    assert float((got - ref[40:49]).abs().max()) < 1e-4
