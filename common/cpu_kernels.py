@@ -19,8 +19,8 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
   ($BLOCKSPEC_CPU_KERNELS_MAX_MB, 1024 MiB): a model too big to hold twice keeps torch's linear.
 * Also here: `rms_norm` and `qk_norm_rope`, the decoder's norms and its q/k norm with RoPE, one call each
   where torch's CPU rms_norm runs seven operations and the q/k path a dozen (a decode in the step loop
-  1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps (at most ATTENTION_MAX_QUERIES
-  queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
+  1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps and prefill chunks (at most
+  ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
   built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
   `argmax_rows`, the row argmax of a verify's logits; and `decoder_row`, a decoder's layers over one row of real
   tokens in one call (the same kernels and ATen operations as the module path, bitwise; a decode 1.50 -> 0.87 ms in
@@ -47,7 +47,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # above this (prefill chunks), torch's linear: not measured to lose, not measured to win
-ATTENTION_MAX_QUERIES = 64  # cached_attention up to this many queries per row (more: SDPA, blocked for them)
+ATTENTION_MAX_QUERIES = 256  # cached_attention up to this many queries per row (more: SDPA, blocked for them; a
+# one-row prefill of 65-256 tokens measured 10-25% faster in place, 384 and 512 no faster)
 ENV_SWITCH = "BLOCKSPEC_CPU_KERNELS"  # "0" turns the kernel off (torch's linear everywhere)
 ENV_BUDGET = "BLOCKSPEC_CPU_KERNELS_MAX_MB"  # packed copies per process, MiB (default 1024)
 
@@ -193,7 +194,7 @@ class Linear(nn.Linear):
 def attends_in_place(cache: torch.Tensor, queries: int) -> bool:
     """Whether `cached_attention` applies to a forward of `queries` tokens per row over this KV cache
     [layers, slots, kv_heads, max_len, head_dim]: CPU, fp32, head_dim 16, 32, 64, 128 or 256, at most
-    ATTENTION_MAX_QUERIES (decode and verify steps; prefill chunks go to SDPA), inference (no autograd)."""
+    ATTENTION_MAX_QUERIES (decode and verify steps, short prefill chunks; longer chunks go to SDPA), inference (no autograd)."""
     return (cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.shape[-1] in (16, 32, 64, 128, 256)
             and queries <= ATTENTION_MAX_QUERIES and not torch.is_grad_enabled() and enabled())
 

@@ -115,9 +115,9 @@ def test_decode_and_verify_attend_in_place_and_long_prefill_chunks_use_sdpa(vari
     calls = []
     sdpa = decoder.F.scaled_dot_product_attention
     monkeypatch.setattr(decoder.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
-    runner = Runner(load_checkpoint(variant_dirs[2]), num_slots=2, max_len=256)
+    runner = Runner(load_checkpoint(variant_dirs[2]), num_slots=2, max_len=cpu_kernels.ATTENTION_MAX_QUERIES + 64)
     a, b = runner.cache.allocate(), runner.cache.allocate()
-    runner.forward([Segment(a, list(range(3, 3 + cpu_kernels.ATTENTION_MAX_QUERIES + 1)))])
+    runner.forward([Segment(a, [t % 60 + 3 for t in range(cpu_kernels.ATTENTION_MAX_QUERIES + 1)])])
     assert calls  # a long prefill chunk
     calls.clear()
     runner.forward([Segment(a, [5]), Segment(b, list(range(7, 15)))])  # a decode and an 8-token prefill
@@ -172,18 +172,18 @@ def test_one_row_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_pa
             monkeypatch.setattr(decoder.Decoder, "_row_weights", lambda self: None)
         runner = Runner(load_checkpoint(path), num_slots=2, max_len=128, tap_layers=(0, 1))
         a, b = runner.cache.allocate(), runner.cache.allocate()
-        outs = [runner.forward([Segment(a, list(range(3, 43)), last_only=True)]),  # a prefill chunk
+        outs = [runner.forward([Segment(a, list(range(3, 103)), last_only=True)]),  # a prefill chunk of 100
                 runner.forward([Segment(a, [5, 6, 7, 8, 9, 10, 11, 12])]), runner.forward([Segment(a, [13])]),
                 runner.forward([Segment(a, [14]), Segment(b, [3, 4, 5])])]  # two rows: the module path
         results.append([*(t for o in outs for t in (*o.logits, o.tap_rows)), runner.cache.k[:, a].clone(),
                         runner.cache.v[:, a].clone()])
     assert all(torch.equal(x, y) for x, y in zip(*results))
-    assert calls == ([] if family == "qwen2" else [40, 8, 1])  # qwen2 has q/k/v biases
-    # And against the target alone: transformers' logits of the same 49 tokens, at the verify's and decode's rows
+    assert calls == ([] if family == "qwen2" else [100, 8, 1])  # qwen2 has q/k/v biases
+    # And against the target alone: transformers' logits of the same 109 tokens, at the verify's and decode's rows
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = hf(torch.tensor([list(range(3, 43)) + list(range(5, 14))])).logits[0]
+        ref = hf(torch.tensor([list(range(3, 103)) + list(range(5, 14))])).logits[0]
     got = torch.cat([results[0][2], results[0][4]])  # the verify's 8 rows, then the decode's
-    assert float((got - ref[40:49]).abs().max()) < 1e-4
+    assert float((got - ref[100:109]).abs().max()) < 1e-4
