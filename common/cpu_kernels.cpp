@@ -106,35 +106,45 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k
   return out;
 }
 
-// The decoder's layers for one row of real tokens (a request's decode, verify or short prefill chunk) in one call:
-// per layer the norms, the packed linear products, q/k norm with RoPE, the K/V stored at [start, start + T) of
-// the slot, attention over the cache and the MLP, with the same kernels and ATen operations as the module path
-// (common/decoder.py), so the result is bitwise the module's. w: 8 tensors a layer (input norm, q|k|v panels,
-// q norm, k norm, o panels, post-attention norm, gate|up panels, down panels). Returns [final-normed hidden,
-// the outputs of the layers in `taps` (ascending)].
-std::vector<torch::Tensor> decoder_row(torch::Tensor tokens, torch::Tensor emb, std::vector<torch::Tensor> w,
-                                       torch::Tensor final_w, torch::Tensor k_cache, torch::Tensor v_cache,
-                                       torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slots,
-                                       int64_t slot, int64_t start, std::vector<int64_t> taps, int64_t heads,
-                                       int64_t kv_heads, int64_t hd, double eps) {
-  const int64_t T = tokens.size(1), D = emb.size(1), L = k_cache.size(0);  // caches [layers, slots, kv_heads, len, hd]
-  TORCH_CHECK(tokens.size(0) == 1 && (int64_t)w.size() == 8 * L, "decoder_row: unsupported input");
-  auto x = emb.index_select(0, tokens.reshape(-1)).reshape({1, T, D});
+// A decoder's layers over rows of real tokens (tokens [B, T]; row b's first lengths[b] are real, the rest padding)
+// in one call: per layer the norms, the packed linear products, q/k norm with RoPE, each row's real K/V stored at
+// [starts[b], starts[b] + lengths[b]) of its slot host_slots[b], attention over the cache and the MLP, with the same
+// kernels and ATen operations as the module path (common/decoder.py), so the result is bitwise the module's.
+// w: 8 tensors a layer (input norm, q|k|v panels, q norm, k norm, o panels, post-attention norm, gate|up panels,
+// down panels). Returns [final-normed hidden [B, T, D], the outputs of the layers in `taps` (ascending)].
+std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb, std::vector<torch::Tensor> w,
+                                        torch::Tensor final_w, torch::Tensor k_cache, torch::Tensor v_cache,
+                                        torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                                        torch::Tensor slots, std::vector<int64_t> host_slots,
+                                        std::vector<int64_t> starts, std::vector<int64_t> lengths,
+                                        std::vector<int64_t> taps, int64_t heads, int64_t kv_heads, int64_t hd,
+                                        double eps) {
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, D = emb.size(1), L = k_cache.size(0);
+  TORCH_CHECK((int64_t)w.size() == 8 * L && (int64_t)host_slots.size() == B && (int64_t)starts.size() == B &&
+              (int64_t)lengths.size() == B, "decoder_rows: unsupported input");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(0 < lengths[b] && lengths[b] <= T && 0 <= starts[b] && starts[b] + lengths[b] <= k_cache.size(3),
+                "decoder_rows: row ", b, " does not fit its slot");
+  auto x = emb.index_select(0, tokens.reshape(-1)).reshape({B, T, D});
   auto pos = positions.contiguous();
   std::vector<torch::Tensor> out{torch::Tensor()};
   size_t tap = 0;
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* p = &w[8 * l];
     const torch::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
-    auto qkv = small_linear(rms_norm_rows(x, p[0], eps).reshape({T, D}), p[1]).view({1, T, heads + 2 * kv_heads, hd});
-    auto qk = qk_norm_rope(qkv, p[2], p[3], cos, sin, pos, heads, kv_heads, eps);  // [1, heads + kv_heads, T, hd]
-    kc.select(0, slot).narrow(1, start, T).copy_(qk.narrow(1, heads, kv_heads)[0]);
-    vc.select(0, slot).narrow(1, start, T).copy_(qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2)[0]);
+    auto qkv = small_linear(rms_norm_rows(x, p[0], eps).reshape({N, D}), p[1]).view({B, T, heads + 2 * kv_heads, hd});
+    auto qk = qk_norm_rope(qkv, p[2], p[3], cos, sin, pos, heads, kv_heads, eps);  // [B, heads + kv_heads, T, hd]
+    for (int64_t b = 0; b < B; ++b) {  // the real tokens' K/V only: padding is computed, never stored
+      const int64_t n = lengths[b];
+      kc.select(0, host_slots[b]).narrow(1, starts[b], n).copy_(qk[b].narrow(0, heads, kv_heads).narrow(1, 0, n));
+      vc.select(0, host_slots[b]).narrow(1, starts[b], n).copy_(
+          qkv[b].narrow(1, heads + kv_heads, kv_heads).transpose(0, 1).narrow(1, 0, n));
+    }
     auto att = cached_attention(qk.narrow(1, 0, heads), kc, vc, slots, pos, 1.0 / std::sqrt((double)hd));
-    x = x + small_linear(att.reshape({T, heads * hd}), p[4]).view({1, T, D});
-    auto gate_up = small_linear(rms_norm_rows(x, p[5], eps).reshape({T, D}), p[6]).view({1, T, -1}).chunk(2, -1);
+    x = x + small_linear(att.reshape({N, heads * hd}), p[4]).view({B, T, D});
+    auto gate_up = small_linear(rms_norm_rows(x, p[5], eps).reshape({N, D}), p[6]).view({B, T, -1}).chunk(2, -1);
     auto act = at::silu(gate_up[0]) * gate_up[1];
-    x = x + small_linear(act.reshape({T, act.size(-1)}), p[7]).view({1, T, D});
+    x = x + small_linear(act.reshape({N, act.size(-1)}), p[7]).view({B, T, D});
     if (tap < taps.size() && taps[tap] == l) {
       out.push_back(x);
       ++tap;
@@ -145,7 +155,7 @@ std::vector<torch::Tensor> decoder_row(torch::Tensor tokens, torch::Tensor emb, 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_row", &decoder_row);
+  m.def("decoder_rows", &decoder_rows);
   m.def("small_linear", &small_linear);
   m.def("argmax_rows", &argmax_rows);
   m.def("cached_attention", &cached_attention);

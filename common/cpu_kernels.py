@@ -22,7 +22,7 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
   1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps and prefill chunks (at most
   ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
   built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
-  `argmax_rows`, the row argmax of a verify's logits; and `decoder_row`, a decoder's layers over one row of real
+  `argmax_rows`, the row argmax of a verify's logits; and `decoder_rows`, a decoder's layers over rows of real
   tokens in one call (the same kernels and ATen operations as the module path, bitwise; a decode 1.50 -> 0.87 ms in
   the step loop: the module path's Python and dispatch were most of it).
 * Switch: BLOCKSPEC_CPU_KERNELS=0 (or `set_enabled(False)`) turns the kernel off.
@@ -242,15 +242,17 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
     return _kernels.module.qk_norm_rope(qkv, q_w, k_w, cos_sin[0], cos_sin[1], positions.contiguous(), heads, kv_heads, eps)
 
 
-def decoder_row(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[torch.Tensor], final_norm: torch.Tensor,
-                cache, cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
-                span: tuple[int, int], taps: list[int], heads: int, kv_heads: int, eps: float) -> list[torch.Tensor]:
-    """A decoder's layers over one row of real tokens (tokens [1, T], T <= ATTENTION_MAX_QUERIES) in one C++ call:
-    [final-normed hidden [1, T, H], the outputs of the layers in `taps`]. Its K/V go to the slot's positions
-    span = (slot, start) onwards. The same kernels and ATen operations as the module path, bitwise
-    (`Decoder.forward` decides where it applies)."""
-    return _kernels.module.decoder_row(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0], cos_sin[1],
-                                       positions, slots, span[0], span[1], taps, heads, kv_heads, cache.k.shape[-1], eps)
+def decoder_rows(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[torch.Tensor], final_norm: torch.Tensor,
+                 cache, cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
+                 spans: tuple[list[int], list[int], list[int]], taps: list[int], heads: int, kv_heads: int,
+                 eps: float) -> list[torch.Tensor]:
+    """A decoder's layers over rows of real tokens (tokens [B, T], T <= ATTENTION_MAX_QUERIES, B * T <= MAX_ROWS) in one
+    C++ call: [final-normed hidden [B, T, H], the outputs of the layers in `taps`]. spans = (slots, starts, lengths)
+    on the host: row b's first lengths[b] tokens are real (the rest padding, computed and never stored) and their
+    K/V go to slot slots[b] from position starts[b]. The same kernels and ATen operations as the module path,
+    bitwise (`Decoder.forward` decides where it applies)."""
+    return _kernels.module.decoder_rows(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0], cos_sin[1],
+                                        positions, slots, *spans, taps, heads, kv_heads, cache.k.shape[-1], eps)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

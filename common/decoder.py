@@ -143,14 +143,16 @@ class AttentionBatch:
         real: torch.Tensor,  # [B, T] bool: False for padding rows (computed, never stored or returned)
         key_len: int,  # keys read per slot: positions [0, key_len)
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        host_slots: list[int],  # slots as ints, whether every row is real and the first position of
-        all_real: bool,  # each row: known on the host, so no device value is read back
-        host_starts: list[int],
+        host_slots: list[int],  # slots as ints, the first position and the real tokens of each row: known
+        host_starts: list[int],  # on the host, so no device value is read back
+        host_lengths: list[int],
     ) -> None:
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
         # One row of real tokens: what `store` puts (K/V, tap features) is one slice of its slot.
+        all_real = min(host_lengths) == positions.shape[1]
         self.span0 = (host_slots[0], host_starts[0]) if len(host_slots) == 1 and all_real else None
+        self.spans = (host_slots, host_starts, host_lengths)  # `cpu_kernels.decoder_rows` stores the K/V by them
         self.cos_sin = cos_sin  # the tables [max_len, hd]; `cos` and `sin` gather them where torch's RoPE runs
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
         # gathered keys with a mask.
@@ -225,14 +227,16 @@ class Decoder(nn.Module):
     def forward(
         self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`. One row of
-        real tokens attending in place (a request's decode, verify or short prefill chunk on the CPU) runs as one
-        C++ call where the kernels take the weights (`cpu_kernels.decoder_row`, bitwise this path)."""
-        weights = self._row_weights() if batch.span0 is not None and batch.in_place else None
+        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`. A forward
+        attending in place (the requests' decodes, verifies and short prefill chunks on the CPU) of at most
+        MAX_ROWS tokens runs as one C++ call where the kernels take the weights (`cpu_kernels.decoder_rows`, bitwise
+        this path)."""
+        fits = batch.in_place and tokens.numel() <= cpu_kernels.MAX_ROWS
+        weights = self._row_weights() if fits else None
         if weights is not None:
-            hidden, *taps = cpu_kernels.decoder_row(
+            hidden, *taps = cpu_kernels.decoder_rows(
                 tokens, self.embed_tokens.weight, weights, self.norm.weight, batch.cache, batch.cos_sin, batch.positions,
-                batch.slots, batch.span0, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
+                batch.slots, batch.spans, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
                 self.cfg.rms_norm_eps)
             return hidden, taps
         x = self.embed_tokens(tokens)
@@ -247,7 +251,7 @@ class Decoder(nn.Module):
         return self.lm_head(hidden).float()
 
     def _row_weights(self) -> list[torch.Tensor] | None:
-        """`decoder_row`'s weights (8 a layer, the projections packed), gathered again only after a projection they
+        """`decoder_rows`'s weights (8 a layer, the projections packed), gathered again only after a projection they
         copy changed in place (the norms go as views, which see such changes): checking every parameter each
         forward would cost more than a decode's Python saves. None where it does not apply: biases, shapes or
         weights the kernels do not take, a packing budget spent."""

@@ -145,8 +145,7 @@ class Runner:
         slots = torch.tensor(host_slots, dtype=torch.long)
         if self.device.type != "cpu":  # index tensors are built on the host, then moved once
             tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
-        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, min(lengths) == width,
-                               starts)
+        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, starts, lengths)
         hidden, taps = self.model(tokens, batch, self.tap_layers)  # [B, T, H]
         tap_rows = batch.real_rows(torch.cat(taps, dim=-1)) if taps else None  # [N, n_taps * H]
         firsts = [n - 1 if seg.last_only else 0 for seg, n in zip(segments, lengths)]

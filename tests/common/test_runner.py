@@ -154,31 +154,35 @@ def test_keys_read_in_spans_give_the_same_logits(variant_dirs):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_one_row_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, tokenizer, monkeypatch):
-    """A forward of one row of real tokens attending in place (a request's prefill chunk, verify, decode) runs the
-    decoder as one C++ call (`cpu_kernels.decoder_row`): logits, tap features and the K/V it stores are bitwise
-    the module path's. Biased projections (qwen2) and batches of several rows keep the module path. (Hidden size
-    256: the kernels take projections of whole panels of 64 outputs, the tiny variants' 32-wide k / v are not.)"""
+def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, tokenizer, monkeypatch):
+    """A forward attending in place (requests' prefill chunks, verifies, decodes; one row or a padded batch) runs
+    the decoder as one C++ call (`cpu_kernels.decoder_rows`): logits, tap features and the K/V it stores are
+    bitwise the module path's, and padding stores nothing. Biased projections (qwen2) keep the module path.
+    (Hidden size 256: the kernels take projections of whole panels of 64 outputs, the tiny variants' 32-wide
+    k / v are not.)"""
     from blockspec.common import cpu_kernels, decoder
 
     if not cpu_kernels.enabled():
         pytest.skip("the CPU kernels could not be built here")
     path = build_tiny_checkpoint(tmp_path / family, family, hidden_size=256, tokenizer=tokenizer)
-    calls, row = [], cpu_kernels.decoder_row
-    monkeypatch.setattr(cpu_kernels, "decoder_row", lambda *a: calls.append(a[0].shape[1]) or row(*a))
+    calls, rows = [], cpu_kernels.decoder_rows
+    monkeypatch.setattr(cpu_kernels, "decoder_rows", lambda *a: calls.append(tuple(a[0].shape)) or rows(*a))
     results = []
-    for use_row in (True, False):
-        if not use_row:
+    for use_call in (True, False):
+        if not use_call:
             monkeypatch.setattr(decoder.Decoder, "_row_weights", lambda self: None)
-        runner = Runner(load_checkpoint(path), num_slots=2, max_len=128, tap_layers=(0, 1))
-        a, b = runner.cache.allocate(), runner.cache.allocate()
+        runner = Runner(load_checkpoint(path), num_slots=3, max_len=128, tap_layers=(0, 1))
+        a, b, c = runner.cache.allocate(), runner.cache.allocate(), runner.cache.allocate()
+        runner.cache.k.fill_(7.0), runner.cache.v.fill_(-7.0)  # what no forward wrote must stay as it was
         outs = [runner.forward([Segment(a, list(range(3, 103)), last_only=True)]),  # a prefill chunk of 100
                 runner.forward([Segment(a, [5, 6, 7, 8, 9, 10, 11, 12])]), runner.forward([Segment(a, [13])]),
-                runner.forward([Segment(a, [14]), Segment(b, [3, 4, 5])])]  # two rows: the module path
-        results.append([*(t for o in outs for t in (*o.logits, o.tap_rows)), runner.cache.k[:, a].clone(),
-                        runner.cache.v[:, a].clone()])
+                runner.forward([Segment(a, [14]), Segment(b, [3, 4, 5])]),  # a decode and a prefill, padded
+                runner.forward([Segment(a, [15, 16, 17, 18]), Segment(b, [6]), Segment(c, [9, 8, 7, 6, 5])])]
+        results.append([*(t for o in outs for t in (*o.logits, o.tap_rows)), runner.cache.k.clone(),
+                        runner.cache.v.clone()])
     assert all(torch.equal(x, y) for x, y in zip(*results))
-    assert calls == ([] if family == "qwen2" else [100, 8, 1])  # qwen2 has q/k/v biases
+    assert calls == ([] if family == "qwen2" else [(1, 100), (1, 8), (1, 1), (2, 3), (3, 5)])  # qwen2: q/k/v biases
+    assert torch.all(results[0][-2][:, c, :, 5:] == 7.0) and torch.all(results[0][-2][:, b, :, 4:] == 7.0)
     # And against the target alone: transformers' logits of the same 109 tokens, at the verify's and decode's rows
     from transformers import AutoModelForCausalLM
 
