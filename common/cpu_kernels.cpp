@@ -154,9 +154,11 @@ std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb,
   return out;
 }
 
+// The calls that take a while run without the GIL (they touch no Python object), so a server's other threads (its
+// gRPC and asyncio work, streaming the last step's tokens) go on during a forward.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_rows", &decoder_rows);
-  m.def("small_linear", &small_linear);
+  m.def("decoder_rows", &decoder_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("small_linear", &small_linear, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows);
   m.def("cached_attention", &cached_attention);
   m.def("rms_norm_rows", &rms_norm_rows);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Split-deployment overhead at concurrency 1: the same held-out prompts through the in-process engine,
-# through `serve --no-ray` (role processes + gRPC) and through `serve` on Ray (actors + gRPC).
+# Serving overhead at concurrency 1: the same held-out prompts through the in-process engine, through
+# `serve --inprocess` (the engine in the server process: the API's gRPC only), `serve --no-ray` (role processes +
+# gRPC) and `serve` on Ray (actors + gRPC).
 # Prints aggregate tokens/s (all generated tokens / all request times) and the ratios.
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
@@ -24,13 +25,15 @@ served() {  # $1: extra serve flags
 # As deploy/config.yaml serves: dflash, k=5, prompt lookup first.
 inproc=$("$BIN/blockspec" generate --target "$PAIR/target" --drafter "$PAIR/drafter" --prompts-file "$PROMPTS" \
          --max-batch 1 --max-tokens "$N" --prompt-lookup --json | agg max)
+inserve=$(served --inprocess)
 norai=$(served --no-ray)
 onray=$(served "")
-python3 - "$inproc" "$norai" "$onray" <<'PY'
+python3 - "$inproc" "$inserve" "$norai" "$onray" <<'PY'
 import sys
-a, b, c = map(float, sys.argv[1:])
+a, i, b, c = map(float, sys.argv[1:])
 print("| deployment (dflash with lookup, k=5, c=1) | tokens/s | vs in-process |")
 print("|---|---|---|")
-for name, v in (("in-process engine", a), ("serve --no-ray (processes + gRPC)", b), ("serve on Ray (actors + gRPC)", c)):
+for name, v in (("in-process engine", a), ("serve --inprocess (one process, the API's gRPC)", i),
+                ("serve --no-ray (processes + gRPC)", b), ("serve on Ray (actors + gRPC)", c)):
     print(f"| {name} | {v:.1f} | {v / a:.2f} |")
 PY

@@ -70,6 +70,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.ray_address and (args.no_ray or args.verifier_address):
         raise InvalidArgument("--ray-address", "serves on Ray: not with --no-ray or --verifier-address")
+    if args.inprocess and (args.no_ray or args.ray_address or args.verifier_address):
+        raise InvalidArgument("--inprocess", "runs the roles in this process: not with --no-ray, --ray-address or "
+                                             "--verifier-address")
     if args.drafter_address and not args.verifier_address:
         raise InvalidArgument("--drafter-address", "goes with --verifier-address (the router alone)")
     host = args.host or cfg.server.host
@@ -77,6 +80,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     grpc_port = cfg.server.grpc_port if args.grpc_port is None else args.grpc_port
     check_ports(port, grpc_port, "--grpc-port" if args.grpc_port is not None or args.port is not None else "server.grpc_port")
     try:
+        if args.inprocess:
+            from blockspec.services.serve_inprocess import serve_inprocess
+
+            return serve_inprocess(cfg, host, port, grpc_port)
         if args.verifier_address:
             return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
         if args.no_ray:
@@ -106,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=port, help="HTTP port for /health and /metrics (default: server.port, 8000)")
     sv.add_argument("--grpc-port", type=port, help="gRPC port (default: server.grpc_port, 8001)")
     sv.add_argument("--no-ray", action="store_true", help="run the roles as plain supervised processes")
+    sv.add_argument("--inprocess", action="store_true",
+                    help="run the roles in this process, no role round trips (one replica; README, \"Serving\")")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--verifier-address", type=address, help="HOST:PORT of a running verifier role: start only the router")
     sv.add_argument("--drafter-address", type=address, help="HOST:PORT of a running drafter role (with --verifier-address)")

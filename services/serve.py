@@ -310,11 +310,13 @@ def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
                     " ".join(p.drafter_argv) if p.drafter_argv else "no drafter")
 
 
-def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles) -> int:
+def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles,
+                router_over: Callable | None = None) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router.
 
     `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
-    `.alive()`, `.stop()` (and `.restart()` where this process supervises it)."""
+    `.alive()`, `.stop()` (and `.restart()` where this process supervises it). `router_over(replicas, keys)`
+    starts the router (a coroutine); by default one over the roles' addresses."""
     state: dict = {"router": None, "replicas": []}
     tracing.setup_tracing("blockspec-router")
     keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
@@ -325,7 +327,8 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     log.info("HTTP on %s:%d (/health, /metrics, /v1)", host, http.server_port)
     try:
         state["replicas"] = start_roles()
-        return asyncio.run(_route(cfg, p, host, grpc_port, http.server_port, state, keys))
+        router_over = router_over or (lambda replicas, keys: _split_router(cfg, p, host, grpc_port, replicas, keys))
+        return asyncio.run(_route(router_over, http.server_port, state, keys))
     finally:
         http.shutdown()
         for verifier, drafter in state["replicas"]:
@@ -363,18 +366,23 @@ def _readiness(state: dict) -> Callable[[], tuple[bool, str]]:
     return readiness
 
 
-async def _route(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int, http_port: int, state: dict,
-                 keys: ApiKeys | None) -> int:
-    """The router over the started roles, supervised until SIGTERM/SIGINT."""
-    replicas, spec = state["replicas"], cfg.model.spec_decode
+async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int, replicas, keys: ApiKeys | None):
+    """The router over the started roles, reached by their addresses."""
+    spec = cfg.model.spec_decode
     # A drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
     pairs = [(v.address, (lambda d=d: d.address) if d else None) for v, d in replicas]
-    router = await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,
-                                      default_k=spec.num_speculative_tokens, metrics=RouterMetrics(),
-                                      adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
-                                      prompt_lookup_tokens=spec.prompt_lookup_tokens,
-                                      prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
-                                      limits=TenantLimits(cfg.server.rate_limit))
+    return await start_split_router(pairs, p.method, cfg.server.max_batch, host, grpc_port,
+                                    default_k=spec.num_speculative_tokens, metrics=RouterMetrics(),
+                                    adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
+                                    prompt_lookup_tokens=spec.prompt_lookup_tokens,
+                                    prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
+                                    limits=TenantLimits(cfg.server.rate_limit))
+
+
+async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None) -> int:
+    """The router (from `router_over`) over the started roles, supervised until SIGTERM/SIGINT."""
+    replicas = state["replicas"]
+    router = await router_over(replicas, keys)
     state["router"] = router
     print(f"SERVING grpc={router.port} http={http_port}", flush=True)
     stop = asyncio.Event()

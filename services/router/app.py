@@ -100,11 +100,12 @@ def register_generation(service: GenerationService, server: grpc.aio.Server) -> 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def facts_from_engine(engine) -> ModelFacts:
-    """ModelFacts of an in-process Engine (the tests serve one)."""
+def facts_from_engine(engine, default_k: int | None = None) -> ModelFacts:
+    """ModelFacts of an in-process Engine (`serve --inprocess`, the tests); default_k None: the engine's DEFAULT_K."""
     from blockspec.services.engine import DEFAULT_K
 
     runner = engine.verifier.runner
+    default_k = DEFAULT_K if default_k is None else default_k
     return ModelFacts(target=str(engine.target_path), drafter=str(engine.drafter_path or ""), method=engine.method,
-                      max_k=engine.proposer.max_k, default_k=min(DEFAULT_K, engine.proposer.max_k),
+                      max_k=engine.proposer.max_k, default_k=min(default_k, engine.proposer.max_k),
                       context_len=engine.context_len, vocab_size=runner.config.vocab_size, tokenizer=engine.tokenizer)

@@ -291,12 +291,13 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
   return out;
 }
 
+// The calls that take a while run without the GIL (they touch no Python object; see common/cpu_kernels.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block", &block);
-  m.def("context", &context);
-  m.def("walk", &walk);
-  m.def("propose", &propose);
-  m.def("linear_bf16", &linear_bf16);
+  m.def("block", &block, py::call_guard<py::gil_scoped_release>());
+  m.def("context", &context, py::call_guard<py::gil_scoped_release>());
+  m.def("walk", &walk, py::call_guard<py::gil_scoped_release>());
+  m.def("propose", &propose, py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_supported", &bf16_supported);
   m.def("set_amx", &set_amx);
   m.def("amx_on", &amx_on);
