@@ -490,9 +490,8 @@ def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_draft
     assert "server.max_batch 4 > its 2 slots" in text and "role verifier --target" in text
 
 
-def test_a_drafter_that_cannot_load_ends_serve_with_one_line_naming_its_file(tiny_models, dflash_drafters, tmp_path):
-    """At start-up a drafter checkpoint that cannot be read ends `serve` with exit code 1: the role names the file
-    it could not read, the server the role that ended (before: two tracebacks, neither naming the checkpoint)."""
+def config_with_a_broken_drafter(tiny_models, dflash_drafters, tmp_path):
+    """A config whose drafter's weights file is cut short: (the config's path, the weights file)."""
     import shutil
 
     drafter = tmp_path / "drafter"
@@ -501,6 +500,13 @@ def test_a_drafter_that_cannot_load_ends_serve_with_one_line_naming_its_file(tin
     weights.write_bytes(weights.read_bytes()[:100])
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
+    return cfg, weights
+
+
+def test_a_drafter_that_cannot_load_ends_serve_with_one_line_naming_its_file(tiny_models, dflash_drafters, tmp_path):
+    """At start-up a drafter checkpoint that cannot be read ends `serve` with exit code 1: the role names the file
+    it could not read, the server the role that ended (before: two tracebacks, neither naming the checkpoint)."""
+    cfg, weights = config_with_a_broken_drafter(tiny_models, dflash_drafters, tmp_path)
     proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(cfg), "--no-ray"],
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

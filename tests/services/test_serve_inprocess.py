@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from tests.services.test_serve import CONFIG, generate, http_status, spawn_serve, stop_serve, wait_for
+from tests.services.test_serve import (CONFIG, config_with_a_broken_drafter, generate, http_status, spawn_serve,
+                                      stop_serve, wait_for)
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +52,7 @@ def test_inprocess_serves_the_target_alones_text_with_no_role_process(tiny_model
 
 
 def test_inprocess_refuses_what_it_cannot_serve_naming_the_flag_or_key(tiny_models, dflash_drafters, tmp_path):
+    """With a flag for the role processes (--no-ray) or more than one replica: exit code 2, one line naming it."""
     text = CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
     cfg = tmp_path / "config.yaml"
     cfg.write_text(text)
@@ -65,14 +67,8 @@ def test_inprocess_refuses_what_it_cannot_serve_naming_the_flag_or_key(tiny_mode
 
 def test_inprocess_with_a_drafter_that_cannot_load_ends_with_one_line_naming_its_file(tiny_models, dflash_drafters,
                                                                                     tmp_path):
-    import shutil
-
-    drafter = tmp_path / "drafter"
-    shutil.copytree(dflash_drafters["qwen3-trained"], drafter)
-    weights = next(drafter.glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:100])
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
+    """No role to report it: the engine's own error, one line, exit code 2 (as any bad input to the CLI)."""
+    cfg, weights = config_with_a_broken_drafter(tiny_models, dflash_drafters, tmp_path)
     proc = serve_exit(cfg, "--inprocess")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{weights}: cannot read the weights" in proc.stderr
