@@ -20,8 +20,8 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
 * Also here: `rms_norm` and `qk_norm_rope`, the decoder's norms and its q/k norm with RoPE, one call each
   where torch's CPU rms_norm runs seven operations and the q/k path a dozen (a decode in the step loop
   1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps and prefill chunks (at most
-  ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered and a mask
-  built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
+  ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered
+  and a mask built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
   `argmax_rows`, the row argmax of a verify's logits; and `decoder_rows`, a decoder's layers over rows of real
   tokens in one call (the same kernels and ATen operations as the module path, bitwise; a decode 1.50 -> 0.87 ms in
   the step loop: the module path's Python and dispatch were most of it).
@@ -194,7 +194,8 @@ class Linear(nn.Linear):
 def attends_in_place(cache: torch.Tensor, queries: int) -> bool:
     """Whether `cached_attention` applies to a forward of `queries` tokens per row over this KV cache
     [layers, slots, kv_heads, max_len, head_dim]: CPU, fp32, head_dim 16, 32, 64, 128 or 256, at most
-    ATTENTION_MAX_QUERIES (decode and verify steps, short prefill chunks; longer chunks go to SDPA), inference (no autograd)."""
+    ATTENTION_MAX_QUERIES (decode and verify steps, short prefill chunks; longer chunks go to SDPA), inference
+    (no autograd)."""
     return (cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.shape[-1] in (16, 32, 64, 128, 256)
             and queries <= ATTENTION_MAX_QUERIES and not torch.is_grad_enabled() and enabled())
 
@@ -251,8 +252,9 @@ def decoder_rows(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[to
     on the host: row b's first lengths[b] tokens are real (the rest padding, computed and never stored) and their
     K/V go to slot slots[b] from position starts[b]. The same kernels and ATen operations as the module path,
     bitwise (`Decoder.forward` decides where it applies)."""
-    return _kernels.module.decoder_rows(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0], cos_sin[1],
-                                        positions, slots, *spans, taps, heads, kv_heads, cache.k.shape[-1], eps)
+    return _kernels.module.decoder_rows(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0],
+                                        cos_sin[1], positions, slots, *spans, taps, heads, kv_heads, cache.k.shape[-1],
+                                        eps)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

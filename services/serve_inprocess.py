@@ -53,7 +53,8 @@ def build_engine(cfg: BlockspecConfig, p: Plan, device: torch.device | str, dtyp
     log.info("loading %s (%s%s) in this process", m.target_model_path, p.method,
              f", drafter {p.drafter}" if p.drafter else "")
     return Engine(m.target_model_path, p.drafter, p.method, max_batch=cfg.server.max_batch, max_len=m.max_model_len,
-                  invariant=m.invariant, use_dynamic_conv=spec.use_dynamic_conv, use_path_selector=spec.use_path_selector,
+                  invariant=m.invariant, use_dynamic_conv=spec.use_dynamic_conv,
+                  use_path_selector=spec.use_path_selector,
                   adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                   prompt_lookup_tokens=spec.prompt_lookup_tokens, prefill_chunk=cfg.server.prefill_chunk_tokens,
                   device=device, dtype=dtype)
