@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import ROLE_MEMORY_MAX_AGE_S, RouterMetrics, process_memory
 from blockspec.services.router.step_loop import FinishEvent, Load, Request, StepLoop, StepReport, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -236,8 +236,7 @@ class Scheduler:
         if fallbacks > self._fallbacks_seen:
             m.drafter_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
-        for role_name, role in (("verifier", loop.verifier), ("drafter", loop.drafter)):
-            rss, gpu = getattr(role, "memory", (0, 0))
+        for role_name, (rss, gpu) in _role_memory(loop):
             if rss:
                 m.role_memory.labels(replica=replica, role=role_name, kind="rss").set(rss)
                 m.role_memory.labels(replica=replica, role=role_name, kind="gpu").set(gpu)
@@ -281,3 +280,13 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _role_memory(loop: StepLoop) -> list[tuple[str, tuple[int, int]]]:
+    """(role, (rss, gpu) bytes) of the loop's roles, as their processes last reported them; where both run in this
+    process (`serve --inprocess`), this process's own, as role "server"."""
+    memory = [(name, getattr(role, "memory", None)) for name, role in (("verifier", loop.verifier),
+                                                                      ("drafter", loop.drafter))]
+    if all(mem is None for _, mem in memory):
+        return [("server", process_memory(ROLE_MEMORY_MAX_AGE_S))]
+    return [(name, mem or (0, 0)) for name, mem in memory]

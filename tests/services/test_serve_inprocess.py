@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -26,7 +27,8 @@ def serve_exit(cfg, *args: str) -> subprocess.CompletedProcess:
 def test_inprocess_serves_the_target_alones_text_with_no_role_process(tiny_models, dflash_drafters, tmp_path, prompts,
                                                                        references):
     """One process: /health 503 while the engine loads, then 200; concurrent streams equal the target alone's
-    greedy text with drafts accepted; /metrics and /v1 as with role processes; SIGTERM ends it with code 0."""
+    greedy text with drafts accepted; /metrics (the process's memory as role "server") and /v1 as with role
+    processes; SIGTERM ends it with code 0."""
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
     server = spawn_serve("--config", str(cfg), "--inprocess")
@@ -41,6 +43,8 @@ def test_inprocess_serves_the_target_alones_text_with_no_role_process(tiny_model
             assert finish.acceptance.drafted > 0 and finish.acceptance.accepted > 0
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server['http']}/metrics").read().decode()
         assert "blockspec_spec_decode_num_draft_tokens_total" in metrics
+        rss = re.search(r'blockspec_role_memory_bytes\{kind="rss",replica="0",role="server"\} (\S+)', metrics)
+        assert rss and float(rss.group(1)) > 1e6  # the one process's memory, as role "server"
         body = json.dumps({"prompt": prompts[4], "max_tokens": 16, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{server['http']}/v1/completions", body,
                                          {"Content-Type": "application/json"})
