@@ -131,6 +131,9 @@ class Verifier:
         self.tokenizer = checkpoint.tokenizer
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
+        # On the CPU a prefill forward of at most MAX_ROWS padded rows (prompts x the longest) runs as one C++ call
+        # (`cpu_kernels.decoder_rows`): 16 prompts of 21-87 tokens took 63 ms in two forwards, 42 ms in six that fit.
+        self.prefill_rows = cpu_kernels.MAX_ROWS if self.runner.device.type == "cpu" else None
         self._requests: dict[str, _State] = {}
 
     @staticmethod
@@ -220,9 +223,10 @@ class Verifier:
             self.runner.cache.release(state.slot)
 
     def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]:
-        """Run prompts through the target, at most max_prefill_tokens per forward. With a budget, stop
-        after that many prompt tokens (chunked prefill: a later call continues where this one stopped).
-        Returns the first generated token of every request whose prompt is now complete."""
+        """Run prompts through the target, at most max_prefill_tokens per forward (on the CPU also at most
+        prefill_rows padded rows, where more than one prompt goes). With a budget, stop after that many prompt
+        tokens (chunked prefill: a later call continues where this one stopped). Returns the first generated token
+        of every request whose prompt is now complete."""
         remaining = math.inf if budget is None else budget
         pending, results = list(request_ids), []
         while pending and remaining > 0:
@@ -233,6 +237,9 @@ class Verifier:
                 state = self._requests[rid]
                 done = self.runner.cache.lengths[state.slot]  # prompt tokens already in the cache
                 n = min(len(state.token_ids) - done, room)
+                width = max([n, *(len(s.token_ids) for s in segments)])
+                if segments and self.prefill_rows and (len(segments) + 1) * width > self.prefill_rows:
+                    break  # the next forward takes it
                 segments.append(Segment(state.slot, state.token_ids[done : done + n], last_only=True))
                 ends.append((rid, done + n))
                 room -= n
