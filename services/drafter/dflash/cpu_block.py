@@ -32,7 +32,7 @@ Half the bytes (and with AVX512-BF16 twice the products per instruction): a prop
 and k = 7 costs less, on drafts that differ from the fp32 ones only where two candidates nearly tie
 (tau in the README). Where the CPU has neither, the weights stay fp32. Where the compiler targets Intel's
 AMX tiles (Sapphire Rapids and later) and Linux grants the process their state, the bf16 projections run
-as tile products instead (`TDPBF16PS`, one thread: 5-16 us for 8 rows, the call included;
+as tile products instead (`TDPBF16PS`, 5-16 us for 8 rows, the call included; two threads from 256 outputs on;
 BLOCKSPEC_DRAFTER_AMX=0 keeps `vdpbf16ps`; inputs in whole tiles of 32): the same bf16 operands and fp32 sums,
 rounded within a few ulp of the vector path's.
 """

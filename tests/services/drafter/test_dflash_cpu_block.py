@@ -188,10 +188,11 @@ def amx(request):
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 17, 40])
-@pytest.mark.parametrize("features", [(192, 96), (320, 64), (128, 112)])
+@pytest.mark.parametrize("features", [(192, 96), (320, 64), (256, 64), (128, 112)])
 def test_bf16_projection_is_the_product_of_bf16_rounded_operands(rows, features, amx):
     """fp32 sums of bf16(x) * bf16(w): what torch gives on the rounded operands, up to summation order, on
-    vectors and on AMX tiles (blocks of 16 rows; 112 inputs are not whole tiles of 32 and take the vectors)."""
+    vectors and on AMX tiles (blocks of 16 rows; 112 inputs are not whole tiles of 32 and take the vectors;
+    from 4 panels of 64 outputs on, the tiles split the panels between two threads: 320 outputs unevenly)."""
     torch.manual_seed(rows)
     w = torch.nn.Parameter(torch.randn(*features) * 0.1)
     x = torch.randn(rows, features[1])
