@@ -243,22 +243,31 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
   return out;
 }
 
-// A whole greedy proposal in one call:
+// A whole greedy proposal in one call. The arguments that stay from call to call (the caches, tables and weights,
+// read in place) are bound once in a `Proposer` (cpu_block.py binds one per set of prepared weights): a call then
+// converts a handful of small arguments instead of 33, and returns the tokens as lists, not as a tensor.
 // * context: rows [start, end) of each features[i] ([len, n_taps * H]) become context K/V of slot ctx_slots[i];
 // * the block of request r, [anchors[r], MASK...] embedded from `embedding`, through `block_rows` at slot
 //   slots[r] after its lens[r] context positions;
 // * the LM head over draft slots 1..S (then the optional scale and soft cap of the draft logits); its rows are
 //   the draft vocabulary `ids` where that is not empty;
-// * the selector's walk -> tokens [R, S].
-torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> ctx_slots, std::vector<int64_t> starts,
-                      std::vector<int64_t> ends, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
-                      torch::Tensor fc, torch::Tensor hidden_norm, std::vector<torch::Tensor> kv_w,
-                      torch::Tensor embedding, int64_t mask_id, std::vector<int64_t> anchors, std::vector<int64_t> slots,
-                      std::vector<int64_t> lens, int64_t B, std::vector<torch::Tensor> w, int64_t heads,
-                      int64_t kv_heads, int64_t hd, int64_t conv_taps, int64_t group, double eps, torch::Tensor lm_head,
-                      int64_t S, double scale, double softcap, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
-                      int64_t top_k, torch::Tensor ids) {
-  if (!features.empty()) {
+// * the selector's walk -> tokens, S per request.
+struct Proposer {
+  torch::Tensor kc, vc, cos, sin, fc, hidden_norm;
+  std::vector<torch::Tensor> kv_w;
+  torch::Tensor embedding;
+  int64_t mask_id;
+  std::vector<torch::Tensor> w;
+  int64_t heads, kv_heads, hd, conv_taps, group;
+  double eps;
+  torch::Tensor lm_head;
+  double scale, softcap;
+  torch::Tensor proj, A, Bc;
+  int64_t top_k;
+  torch::Tensor ids;
+
+  void context(const std::vector<torch::Tensor>& features, const std::vector<int64_t>& ctx_slots,
+               const std::vector<int64_t>& starts, const std::vector<int64_t>& ends) const {
     const int64_t T = features[0].size(1);
     std::vector<float> taps;
     std::vector<int64_t> rows_slot, rows_pos;
@@ -271,32 +280,50 @@ torch::Tensor propose(std::vector<torch::Tensor> features, std::vector<int64_t> 
     context_rows(taps.data(), int64_t(rows_pos.size()), T, rows_slot.data(), rows_pos.data(), kc, vc, cos, sin, fc,
                  hidden_norm, kv_w, kv_heads, hd, eps);
   }
-  const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
-  const int64_t V = lm_head.dim() >= 3 ? lm_head.size(0) * 64 : lm_head.size(0);  // panels or [V, H]
-  const float* emb = embedding.data_ptr<float>();
-  std::vector<float> x(R * B * H);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t t = 0; t < B; ++t)
-      std::copy(emb + (t ? mask_id : anchors[r]) * H, emb + ((t ? mask_id : anchors[r]) + 1) * H, x.begin() + (r * B + t) * H);
-  block_rows(x.data(), R, B, H, kc, vc, slots.data(), lens.data(), cos, sin, w, heads, kv_heads, hd, conv_taps, group, eps);
-  std::vector<float> rows(R * S * H), logits(R * S * V);
-  for (int64_t r = 0; r < R; ++r)
-    std::copy(x.begin() + (r * B + 1) * H, x.begin() + (r * B + 1 + S) * H, rows.begin() + r * S * H);
-  project(rows.data(), R * S, H, lm_head, logits.data());
-  if (scale != 0.0) for (auto& l : logits) l *= float(scale);
-  if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
-  auto out = torch::empty({R, S}, torch::kLong);
-  walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
-            column_ids(ids, V), out.data_ptr<int64_t>());
-  return out;
-}
+
+  std::vector<std::vector<int64_t>> propose(const std::vector<torch::Tensor>& features,
+                                            const std::vector<int64_t>& ctx_slots, const std::vector<int64_t>& starts,
+                                            const std::vector<int64_t>& ends, const std::vector<int64_t>& anchors,
+                                            const std::vector<int64_t>& slots, const std::vector<int64_t>& lens,
+                                            int64_t B, int64_t S) const {
+    if (!features.empty()) context(features, ctx_slots, starts, ends);
+    const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
+    const int64_t V = lm_head.dim() >= 3 ? lm_head.size(0) * 64 : lm_head.size(0);  // panels or [V, H]
+    const float* emb = embedding.data_ptr<float>();
+    std::vector<float> x(R * B * H);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t t = 0; t < B; ++t) {
+        const int64_t token = t ? mask_id : anchors[r];
+        std::copy(emb + token * H, emb + (token + 1) * H, x.begin() + (r * B + t) * H);
+      }
+    block_rows(x.data(), R, B, H, kc, vc, slots.data(), lens.data(), cos, sin, w, heads, kv_heads, hd, conv_taps, group,
+               eps);
+    std::vector<float> rows(R * S * H), logits(R * S * V);
+    for (int64_t r = 0; r < R; ++r)
+      std::copy(x.begin() + (r * B + 1) * H, x.begin() + (r * B + 1 + S) * H, rows.begin() + r * S * H);
+    project(rows.data(), R * S, H, lm_head, logits.data());
+    if (scale != 0.0) for (auto& l : logits) l *= float(scale);
+    if (softcap != 0.0) for (auto& l : logits) l = float(softcap) * std::tanh(l / float(softcap));
+    std::vector<int64_t> flat(R * S);
+    walk_rows(rows.data(), logits.data(), R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
+              column_ids(ids, V), flat.data());
+    std::vector<std::vector<int64_t>> tokens(R);
+    for (int64_t r = 0; r < R; ++r) tokens[r].assign(flat.begin() + r * S, flat.begin() + (r + 1) * S);
+    return tokens;
+  }
+};
 
 // The calls that take a while run without the GIL (they touch no Python object; see common/cpu_kernels.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block", &block, py::call_guard<py::gil_scoped_release>());
   m.def("context", &context, py::call_guard<py::gil_scoped_release>());
   m.def("walk", &walk, py::call_guard<py::gil_scoped_release>());
-  m.def("propose", &propose, py::call_guard<py::gil_scoped_release>());
+  py::class_<Proposer>(m, "Proposer")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                    std::vector<torch::Tensor>, torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, int64_t,
+                    int64_t, int64_t, int64_t, double, torch::Tensor, double, double, torch::Tensor, torch::Tensor,
+                    torch::Tensor, int64_t, torch::Tensor>())
+      .def("__call__", &Proposer::propose, py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_supported", &bf16_supported);
   m.def("set_amx", &set_amx);

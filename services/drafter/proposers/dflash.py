@@ -125,9 +125,9 @@ class DFlashProposer:
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
         if panels is not None:  # the whole proposal in one C++ call (no autograd state to enter: it runs after
             # every target forward, on cold caches, where each Python step around it costs several times its warm cost)
-            tokens = cpu.propose(pending, [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B)
+            rows = cpu.propose(pending, [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B)
             self._advance(pending)
-            return self._drafts(inputs, live, tokens, None)
+            return self._drafts(inputs, live, rows, None)
         with torch.inference_mode():
             return self._propose_apart(inputs, live, ctx_lens, slot_ids, pending, B, slots_used, greedy, cpu)
 
@@ -163,14 +163,13 @@ class DFlashProposer:
             candidates = candidates if self.vocab_ids is None else self.vocab_ids[candidates]
             tokens = torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
                                   pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(slots_used)], 1)
-        return self._drafts(inputs, live, tokens, q_rows)
+        return self._drafts(inputs, live, tokens.tolist(), q_rows)  # one tolist for the batch
 
     @staticmethod
-    def _drafts(inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], tokens: torch.Tensor,
+    def _drafts(inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], rows: list[list[int]],
                 q_rows: list[list] | None) -> list[Draft]:
-        """One Draft per input: row r of tokens [R, k] for live request r (with the q it sampled from,
+        """One Draft per input: rows[r] (k tokens or more) for live request r (with the q it sampled from,
         if any; q_rows None: none did), nothing for the others."""
-        rows = tokens.tolist()  # one tolist for the batch
         if q_rows is None and len(live) == len(inputs):  # every input drafted (live is inputs, in order)
             return [Draft(tuple(row[: i.k])) for i, row in zip(inputs, rows)]
         drafts = {}
