@@ -117,6 +117,12 @@ def test_greedy_walk_matches_the_module(drafter):
         # topk has no such rule), as the module does once a tiny margin falling with the id orders them.
         ties = torch.randint(0, 3, (2, 5, V)).float()
         assert torch.equal(fast.walk(hidden, ties, anchor), sel.walk(hidden, ties - torch.arange(V) * 1e-7, anchor))
+        # A few ties near the top (logits in steps of 1/8), which the ranked top-k of the AVX-512 path places
+        # (above 64 logits at or over its bound, as with the three values above, it leaves them to the offers).
+        coarse = (torch.randn(2, 5, V) * 8).round() / 8
+        near = coarse - torch.arange(V) * 1e-6  # each tie ordered by token id (a step over an ulp for |x| < 8)
+        assert torch.equal(fast.walk(hidden, coarse, anchor), sel.walk(hidden, near, anchor))
+        assert (coarse.topk(16).values[..., :-1] == coarse.topk(16).values[..., 1:]).any()  # ties among the top
 
 
 def test_greedy_walk_over_a_draft_vocabulary_matches_the_module(drafter):
