@@ -2,6 +2,7 @@
 // (v16, load16, linear_into, attend_head) and cpu_bf16.cpp (linear_bf16_into).
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 // A projection: packed [O / 64, I, 64] (fp32) or [O / 64, I / 2, 64, 2] (bf16) through a kernel, or (an
@@ -300,7 +301,9 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
 
 // A whole greedy proposal in one call. The arguments that stay from call to call (the caches, tables and weights,
 // read in place) are bound once in a `Proposer` (cpu_block.py binds one per set of prepared weights): a call then
-// converts a handful of small arguments instead of 33, and returns the tokens as lists, not as a tensor.
+// converts a handful of small arguments instead of 33, and returns the tokens as lists, not as a tensor. `watched`
+// are the weights the packed ones were copied from, with their versions then: after one of them changed in place
+// (load_state_dict), a call proposes nothing and returns None, and the caller packs and binds them again.
 // * context: rows [start, end) of each features[i] ([len, n_taps * H]) become context K/V of slot ctx_slots[i];
 // * the block of request r, [anchors[r], MASK...] embedded from `embedding`, through `block_rows` at slot
 //   slots[r] after its lens[r] context positions;
@@ -320,6 +323,8 @@ struct Proposer {
   torch::Tensor proj, A, Bc;
   int64_t top_k;
   torch::Tensor ids;
+  std::vector<torch::Tensor> watched;
+  std::vector<int64_t> versions;
 
   void context(const std::vector<torch::Tensor>& features, const std::vector<int64_t>& ctx_slots,
                const std::vector<int64_t>& starts, const std::vector<int64_t>& ends) const {
@@ -336,11 +341,13 @@ struct Proposer {
                  hidden_norm, kv_w, kv_heads, hd, eps);
   }
 
-  std::vector<std::vector<int64_t>> propose(const std::vector<torch::Tensor>& features,
+  std::optional<std::vector<std::vector<int64_t>>> propose(const std::vector<torch::Tensor>& features,
                                             const std::vector<int64_t>& ctx_slots, const std::vector<int64_t>& starts,
                                             const std::vector<int64_t>& ends, const std::vector<int64_t>& anchors,
                                             const std::vector<int64_t>& slots, const std::vector<int64_t>& lens,
                                             int64_t B, int64_t S) const {
+    for (size_t i = 0; i < watched.size(); ++i)
+      if (watched[i]._version() != versions[i]) return std::nullopt;
     if (!features.empty()) context(features, ctx_slots, starts, ends);
     const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
     const int64_t V = lm_head.dim() >= 3 ? lm_head.size(0) * 64 : lm_head.size(0);  // panels or [V, H]
@@ -377,7 +384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, int64_t,
                     int64_t, int64_t, int64_t, double, torch::Tensor, double, double, torch::Tensor, torch::Tensor,
-                    torch::Tensor, int64_t, torch::Tensor>())
+                    torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>>())
       .def("__call__", &Proposer::propose, py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_supported", &bf16_supported);

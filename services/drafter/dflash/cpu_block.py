@@ -174,25 +174,33 @@ class CpuDrafter:
         [anchors[r], MASK x (block - 1)] after lens[r] context positions of slot slots[r], the LM head over
         its draft slots and the walk. The caller sets the cache lengths.
 
-        The fixed arguments are bound once per set of prepared weights and LM head (a C++ `Proposer`). The
-        proposal runs right after a target forward, where every Python operation meets cold caches: with the
-        proposer's lean path around it, the drafter's time per step fell from 0.211 / 0.273 to 0.199 / 0.254 ms
-        (medians of two A/B runs in one process, concurrency 1, k = 7); binding the fixed arguments took the
-        call's conversions from about 13 to 4 us."""
-        prepared = self._prepare()
-        if self._bound[0] is not prepared or self._bound[1] is not lm_head_panels:
+        The fixed arguments are bound once per set of prepared weights and LM head (a C++ `Proposer`, which also
+        checks the versions of the weights its packed copies come from: None back means one changed in place, and
+        the weights are prepared and bound again). The proposal runs right after a target forward, where every
+        Python operation meets cold caches: with the proposer's lean path around it, the drafter's time per step
+        fell from 0.211 / 0.273 to 0.199 / 0.254 ms (medians of two A/B runs in one process, concurrency 1, k = 7).
+        With the arguments bound, the way from this call into the C++ and back went from 12.7 + 4.7 to 9.5 +
+        2.4 us (medians in the step loop, k = 7)."""
+        if self._bound[1] is not lm_head_panels or self._bound[2] is None:
+            prepared = self._prepare()
             self._bound = (prepared, lm_head_panels, self._fixed(prepared, lm_head_panels))
         ctx_slots, starts, ends, features = zip(*pending) if pending else ((), (), (), ())
-        return self._bound[2](features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
+        rows = self._bound[2](features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
+        if rows is None:  # a weight changed in place since the binding
+            self._bound = (None, None, None)
+            return self.propose(pending, anchors, slots, lens, lm_head_panels, block)
+        return rows
 
     def _fixed(self, prepared: tuple, lm_head_panels: torch.Tensor):
-        """`propose`'s fixed arguments bound in a C++ Proposer."""
+        """`propose`'s fixed arguments bound in a C++ Proposer, with the weights the prepared lists copy and their
+        versions."""
         if not self._proposer_state:
             raise RuntimeError("CpuDrafter.propose needs bind() first")
         _, context_args, block_args, walk_args = prepared
         kc, vc, cos, sin, embedding, ids = self._proposer_state
         return _extension.get().Proposer(kc, vc, cos, sin, *context_args, embedding, self.cfg.mask_token_id,
-                                         *block_args, lm_head_panels, *walk_args, ids)
+                                         *block_args, lm_head_panels, *walk_args, ids, self._copied,
+                                         list(self._prepared_for))
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
              vocab_ids: torch.Tensor | None = None) -> torch.Tensor:

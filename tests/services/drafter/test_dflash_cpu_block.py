@@ -173,6 +173,11 @@ def test_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, m
         assert [d.token_ids for d in engines[0].proposer.propose(inputs)] == fused
     finally:
         cpu_kernels.set_enabled(True)
+    for engine in engines[:2]:  # a projection the fused path holds a packed copy of, changed in place
+        with torch.no_grad():
+            engine.proposer.model.layers[0].mlp.down_proj.weight.mul_(-3)
+    changed = [d.token_ids for d in engines[0].proposer.propose(inputs)]
+    assert changed == [d.token_ids for d in engines[1].proposer.propose(inputs)] and changed != fused
 
 
 needs_bf16 = pytest.mark.skipif(not cpu_block._extension.get().bf16_supported(),
