@@ -15,8 +15,8 @@ C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, built on first u
 * `propose`: a whole greedy proposal in one call: the missing context, the block of every request, the
   LM head over the draft slots and the walk.
 
-Linear layers use the packed small-batch kernel of `common.cpu_kernels`, attention its `attend_head`;
-everything else is plain loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
+Linear layers use the packed small-batch kernel of `common.cpu_kernels`; attention has its own loop (every
+query of a block sees the same keys: scores a vector of queries at a time, no horizontal sums); everything else is plain loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
 order. A proposal only decides what the target verifies, so this changes speed, never the output.
 
 Scope: fp32, CPU, inference, head_dim 16, 32, 64, 128 or 256, hidden and intermediate sizes multiples
