@@ -16,7 +16,8 @@ C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, built on first u
   LM head over the draft slots and the walk.
 
 Linear layers use the packed small-batch kernel of `common.cpu_kernels`; attention has its own loop (every
-query of a block sees the same keys: scores a vector of queries at a time, no horizontal sums); everything else is plain loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
+query of a block sees the same keys: scores a vector of queries at a time, no horizontal sums); everything
+else is plain loops over fp32. The arithmetic is the module's (`model.py`), not bit for bit: sums run in another
 order. A proposal only decides what the target verifies, so this changes speed, never the output.
 
 Scope: fp32, CPU, inference, head_dim 16, 32, 64, 128 or 256, hidden and intermediate sizes multiples
@@ -78,7 +79,7 @@ class CpuDrafter:
         self._copied: list[torch.Tensor] = []  # the weights the prepared lists hold copies of
         self._prepared: tuple[list[torch.Tensor], tuple, tuple, tuple] = ([], (), (), ())
         self._proposer_state: tuple = ()  # `bind`: the calling proposer's cache, RoPE tables, embedding, vocabulary
-        self._bound: tuple = (None, None, None)  # (prepared lists, LM head panels, the Proposer binding them)
+        self._bound: tuple = (None, None)  # `propose`'s (LM head panels, the C++ Proposer binding them)
         self._head_panels: tuple = (None, -1, None)  # lm_head_panels' last: (LM head, its version, panels)
 
     @property
@@ -165,7 +166,7 @@ class CpuDrafter:
         target's embedding and the token id of each LM head row (a draft vocabulary; None where row v is
         token v). Tensors, read in place: later writes to them are seen."""
         self._proposer_state = (cache.k, cache.v, cos, sin, embedding.detach(), _column_ids(vocab_ids))
-        self._bound = (None, None, None)
+        self._bound = (None, None)
 
     def propose(self, pending: Sequence[tuple[int, int, int, torch.Tensor]], anchors: list[int], slots: list[int],
                 lens: list[int], lm_head_panels: torch.Tensor, block: int) -> list[list[int]]:
@@ -181,22 +182,21 @@ class CpuDrafter:
         fell from 0.211 / 0.273 to 0.199 / 0.254 ms (medians of two A/B runs in one process, concurrency 1, k = 7).
         With the arguments bound, the way from this call into the C++ and back went from 12.7 + 4.7 to 9.5 +
         2.4 us (medians in the step loop, k = 7)."""
-        if self._bound[1] is not lm_head_panels or self._bound[2] is None:
-            prepared = self._prepare()
-            self._bound = (prepared, lm_head_panels, self._fixed(prepared, lm_head_panels))
+        if self._bound[0] is not lm_head_panels or self._bound[1] is None:
+            self._bound = (lm_head_panels, self._fixed(lm_head_panels))
         ctx_slots, starts, ends, features = zip(*pending) if pending else ((), (), (), ())
-        rows = self._bound[2](features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
+        rows = self._bound[1](features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
         if rows is None:  # a weight changed in place since the binding
-            self._bound = (None, None, None)
+            self._bound = (None, None)
             return self.propose(pending, anchors, slots, lens, lm_head_panels, block)
         return rows
 
-    def _fixed(self, prepared: tuple, lm_head_panels: torch.Tensor):
-        """`propose`'s fixed arguments bound in a C++ Proposer, with the weights the prepared lists copy and their
-        versions."""
+    def _fixed(self, lm_head_panels: torch.Tensor):
+        """`propose`'s fixed arguments (the weights prepared now) bound in a C++ Proposer, with the weights the
+        prepared lists copy and their versions."""
         if not self._proposer_state:
             raise RuntimeError("CpuDrafter.propose needs bind() first")
-        _, context_args, block_args, walk_args = prepared
+        _, context_args, block_args, walk_args = self._prepare()
         kc, vc, cos, sin, embedding, ids = self._proposer_state
         return _extension.get().Proposer(kc, vc, cos, sin, *context_args, embedding, self.cfg.mask_token_id,
                                          *block_args, lm_head_panels, *walk_args, ids, self._copied,
