@@ -3,6 +3,8 @@ block forward, context K/V, the greedy selector walk, and whole proposals (fused
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from blockspec.services.build.tiny import build_tiny_drafter
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash import cpu_block
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
-from blockspec.services.drafter.dflash.model import DrafterContext
+from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.drafter.proposer import ProposeInput
 from blockspec.services.engine import Engine
 
@@ -53,6 +55,24 @@ def test_context_kv_matches_the_module(drafter):
 
 @pytest.mark.parametrize("use_conv", [True, False])
 def test_block_matches_the_module(drafter, use_conv):
+    _block_against_the_module(drafter, use_conv)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 64), (2, 1, 32), (8, 2, 16), (2, 2, 128)])
+def test_block_matches_the_module_for_other_head_layouts(drafter, heads, kv_heads, head_dim):
+    """The drafter's own attention loop: a chunk of queries per KV head (more than one chunk where a KV head
+    has 4 x 8 queries), head sizes of one to eight vectors."""
+    torch.manual_seed(head_dim)
+    cfg = dataclasses.replace(drafter.cfg, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert CpuDrafter(model, True).usable
+    _block_against_the_module(model, True)
+
+
+def _block_against_the_module(drafter, use_conv):
     cfg, lens = drafter.cfg, [5, 0, 11]
     cache, cos, sin, taps, slots = _context(drafter, lens)
     fast = CpuDrafter(drafter, use_conv)
