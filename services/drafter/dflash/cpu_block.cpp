@@ -107,8 +107,7 @@ static void attend(const float* qkv, float* att, int64_t R, int64_t B, int64_t l
   const int64_t nq = per_kv * B, chunks = (nq + VW - 1) / VW;
   const float scale = 1.0f / std::sqrt(float(hd));
   at::parallel_for(0, R * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> st;  // scores, grown once per thread (zero-filling it each call cost more)
-    if (st.size() < size_t((M + B) * VW)) st.resize((M + B) * VW);
+    float* st = scratch<13>((M + B) * VW);  // scores: each thread its own
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / (kv_heads * chunks), g = task / chunks % kv_heads, first = task % chunks * VW;
       const int64_t count = std::min<int64_t>(VW, nq - first);
@@ -126,12 +125,12 @@ static void attend(const float* qkv, float* att, int64_t R, int64_t B, int64_t l
       const float *kctx = kc.data_ptr<float>() + base, *vctx = vc.data_ptr<float>() + base;
       const int64_t C = lens[r], n = C + B;
       switch (hd / VW) {
-        case 1: attend_chunk<1>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st.data()); break;
-        case 2: attend_chunk<2>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st.data()); break;
-        case 4: attend_chunk<4>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st.data()); break;
-        case 8: attend_chunk<8>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st.data()); break;
-        case 16: attend_chunk<16>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st.data()); break;
-        case 32: attend_chunk<32>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st.data()); break;
+        case 1: attend_chunk<1>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st); break;
+        case 2: attend_chunk<2>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st); break;
+        case 4: attend_chunk<4>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st); break;
+        case 8: attend_chunk<8>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st); break;
+        case 16: attend_chunk<16>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st); break;
+        case 32: attend_chunk<32>(qs, count, kctx, vctx, kblock, vblock, C, n, QKV, scale, outs, st); break;
         default: TORCH_CHECK(false, "drafter attention: head size ", hd, " unsupported");
       }
     }
