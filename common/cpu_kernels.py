@@ -106,16 +106,18 @@ def enabled() -> bool:
     return _kernels.get() is not None
 
 
-def packed(weights: tuple[torch.Tensor, ...], bf16: bool = False) -> torch.Tensor | None:
-    """cat(weights) [O, I] packed as [O / 64, I, 64] for the kernel (bf16: rounded to bfloat16 and packed
-    as [O / 64, I / 2, 64, 2], the layout of the drafter's bf16 kernel): a copy, made once per set of
-    weights (again if one is modified in place). None once the process's budget of copies is spent: a
-    model too big to hold twice keeps torch's linear."""
-    key = (bf16, *(id(w) for w in weights))
+FORMS = {"fp32": 4, "bf16": 2, "int8": 1}  # packed weight formats: bytes per weight (int8: and 4 per output feature)
+
+
+def packed(weights: tuple[torch.Tensor, ...], form: str = "fp32") -> torch.Tensor | None:
+    """cat(weights) [O, I] packed for a kernel (`_pack`): a copy, made once per set of weights and format (again
+    if one is modified in place). None once the process's budget of copies is spent: a model too big to hold
+    twice keeps torch's linear."""
+    key = (form, *(id(w) for w in weights))
     entry = _packs.get(key)
     if (entry is None or any(ref() is not w for ref, w in zip(entry[0], weights))
             or entry[1] != tuple(w._version for w in weights)):
-        size = sum(w.numel() * (2 if bf16 else w.element_size()) for w in weights)
+        size = sum(w.numel() * FORMS[form] + (4 * w.shape[0] if form == "int8" else 0) for w in weights)
         with _lock:
             if entry is not None:
                 _budget["left"] += entry[2].numel() * entry[2].element_size()
@@ -129,16 +131,26 @@ def packed(weights: tuple[torch.Tensor, ...], bf16: bool = False) -> torch.Tenso
                 _budget["left"] += size
 
         entry = (tuple(weakref.ref(w, drop) for w in weights), tuple(w._version for w in weights),
-                 _pack(torch.cat([w.detach() for w in weights]), bf16))
+                 _pack(torch.cat([w.detach() for w in weights]), form))
         _packs[key] = entry
     return entry[2]
 
 
-def _pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+def _pack(w: torch.Tensor, form: str = "fp32") -> torch.Tensor:
+    """fp32: [O / 64, I, 64] (this kernel's panels). bf16: rounded to bfloat16, [O / 64, I / 2, 64, 2]; int8: each
+    output feature's weights over its max |w| / 127, rounded, [O / 64, I / 4 + 1, 64, 4], the last row of a panel
+    its 64 scales as fp32 bytes (the drafter's kernels, dflash/cpu_bf16.cpp)."""
     out_features, in_features = w.shape
-    if bf16:
-        return w.to(torch.bfloat16).reshape(out_features // 64, 64, in_features // 2, 2).transpose(1, 2).contiguous()
-    return w.reshape(out_features // 64, 64, in_features).transpose(1, 2).contiguous()
+    panels = out_features // 64
+    if form == "bf16":
+        return w.to(torch.bfloat16).reshape(panels, 64, in_features // 2, 2).transpose(1, 2).contiguous()
+    if form == "int8":
+        scale = w.abs().amax(1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        q = q.reshape(panels, 64, in_features // 4, 4).transpose(1, 2)
+        return torch.cat([q, scale.reshape(panels, 64).contiguous().view(torch.int8).reshape(panels, 1, 64, 4)], 1)
+    return w.reshape(panels, 64, in_features).transpose(1, 2).contiguous()
 
 
 def _applies(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> int:

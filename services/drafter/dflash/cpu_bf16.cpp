@@ -1,6 +1,6 @@
-// The drafter's bf16 projections on the CPU (see cpu_block.py): vector kernels and AMX tiles. Compiled after
-// common/cpu_shared.cpp and before cpu_block.cpp, which calls linear_bf16_into and exports linear_bf16, set_amx
-// and amx_on.
+// The drafter's bf16 and int8 projections on the CPU (see cpu_block.py): vector kernels and AMX tiles. Compiled
+// after common/cpu_shared.cpp and before cpu_block.cpp, which calls linear_bf16_into and linear_i8_into and exports
+// them, set_amx, amx_on and int8_supported.
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -163,10 +163,76 @@ static void amx_panels(const uint32_t* xs, const uint16_t* wp, float* yp, int64_
   }
   _tile_release();
 }
+#if defined(__AMX_INT8__)
+// int8 weights (W8, `cpu_kernels.packed(..., "int8")`): panels [P, J4 + 1, 64, 4] int8, where row j < J4 holds
+// round(w[64 p + c][4 j + t] / s[64 p + c]) at [j][c][t], s the feature's max |w| / 127, and row J4 holds the
+// panel's 64 scales s as fp32. Each row of x goes in as two int8 rows against the same weights: hi = round(x / sx)
+// and lo = round((x / sx - hi) * 256), sx its max |x| / 127, so x keeps about 16 bits (within sx / 512) and only the
+// weights are 8-bit. TDPBSSD multiplies a tile of 16 rows x 16 quads of int8 inputs by 16 quads x 16 features
+// into int32 sums (exact): the 8 hi rows and their 8 lo rows fill one A tile, so a weight tile read from memory
+// (half a bf16 one's bytes per weight) serves both. y = sx * s * (sum_hi + sum_lo / 256). Inputs in whole
+// tiles of 64 (J4 % 16 == 0).
+static void amx_panels_i8(const int8_t* xs, const float* xscale, const int8_t* wp, float* yp, int64_t N, int64_t J4,
+                          int64_t P, int64_t O) {
+  amx_configure();
+  alignas(64) int32_t out[16 * 64];
+  for (int64_t p = 0; p < P; ++p) {
+    const int8_t* panel = wp + p * (J4 + 1) * 256;
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {  // a panel's further rows read it from L1 / L2
+      const int8_t* a = xs + n0 * 2 * J4 * 4;  // 16 rows: the hi of rows n0 .. n0 + 7, then their lo
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t j = 0; j < J4; j += 16) {
+        _tile_loadd(4, a + j * 4, J4 * 4);
+        const int8_t* w = panel + j * 256;
+        _tile_loadd(5, w, 256); _tile_dpbssd(0, 4, 5);
+        _tile_loadd(6, w + 64, 256); _tile_dpbssd(1, 4, 6);
+        _tile_loadd(5, w + 128, 256); _tile_dpbssd(2, 4, 5);
+        _tile_loadd(6, w + 192, 256); _tile_dpbssd(3, 4, 6);
+      }
+      _tile_stored(0, out, 256); _tile_stored(1, out + 16, 256);
+      _tile_stored(2, out + 32, 256); _tile_stored(3, out + 48, 256);
+      const float* ws = reinterpret_cast<const float*>(panel + J4 * 256);
+      for (int64_t n = 0; n < std::min<int64_t>(8, N - n0); ++n) {
+        float* y = yp + (n0 + n) * O + p * 64;
+        const float sx = xscale[n0 + n];
+        for (int64_t c = 0; c < 64; ++c)
+          y[c] = sx * ws[c] * (float(out[n * 64 + c]) + float(out[(n + 8) * 64 + c]) * (1.0f / 256.0f));
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x [N, I] -> the A rows of amx_panels_i8 (blocks of 16: 8 hi rows, their 8 lo rows; zero past N) and the scales.
+static void quantize_rows_i8(const float* xp, int64_t N, int64_t I, int8_t* xs, float* xscale) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = xp + n * I;
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < I; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float mx = _mm512_reduce_max_ps(m), sx = mx > 0.0f ? mx / 127.0f : 1.0f;
+    xscale[n] = sx;
+    const __m512 inv = _mm512_set1_ps(1.0f / sx), k256 = _mm512_set1_ps(256.0f);
+    int8_t* hi = xs + ((n / 8) * 16 + n % 8) * I;
+    int8_t* lo = hi + 8 * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), inv);
+      const __m512i h = _mm512_cvtps_epi32(v);  // to nearest
+      const __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(h)), k256));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtsepi32_epi8(h));  // saturating
+      const __m512i l127 = _mm512_min_epi32(l, _mm512_set1_epi32(127));  // (x / sx - hi) * 256 may round to 128
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtsepi32_epi8(l127));
+    }
+  }
+}
+#define AMX_INT8_KERNEL 1
+#endif
 #define AMX_KERNEL 1
 static constexpr int64_t AMX_SPLIT_PANELS = 4;
 #else
 #define AMX_KERNEL 0
+#endif
+#ifndef AMX_INT8_KERNEL
+#define AMX_INT8_KERNEL 0
 #endif
 
 // Whether linear_bf16 runs on AMX tiles: off until `set_amx(true)` (cpu_block.py), which turns it on where the
@@ -219,6 +285,40 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
     for (int64_t p = begin; p < end; ++p) panel_bf16(xs.data(), wp + p * J * 128, yp, N, J, O, p * 64);
   });
 #endif
+}
+
+// Whether the int8 panels can run here: compiled for AMX-INT8 and granted the tile state (the AMX switch aside:
+// a drafter chooses int8 weights only with it on, and its panels keep running if it is later turned off).
+static bool int8_supported() {
+#if AMX_INT8_KERNEL
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// y [N, O] = x [N, I] @ w.T for int8 panels (above), on AMX tiles only.
+static void linear_i8_into(const float* xp, int64_t N, int64_t I, const torch::Tensor& packed, float* yp) {
+  const int64_t P = packed.size(0), J4 = packed.size(1) - 1, O = P * 64;
+  TORCH_CHECK(int8_supported(), "int8 panels need AMX-INT8 tiles");
+  TORCH_CHECK(J4 * 4 == I && J4 % 16 == 0 && packed.size(2) == 64 && packed.size(3) == 4,
+              "int8 weight not packed for this input");
+#if AMX_INT8_KERNEL
+  std::vector<int8_t> xs((N + 7) / 8 * 16 * I, 0);
+  std::vector<float> xscale(N);
+  quantize_rows_i8(xp, N, I, xs.data(), xscale.data());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int64_t per_thread = at::get_num_threads() > 1 && P >= AMX_SPLIT_PANELS ? (P + 1) / 2 : P;
+  at::parallel_for(0, P, per_thread, [&](int64_t begin, int64_t end) {
+    amx_panels_i8(xs.data(), xscale.data(), wp + begin * (J4 + 1) * 256, yp + begin * 64, N, J4, end - begin, O);
+  });
+#endif
+}
+
+torch::Tensor linear_i8(torch::Tensor x, torch::Tensor packed) {
+  auto y = torch::empty({x.size(0), packed.size(0) * 64});
+  linear_i8_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
+  return y;
 }
 
 // The bf16 product by itself (tests compare it with torch).

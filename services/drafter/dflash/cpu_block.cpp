@@ -1,5 +1,5 @@
 // The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_shared.cpp
-// (vf, loadv, exp_neg, linear_into) and cpu_bf16.cpp (linear_bf16_into).
+// (vf, loadv, exp_neg, linear_into) and cpu_bf16.cpp (linear_bf16_into, linear_i8_into).
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -14,10 +14,12 @@ static float* scratch(size_t n) {
   return buffer.data();
 }
 
-// A projection: packed [O / 64, I, 64] (fp32) or [O / 64, I / 2, 64, 2] (bf16) through a kernel, or (an
-// output count that is not whole panels) the plain weight [O, I] row by row. I % 16 == 0.
+// A projection: packed [O / 64, I, 64] (fp32), [O / 64, I / 2, 64, 2] (bf16) or [O / 64, I / 4 + 1, 64, 4]
+// (int8) through a kernel, or (an output count that is not whole panels) the plain weight [O, I] row by row.
+// I % 16 == 0.
 static void project(const float* x, int64_t N, int64_t I, const torch::Tensor& w, float* y) {
   if (w.dim() == 3) { linear_into(x, N, I, w, y); return; }
+  if (w.dim() == 4 && w.scalar_type() == torch::kChar) { linear_i8_into(x, N, I, w, y); return; }
   if (w.dim() == 4) { linear_bf16_into(x, N, I, w, y); return; }
   const int64_t O = w.size(0);
   const float* wp = w.data_ptr<float>();
@@ -459,6 +461,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>>())
       .def("__call__", &Proposer::propose, py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>());
+  m.def("linear_i8", &linear_i8, py::call_guard<py::gil_scoped_release>());
+  m.def("int8_supported", &int8_supported);
   m.def("bf16_supported", &bf16_supported);
   m.def("set_amx", &set_amx);
   m.def("amx_on", &amx_on);

@@ -36,6 +36,13 @@ AMX tiles (Sapphire Rapids and later) and Linux grants the process their state, 
 as tile products instead (`TDPBF16PS`, 5-16 us for 8 rows, the call included; two threads from 256 outputs on;
 BLOCKSPEC_DRAFTER_AMX=0 keeps `vdpbf16ps`; inputs in whole tiles of 32): the same bf16 operands and fp32 sums,
 rounded within a few ulp of the vector path's.
+
+int8 weights (`int8=True`; the proposer asks for them unless BLOCKSPEC_DRAFTER_INT8=0) where AMX runs the bf16
+projections and the CPU has AMX-INT8 tiles: the projections over whole tiles of 64 inputs and the LM head read int8
+copies (each output feature's weights in steps of its max |w| / 127) and multiply them on the tiles (`TDPBSSD`,
+exact int32 sums) by each activation row split into two int8 rows, so only the weights lose precision. Half the
+bytes of bf16: right after a verify, reading the weights from L3 was most of a proposal. The drafts differ from the
+bf16 ones where candidates nearly tie (tau in the README).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from blockspec.common import cpu_kernels
 
 ENV_BF16 = "BLOCKSPEC_DRAFTER_BF16"  # "0": the drafter's CPU path keeps fp32 weights
 ENV_AMX = "BLOCKSPEC_DRAFTER_AMX"  # "0": bf16 projections on AVX512-BF16 even where the CPU has AMX tiles
+ENV_INT8 = "BLOCKSPEC_DRAFTER_INT8"  # "0": bf16 weights even where AMX-INT8 tiles could take int8 ones
 
 _SOURCE = cpu_kernels.PANEL_SOURCE + "".join((Path(__file__).parent / name).read_text()
                                                 for name in ("cpu_bf16.cpp", "cpu_block.cpp"))
@@ -60,7 +68,7 @@ _extension = cpu_kernels.Extension("blockspec_dflash_cpu", _SOURCE, "the drafter
 class CpuDrafter:
     """The fast CPU path of one DFlashDrafter at inference; `usable` says whether it applies."""
 
-    def __init__(self, model, use_dynamic_conv: bool, bf16: bool = False) -> None:
+    def __init__(self, model, use_dynamic_conv: bool, bf16: bool = False, int8: bool = False) -> None:
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         self.use_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
@@ -75,6 +83,8 @@ class CpuDrafter:
         self.bf16 = bool(bf16 and self.usable and ext.bf16_supported())
         if self.bf16:  # AMX tiles for the bf16 projections where the CPU and the kernel allow them
             ext.set_amx(os.environ.get(ENV_AMX, "1") != "0")
+        # int8 weights where asked for, AMX runs the bf16 projections and the extension has the int8 tiles.
+        self.int8 = bool(int8 and self.amx and ext.int8_supported())
         self._prepared_for: tuple | None = None
         self._copied: list[torch.Tensor] = []  # the weights the prepared lists hold copies of
         self._prepared: tuple[list[torch.Tensor], tuple, tuple, tuple] = ([], (), (), ())
@@ -109,9 +119,13 @@ class CpuDrafter:
             self._prepared_for = tuple(p._version for p in self._copied)
         return self._prepared
 
+    def _form(self, in_features: int) -> str:
+        """The packed format of a projection over in_features inputs: int8 takes whole tiles of 64 inputs only."""
+        return "int8" if self.int8 and in_features % 64 == 0 else "bf16" if self.bf16 else "fp32"
+
     def _projection(self, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self._copied += weights
-        return _projection(weights, self.bf16)
+        return _projection(weights, self._form(weights[0].shape[1]))
 
     def _weights(self) -> list[torch.Tensor]:
         """The weights in the order `block` reads them, projections as `_projection` gives them."""
@@ -155,7 +169,7 @@ class CpuDrafter:
             return last[2]
         if not (isinstance(lm_head, torch.nn.Parameter) and lm_head.shape[0] % 64 == 0 and lm_head.dtype == torch.float32):
             return None
-        panels = cpu_kernels.packed((lm_head,), self.bf16)
+        panels = cpu_kernels.packed((lm_head,), self._form(lm_head.shape[1]))
         if panels is not None:
             self._head_panels = (lm_head, lm_head._version, panels)
         return panels
@@ -224,11 +238,11 @@ def _column_ids(vocab_ids: torch.Tensor | None) -> torch.Tensor:
     return _no_ids if vocab_ids is None else vocab_ids
 
 
-def _projection(weights: tuple[torch.Tensor, ...], bf16: bool = False) -> torch.Tensor:
-    """cat(weights) as `project` takes it: packed for the kernel (cached by cpu_kernels; in bf16 if asked)
+def _projection(weights: tuple[torch.Tensor, ...], form: str = "fp32") -> torch.Tensor:
+    """cat(weights) as `project` takes it: packed for the kernel (cached by cpu_kernels; in the form asked for)
     where the output count is whole panels and the budget allows, else the plain fp32 [O, I] weight."""
     packable = all(w.shape[0] % 64 == 0 for w in weights)
-    panels = cpu_kernels.packed(weights, bf16) if packable else None
+    panels = cpu_kernels.packed(weights, form) if packable else None
     if panels is not None:
         return panels
     return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])

@@ -14,7 +14,7 @@ from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
 from blockspec.services.drafter.dflash import draft_vocab
-from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
+from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.drafter.proposer import Draft, ProposeInput
 
@@ -57,8 +57,8 @@ class DFlashProposer:
         if self.vocab_ids is not None:
             self.vocab_ids = self.vocab_ids.to(self.device)
             self.lm_head = torch.nn.Parameter(lm_head.detach()[self.vocab_ids], requires_grad=False)
-        bf16 = os.environ.get(ENV_BF16, "1") != "0"
-        fast = CpuDrafter(drafter, self.use_dynamic_conv, bf16) if self.device.type == "cpu" else None
+        bf16, int8 = (os.environ.get(env, "1") != "0" for env in (ENV_BF16, ENV_INT8))
+        fast = CpuDrafter(drafter, self.use_dynamic_conv, bf16, int8) if self.device.type == "cpu" else None
         self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
         if self._cpu is not None:
             self._cpu.bind(self.cache, self._cos, self._sin, self.embedding, self.vocab_ids)

@@ -227,7 +227,7 @@ def test_bf16_projection_is_the_product_of_bf16_rounded_operands(rows, features,
     torch.manual_seed(rows)
     w = torch.nn.Parameter(torch.randn(*features) * 0.1)
     x = torch.randn(rows, features[1])
-    ext, panels = cpu_block._extension.get(), cpu_kernels.packed((w,), bf16=True)
+    ext, panels = cpu_block._extension.get(), cpu_kernels.packed((w,), "bf16")
     got = ext.linear_bf16(x, panels)
     want = x.bfloat16().float() @ w.detach().bfloat16().float().T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -285,3 +285,76 @@ def test_bf16_drafter_stays_near_the_fp32_module(drafter, tiny_models, dflash_dr
         drafts[flag] = [t for d in engine.proposer.propose(inputs) for t in d.token_ids]
     same = sum(a == b for a, b in zip(drafts["0"], drafts["1"]))
     assert same >= 0.8 * len(drafts["0"])
+
+
+needs_int8 = pytest.mark.skipif(not cpu_block._extension.get().int8_supported(),
+                                reason="no AMX-INT8 tiles here (an Intel CPU from Sapphire Rapids on, a kernel that "
+                                       "grants them): the drafter keeps bf16 weights")
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("features", [(192, 128), (320, 64), (256, 256), (128, 768)])
+def test_int8_projection_is_the_product_with_int8_weights(rows, features):
+    """Each output feature's weights rounded to int8 steps of max |w| / 127; x split into two int8 rows (blocks of 8
+    rows per tile, the panels split between two threads from 4 on): within sx / 512 per input of the product of
+    the exact x and the rounded weights, sx = max |x| / 127 of its row."""
+    torch.manual_seed(rows)
+    w = torch.nn.Parameter(torch.randn(*features) * 0.1)
+    x = torch.randn(rows, features[1]) * torch.rand(rows, 1) * 4
+    ext, panels = cpu_block._extension.get(), cpu_kernels.packed((w,), "int8")
+    assert panels.dtype == torch.int8 and panels.shape == (features[0] // 64, features[1] // 4 + 1, 64, 4)
+    got = ext.linear_i8(x, panels).double()
+    scale = w.detach().abs().amax(1, keepdim=True) / 127
+    rounded = ((w.detach() / scale).round().clamp(-127, 127) * scale).double()
+    want = x.double() @ rounded.T
+    bound = (x.abs().amax(1, keepdim=True).double() / 127 / 512) @ rounded.abs().sum(1)[None]
+    assert ((got - want).abs() <= bound + 1e-5 * want.abs() + 1e-6).all()
+    assert (got - x.double() @ w.detach().double().T).abs().max() > 1e-4  # really rounded: not the fp32 product
+
+
+@needs_int8
+def test_int8_drafter_stays_near_the_fp32_module(drafter, tiny_models, dflash_drafters, prompts, monkeypatch):
+    """int8 weights (where AMX runs the projections; BLOCKSPEC_DRAFTER_INT8=0 keeps bf16) move the block's hidden
+    states by the weights' rounding, and on a distilled drafter the proposals are mostly the fp32 ones."""
+    ext = cpu_block._extension.get()
+    before = ext.amx_on()
+    try:
+        _int8_against_fp32(drafter, tiny_models, dflash_drafters, prompts, monkeypatch)
+    finally:
+        ext.set_amx(before)
+
+
+def _int8_against_fp32(drafter, tiny_models, dflash_drafters, prompts, monkeypatch):
+    cfg, lens = drafter.cfg, [5, 0, 11]
+    cache, cos, sin, taps, slots = _context(drafter, lens)
+    rows = torch.tensor([s for s, n in zip(slots, lens) for _ in range(n)])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    embeds = torch.randn(len(lens), cfg.block_size, cfg.hidden_size)
+    lens_t, slots_t = torch.tensor(lens), torch.tensor(slots)
+    out = {}
+    with torch.inference_mode():
+        for int8 in (False, True):
+            fast = CpuDrafter(drafter, True, bf16=int8, int8=int8)
+            assert fast.int8 == int8
+            fast.context(taps, cache, rows, positions, cos, sin)
+            out[int8] = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
+        forms = {w.dtype for w in fast._prepare()[0] if w.dim() == 4}
+        assert torch.int8 in forms  # the projections over whole tiles of 64 inputs (others, if any, bf16)
+    assert not torch.equal(out[True], out[False])
+    torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05)
+    drafts = {}
+    for form, (bf16, int8) in {"fp32": ("0", "1"), "bf16": ("1", "0"), "int8": ("1", "1")}.items():
+        monkeypatch.setenv(ENV_BF16, bf16)
+        monkeypatch.setenv(cpu_block.ENV_INT8, int8)
+        engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
+        assert engine.proposer._cpu.int8 == (form == "int8")
+        for i, p in enumerate(prompts[:3]):
+            engine.verifier.add(str(i), p)
+        engine.verifier.prefill([str(i) for i in range(3)])
+        inputs = [ProposeInput(str(i), engine.verifier.committed(str(i)), 7) for i in range(3)]
+        drafts[form] = [t for d in engine.proposer.propose(inputs) for t in d.token_ids]
+    same = sum(a == b for a, b in zip(drafts["fp32"], drafts["int8"]))
+    assert same >= 0.8 * len(drafts["fp32"])
+    monkeypatch.setenv(cpu_block.ENV_AMX, "0")  # the vector instructions have no int8 kernel: bf16
+    assert not CpuDrafter(drafter, True, bf16=True, int8=True).int8
