@@ -26,6 +26,8 @@ class Draft:
     q_width: int = 0  # remote drafter: q sits in the verifier's shared q buffer, rows this wide
 
     def head(self, k: int) -> Draft:
+        if self.q is None and len(self.token_ids) <= k:  # nothing to cut (the step loop's usual case)
+            return self
         return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None, self.q_width)
 
 

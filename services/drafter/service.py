@@ -73,7 +73,7 @@ class DrafterService(roles_grpc.DrafterServicer):
             self.proposer = build_proposer(method, self.target, drafter_path, num_slots, max_len, device=device, dtype=dtype)
         self._tokens: dict[str, list[int]] = {}  # committed tokens seen per request
         self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
-        self._tap_buffer = None
+        self._tap_buffer, self._tap_rows = None, []
         self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
         self._segments: tuple[bytes, ...] | None = None  # the handles last attached to (Attach)
         self._sessions: dict[str, object] = {}  # request -> the stream (router) that last sent it
@@ -99,6 +99,7 @@ class DrafterService(roles_grpc.DrafterServicer):
             for rid in list(self._tokens):
                 self._forget(rid)
             self._tap_buffer = self._q_ids = self._q_probs = None
+            self._tap_rows = []
             if self.dflash_model is not None:
                 self.proposer = None  # rebuilt over the new mappings below
         self._segments = segments
@@ -106,13 +107,15 @@ class DrafterService(roles_grpc.DrafterServicer):
             self._q_ids, self._q_probs = _open(info.draft_q_ids), _open(info.draft_q_probs)
         if self.proposer is None:
             self._tap_buffer = _open(info.tap_buffer)
+            self._tap_rows = list(self._tap_buffer.unbind(0))  # `_features`: one view per slot
             view = TargetView(_open(info.embedding), _open(info.lm_head), self._features)
             self.proposer = build_proposer("dflash", self.target, self.drafter_path, self.num_slots,
                                            min(self.max_len, info.max_len), view, self.dflash_model, **self.modules)
         return self._info()
 
     def _features(self, request_id: str):
-        return self._tap_buffer[self._slots[request_id], : len(self._tokens[request_id]) - 1]
+        """The request's slot of the verifier's tap buffer (its first committed_len - 1 rows are the request's)."""
+        return self._tap_rows[self._slots[request_id]]
 
     async def Steps(self, requests, context: grpc.aio.ServicerContext):
         # Each op on the server's own thread, as the verifier's (`VerifierService.Steps`): no hand-off to a worker.

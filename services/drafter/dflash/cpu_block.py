@@ -185,7 +185,7 @@ class CpuDrafter:
     def propose(self, pending: Sequence[tuple[int, int, int, torch.Tensor]], anchors: list[int], slots: list[int],
                 lens: list[int], lm_head_panels: torch.Tensor, block: int) -> list[list[int]]:
         """A greedy proposal in one call (after `bind`) -> block - 1 tokens per request: first the context each
-        request lacks (`pending`: slot, start, end, its tap features [len, n_taps * H]), then per request r the block
+        request lacks (`pending`: slot, start, end, its tap features [>= end, n_taps * H]), then per request r the block
         [anchors[r], MASK x (block - 1)] after lens[r] context positions of slot slots[r], the LM head over
         its draft slots and the walk. The caller sets the cache lengths.
 

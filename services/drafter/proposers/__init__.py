@@ -22,7 +22,7 @@ class TargetView:
 
     embedding: torch.Tensor  # [vocab, H]
     lm_head: torch.Tensor  # [vocab, H]
-    features: object  # request id -> tap features [committed_len - 1, n_taps * H]
+    features: object  # request id -> tap features [>= committed_len - 1, n_taps * H] (the first rows the request's)
 
 
 def check_method(method: str, drafter: str | Path | None) -> None:

@@ -20,7 +20,8 @@ from blockspec.services.drafter.proposer import Draft, ProposeInput
 
 log = logging.getLogger(__name__)
 
-FeatureSource = Callable[[str], torch.Tensor]  # request id -> tap features [committed_len - 1, n_taps * H]
+# request id -> tap features [>= committed_len - 1, n_taps * H]: rows past committed_len - 1 are not the request's
+FeatureSource = Callable[[str], torch.Tensor]
 
 
 class DFlashProposer:
@@ -70,8 +71,8 @@ class DFlashProposer:
 
     def _pending(self, request_ids: Sequence[str], ctx_lens: Sequence[int]) -> tuple[list[int], list[tuple]]:
         """The slot of each request, and the context K/V each still lacks to reach its `ctx_len` positions:
-        (slot, start, end, tap features [len, n_taps * H]). Committed tokens never change, so cached
-        positions stay valid: a retry adds nothing."""
+        (slot, start, end, the request's tap features: rows start .. end - 1 are read). Committed tokens never
+        change, so cached positions stay valid: a retry adds nothing."""
         slots, pending = [], []
         for request_id, ctx_len in zip(request_ids, ctx_lens):
             if request_id not in self._slots:
