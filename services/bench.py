@@ -370,11 +370,14 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
     if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
         sampler.sample(COST_REPEATS * rounds)
     costs = sampler.model() if sampler is not None else None
+    kernel = getattr(sampler.engine.proposer, "kernel", None) if sampler is not None else None
     header = describe(machine(device), f"{target} + {drafter}", len(prompts), max_tokens, waves, rounds,
-                      sliced=sampler is not None and 1 in concurrency, rates=request_rates, cap=max_concurrency)
+                      sliced=sampler is not None and 1 in concurrency, rates=request_rates, cap=max_concurrency,
+                      drafter_kernel=kernel)
     report = markdown(rows, costs, header, rate_rows)
     (out / "bench.md").write_text(report)
-    result = {"machine": machine(device), "target": str(target), "drafter": str(drafter), "prompts": len(prompts), "waves": waves,
+    result = {"machine": machine(device), "target": str(target), "drafter": str(drafter), "drafter_kernel": kernel,
+              "prompts": len(prompts), "waves": waves,
               "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "rate_rows": [asdict(r) for r in rate_rows],
               "request_rates": list(request_rates), "max_concurrency": max_concurrency, "costs": asdict(costs) if costs else None}
     (out / "bench.json").write_text(json.dumps(result, indent=1))

@@ -13,8 +13,10 @@ from blockspec.services.bench_costs import CostModel
 
 
 def describe(machine: str, pair: str, prompts: int, max_tokens: int, waves: int, rounds: int, sliced: bool,
-             rates: Sequence[float] = (), cap: int = 0) -> str:
-    """The report's first paragraph: the machine, the pair, the workload and how each figure was taken."""
+             rates: Sequence[float] = (), cap: int = 0, drafter_kernel: str | None = None) -> str:
+    """The report's first paragraph: the machine, the pair (and where the dflash drafter's proposals run), the
+    workload and how each figure was taken."""
+    pair += f" (the dflash drafter: {drafter_kernel})" if drafter_kernel else ""
     text = (f"Machine: {machine}. Pair: {pair}. {prompts} prompts x {max_tokens} new tokens, greedy; a pass at "
             f"concurrency c serves max({prompts}, {waves} c) requests (the prompts cycled), c at a time. Each row is "
             f"the pass with the median tokens/s of {rounds} interleaved passes (its latencies are that pass's).")

@@ -72,6 +72,8 @@ def test_bench_on_the_tiny_pair_writes_report_json_and_plots(tiny_pair, tmp_path
     # The machine line names the CPU's vector extension (the kernels' speed depends on it).
     assert f"({torch.backends.cpu.get_cpu_capability()})" in result["machine"] and result["machine"] in report
     assert result["machine"].endswith("models on the CPU in float32")  # --device, --dtype
+    # ... and the pair where the dflash drafter's proposals run (its weights' format moves its cost).
+    assert result["drafter_kernel"].startswith(("C++ (", "the torch module")) and result["drafter_kernel"] in report
     assert "ceiling tau / r(k+1)" in report and "| dflash k=3 | 2 |" in report and "Inside the step loop" in report
     # The spread of the passes, and each round's share of the ceiling (against the same round's plain pass)
     cells = next(line for line in report.splitlines() if line.startswith("| dflash k=3 | 1 |")).split(" | ")

@@ -98,6 +98,13 @@ class CpuDrafter:
         CpuDrafter built with bf16 weights set from BLOCKSPEC_DRAFTER_AMX."""
         return self.bf16 and _extension.get().amx_on()
 
+    @property
+    def weights(self) -> str:
+        """The packed projections' format and what multiplies them (for reports)."""
+        if self.int8:
+            return "int8 weights on AMX tiles"
+        return ("bf16 weights on AMX tiles" if self.amx else "bf16 weights") if self.bf16 else "fp32 weights"
+
     def _prepare(self) -> tuple[list[torch.Tensor], tuple, tuple, tuple]:
         """The weight lists of `block` and `context` and the fixed arguments of `propose` around the block
         (context, then LM head and walk), made again only after a weight they copy (the projections,

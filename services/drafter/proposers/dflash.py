@@ -64,6 +64,11 @@ class DFlashProposer:
         if self._cpu is not None:
             self._cpu.bind(self.cache, self._cos, self._sin, self.embedding, self.vocab_ids)
 
+    @property
+    def kernel(self) -> str:
+        """Where a greedy proposal runs, for reports: the C++ path with its weights, or the torch module."""
+        return f"C++ ({self._cpu.weights})" if self._cpu is not None else "the torch module"
+
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         if slot is not None:

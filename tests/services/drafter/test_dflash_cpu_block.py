@@ -336,7 +336,7 @@ def _int8_against_fp32(drafter, tiny_models, dflash_drafters, prompts, monkeypat
     with torch.inference_mode():
         for int8 in (False, True):
             fast = CpuDrafter(drafter, True, bf16=int8, int8=int8)
-            assert fast.int8 == int8
+            assert fast.int8 == int8 and fast.weights == ("int8 weights on AMX tiles" if int8 else "fp32 weights")
             fast.context(taps, cache, rows, positions, cos, sin)
             out[int8] = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
         forms = {w.dtype for w in fast._prepare()[0] if w.dim() == 4}
@@ -349,6 +349,7 @@ def _int8_against_fp32(drafter, tiny_models, dflash_drafters, prompts, monkeypat
         monkeypatch.setenv(cpu_block.ENV_INT8, int8)
         engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
         assert engine.proposer._cpu.int8 == (form == "int8")
+        assert engine.proposer.kernel == f"C++ ({form} weights{' on AMX tiles' if form != 'fp32' else ''})"
         for i, p in enumerate(prompts[:3]):
             engine.verifier.add(str(i), p)
         engine.verifier.prefill([str(i) for i in range(3)])
