@@ -259,32 +259,44 @@ def test_the_drafter_takes_amx_tiles_where_the_cpu_has_them(drafter, monkeypatch
 def test_bf16_drafter_stays_near_the_fp32_module(drafter, tiny_models, dflash_drafters, prompts, monkeypatch):
     """bf16 weights move the block's hidden states by bf16 rounding only, and on a distilled drafter the
     proposals are mostly the fp32 ones (they differ only where candidates nearly tie)."""
+    (fp32, want), (bf16, got) = _blocks(drafter, [dict(bf16=False), dict(bf16=True)])
+    assert not fp32.bf16 and bf16.bf16
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    drafts = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(ENV_BF16, flag)
+        proposer, drafts[flag] = _first_drafts(tiny_models, dflash_drafters, prompts)
+        assert proposer._cpu.bf16 == (flag == "1")
+    same = sum(a == b for a, b in zip(drafts["0"], drafts["1"]))
+    assert same >= 0.8 * len(drafts["0"])
+
+
+def _blocks(drafter, variants: list[dict]) -> list[tuple[CpuDrafter, torch.Tensor]]:
+    """The same context and block through CpuDrafter(drafter, True, **variant) for each variant: (it, its block)."""
     cfg, lens = drafter.cfg, [5, 0, 11]
     cache, cos, sin, taps, slots = _context(drafter, lens)
     rows = torch.tensor([s for s, n in zip(slots, lens) for _ in range(n)])
     positions = torch.cat([torch.arange(n) for n in lens])
-    embeds, lens_t, slots_t = torch.randn(len(lens), cfg.block_size, cfg.hidden_size), torch.tensor(lens), torch.tensor(slots)
-    out = {}
+    embeds = torch.randn(len(lens), cfg.block_size, cfg.hidden_size)
+    lens_t, slots_t = torch.tensor(lens), torch.tensor(slots)
+    out = []
     with torch.inference_mode():
-        for bf16 in (False, True):
-            fast = CpuDrafter(drafter, True, bf16)
-            assert fast.bf16 == bf16
+        for variant in variants:
+            fast = CpuDrafter(drafter, True, **variant)
             fast.context(taps, cache, rows, positions, cos, sin)
-            out[bf16] = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
-    assert not torch.equal(out[True], out[False])
-    torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05)
-    drafts = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv(ENV_BF16, flag)
-        engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
-        assert engine.proposer._cpu.bf16 == (flag == "1")
-        for i, p in enumerate(prompts[:3]):
-            engine.verifier.add(str(i), p)
-        engine.verifier.prefill([str(i) for i in range(3)])
-        inputs = [ProposeInput(str(i), engine.verifier.committed(str(i)), 7) for i in range(3)]
-        drafts[flag] = [t for d in engine.proposer.propose(inputs) for t in d.token_ids]
-    same = sum(a == b for a, b in zip(drafts["0"], drafts["1"]))
-    assert same >= 0.8 * len(drafts["0"])
+            out.append((fast, fast.block(embeds, cache, slots_t, lens_t, cos, sin)))
+    return out
+
+
+def _first_drafts(tiny_models, dflash_drafters, prompts):
+    """A new engine's proposer on the distilled drafter and its drafts at k = 7 for three prefilled prompts."""
+    engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
+    for i, p in enumerate(prompts[:3]):
+        engine.verifier.add(str(i), p)
+    engine.verifier.prefill([str(i) for i in range(3)])
+    inputs = [ProposeInput(str(i), engine.verifier.committed(str(i)), 7) for i in range(3)]
+    return engine.proposer, [t for d in engine.proposer.propose(inputs) for t in d.token_ids]
 
 
 needs_int8 = pytest.mark.skipif(not cpu_block._extension.get().int8_supported(),
@@ -326,35 +338,19 @@ def test_int8_drafter_stays_near_the_fp32_module(drafter, tiny_models, dflash_dr
 
 
 def _int8_against_fp32(drafter, tiny_models, dflash_drafters, prompts, monkeypatch):
-    cfg, lens = drafter.cfg, [5, 0, 11]
-    cache, cos, sin, taps, slots = _context(drafter, lens)
-    rows = torch.tensor([s for s, n in zip(slots, lens) for _ in range(n)])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    embeds = torch.randn(len(lens), cfg.block_size, cfg.hidden_size)
-    lens_t, slots_t = torch.tensor(lens), torch.tensor(slots)
-    out = {}
-    with torch.inference_mode():
-        for int8 in (False, True):
-            fast = CpuDrafter(drafter, True, bf16=int8, int8=int8)
-            assert fast.int8 == int8 and fast.weights == ("int8 weights on AMX tiles" if int8 else "fp32 weights")
-            fast.context(taps, cache, rows, positions, cos, sin)
-            out[int8] = fast.block(embeds, cache, slots_t, lens_t, cos, sin)
-        forms = {w.dtype for w in fast._prepare()[0] if w.dim() == 4}
-        assert torch.int8 in forms  # the projections over whole tiles of 64 inputs (others, if any, bf16)
-    assert not torch.equal(out[True], out[False])
-    torch.testing.assert_close(out[True], out[False], rtol=0.05, atol=0.05)
+    (fp32, want), (int8, got) = _blocks(drafter, [dict(bf16=False, int8=False), dict(bf16=True, int8=True)])
+    assert (fp32.weights, int8.weights) == ("fp32 weights", "int8 weights on AMX tiles")
+    # The projections over whole tiles of 64 inputs (the others, if any, bf16).
+    assert torch.int8 in {w.dtype for w in int8._prepare()[0] if w.dim() == 4}
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
     drafts = {}
     for form, (bf16, int8) in {"fp32": ("0", "1"), "bf16": ("1", "0"), "int8": ("1", "1")}.items():
         monkeypatch.setenv(ENV_BF16, bf16)
         monkeypatch.setenv(cpu_block.ENV_INT8, int8)
-        engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=3)
-        assert engine.proposer._cpu.int8 == (form == "int8")
-        assert engine.proposer.kernel == f"C++ ({form} weights{' on AMX tiles' if form != 'fp32' else ''})"
-        for i, p in enumerate(prompts[:3]):
-            engine.verifier.add(str(i), p)
-        engine.verifier.prefill([str(i) for i in range(3)])
-        inputs = [ProposeInput(str(i), engine.verifier.committed(str(i)), 7) for i in range(3)]
-        drafts[form] = [t for d in engine.proposer.propose(inputs) for t in d.token_ids]
+        proposer, drafts[form] = _first_drafts(tiny_models, dflash_drafters, prompts)
+        assert proposer._cpu.int8 == (form == "int8")
+        assert proposer.kernel == f"C++ ({form} weights{' on AMX tiles' if form != 'fp32' else ''})"
     same = sum(a == b for a, b in zip(drafts["fp32"], drafts["int8"]))
     assert same >= 0.8 * len(drafts["fp32"])
     monkeypatch.setenv(cpu_block.ENV_AMX, "0")  # the vector instructions have no int8 kernel: bf16
