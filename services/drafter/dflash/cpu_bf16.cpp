@@ -156,7 +156,8 @@ static void amx_panels(const uint32_t* xs, const uint16_t* wp, float* yp, int64_
         _tile_loadd(5, w + 64, 256); _tile_dpbf16ps(2, 4, 5);
         _tile_loadd(6, w + 96, 256); _tile_dpbf16ps(3, 4, 6);
       }
-      _tile_stored(0, out, 256); _tile_stored(1, out + 16, 256); _tile_stored(2, out + 32, 256); _tile_stored(3, out + 48, 256);
+      _tile_stored(0, out, 256); _tile_stored(1, out + 16, 256);
+      _tile_stored(2, out + 32, 256); _tile_stored(3, out + 48, 256);
       for (int64_t n = 0; n < std::min<int64_t>(16, N - n0); ++n)
         std::memcpy(yp + (n0 + n) * O + p * 64, out + n * 64, 64 * sizeof(float));
     }
@@ -228,6 +229,17 @@ static void quantize_rows_i8(const float* xp, int64_t N, int64_t I, int8_t* xs, 
 #endif
 #define AMX_KERNEL 1
 static constexpr int64_t AMX_SPLIT_PANELS = 4;
+
+// fn(begin, end) over the P panels of a tile projection: from AMX_SPLIT_PANELS panels on, each of two threads its
+// own share. Right after a verify the weights come from L3, and two threads keep more loads in flight. In the step
+// loop (dflash alone, k = 7, alternating processes) a bf16 proposal at concurrency 1 went 215 / 189 / 190 -> 179 /
+// 175 / 170 us, its LM head of 2048 rows about 39 -> 24 us; 16 requests at k = 3: 675 / 588 / 581 -> 635 / 570 / 573
+// us. Thresholds of 2 to 32 panels read the same within the noise (int8: from 4 panels or 300 KB, 85-89 us either way).
+template <typename F>
+static void amx_split(int64_t P, const F& fn) {
+  const int64_t per_thread = at::get_num_threads() > 1 && P >= AMX_SPLIT_PANELS ? (P + 1) / 2 : P;
+  at::parallel_for(0, P, per_thread, fn);
+}
 #else
 #define AMX_KERNEL 0
 #endif
@@ -259,13 +271,7 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
       xs[n * J + j] = bf16_bits(xp[n * I + 2 * j]) | (bf16_bits(xp[n * I + 2 * j + 1]) << 16);
 #if AMX_KERNEL
   if (use_amx && J % 16 == 0) {  // 5-16 us a projection at 8 rows (cpu_block.py)
-    // Two threads from AMX_SPLIT_PANELS panels on, each its own share of the panels: right after a verify the
-    // weights come from L3, and two threads keep more loads in flight. In the step loop (dflash alone, k = 7,
-    // alternating processes) a proposal at concurrency 1 went 215 / 189 / 190 -> 179 / 175 / 170 us, its LM head
-    // of 2048 rows about 39 -> 24 us; 16 requests at k = 3: 675 / 588 / 581 -> 635 / 570 / 573 us. Thresholds of
-    // 2 to 32 panels read the same within the noise.
-    const int64_t per_thread = at::get_num_threads() > 1 && P >= AMX_SPLIT_PANELS ? (P + 1) / 2 : P;
-    at::parallel_for(0, P, per_thread, [&](int64_t begin, int64_t end) {
+    amx_split(P, [&](int64_t begin, int64_t end) {
       amx_panels(xs.data(), wp + begin * J * 128, yp + begin * 64, N, J, end - begin, O);
     });
     return;
@@ -308,8 +314,7 @@ static void linear_i8_into(const float* xp, int64_t N, int64_t I, const torch::T
   std::vector<float> xscale(N);
   quantize_rows_i8(xp, N, I, xs.data(), xscale.data());
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const int64_t per_thread = at::get_num_threads() > 1 && P >= AMX_SPLIT_PANELS ? (P + 1) / 2 : P;
-  at::parallel_for(0, P, per_thread, [&](int64_t begin, int64_t end) {
+  amx_split(P, [&](int64_t begin, int64_t end) {
     amx_panels_i8(xs.data(), xscale.data(), wp + begin * (J4 + 1) * 256, yp + begin * 64, N, J4, end - begin, O);
   });
 #endif
