@@ -223,6 +223,17 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _kernels.module.cached_attention(q, k_cache, v_cache, slots, positions, q.shape[-1] ** -0.5)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for gate_up [..., 2 F] (gate the first half), bitwise: for fp32 on the CPU in inference one
+    C++ pass with torch's own exp (F a multiple of 32, the widths torch computes in vectors), else those two
+    operations. The decoder's MLP on both its paths."""
+    if (gate_up.dtype == torch.float32 and gate_up.is_cpu and enabled()
+            and not (gate_up.requires_grad and torch.is_grad_enabled())):
+        return _kernels.module.silu_mul(gate_up if gate_up.is_contiguous() else gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 NO_WEIGHT = torch.empty(0)  # qk_norm_rope: rotate without a norm
 
 

@@ -115,8 +115,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_linear(x, (self.gate_proj, self.up_proj)).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_kernels.silu_mul(fused_linear(x, (self.gate_proj, self.up_proj))))
 
 
 class DecoderLayer(nn.Module):

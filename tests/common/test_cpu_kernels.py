@@ -18,7 +18,7 @@ def param(*shape: int, generator: torch.Generator | None = None) -> torch.nn.Par
     return torch.nn.Parameter(torch.randn(*shape, generator=generator), requires_grad=False)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 16, 17, 50, 256])
 @pytest.mark.parametrize("shape", [(64, 32), (256, 256), (768, 256), (256, 768), (4096, 256)])
 def test_matches_torch_linear(rows, shape):
     g = torch.Generator().manual_seed(rows)
@@ -29,13 +29,15 @@ def test_matches_torch_linear(rows, shape):
 
 
 def test_a_row_does_not_depend_on_its_batch():
+    """Nor on the tile that computes it: whole panels up to 15 rows, half panels of 9-12 rows from 16 on."""
     w = param(512, 256)
-    x = torch.randn(16, 256)
+    x = torch.randn(100, 256)
     with torch.inference_mode():
         full = linear(x, w)
-        for n in (1, 4, 6, 7, 13):
+        for n in (1, 4, 6, 7, 13, 16, 17, 23, 25, 37, 50):
             assert torch.equal(linear(x[:n], w), full[:n])
         assert torch.equal(linear(x[5:6], w), full[5:6])
+        assert torch.equal(linear(x[60:100], w), full[60:100])
 
 
 def test_fused_projections_equal_each_projection_alone():
@@ -205,3 +207,16 @@ def test_cached_attention_applies_to_short_fp32_cpu_queries_only():
         assert not cpu_kernels.attends_in_place(cache, 1)
     finally:
         cpu_kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 768), (6, 768), (50, 768), (43, 768), (3, 64), (2, 48), (5, 40)])
+def test_silu_mul_is_bitwise_silu_times_up(rows, width):
+    """One pass with torch's exp where the width is whole vectors (torch computes those rows in vectors), the two
+    torch operations elsewhere; infinities and large inputs included."""
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)) * 6
+    gate_up[0, :4] = torch.tensor([float("inf"), -float("inf"), 100.0, -100.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    with torch.inference_mode():
+        expected = F.silu(gate) * up  # silu(-inf) is NaN in both
+        torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(cpu_kernels.silu_mul(gate_up[None]), expected[None], rtol=0, atol=0, equal_nan=True)
