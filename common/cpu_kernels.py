@@ -183,6 +183,11 @@ def _kernel_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
     return y + torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
 
 
+def packed_linear(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [N, I] (fp32, contiguous, N <= MAX_ROWS) @ w.T for w's fp32 panels from `packed`: the kernel `linear` calls."""
+    return _kernels.module.small_linear(x, panels)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the small-batch kernel where it applies (CPU, fp32, inference, <= MAX_ROWS rows)."""
     y = _kernel_linear(x, (weight,), (bias,))
@@ -269,15 +274,23 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
 def decoder_rows(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[torch.Tensor], final_norm: torch.Tensor,
                  cache, cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
                  spans: tuple[list[int], list[int], list[int]], taps: list[int], heads: int, kv_heads: int,
-                 eps: float) -> list[torch.Tensor]:
+                 eps: float, tap_dest: torch.Tensor | None = None) -> list[torch.Tensor]:
     """A decoder's layers over rows of real tokens (tokens [B, T], T <= ATTENTION_MAX_QUERIES, B * T <= MAX_ROWS) in one
     C++ call: [final-normed hidden [B, T, H], the outputs of the layers in `taps`]. spans = (slots, starts, lengths)
     on the host: row b's first lengths[b] tokens are real (the rest padding, computed and never stored) and their
-    K/V go to slot slots[b] from position starts[b]. The same kernels and ATen operations as the module path,
-    bitwise (`Decoder.forward` decides where it applies)."""
+    K/V go to slot slots[b] from position starts[b]. With `tap_dest` (`stores_taps`), the taps' real rows go there
+    at the same slot and positions instead, and the list is [hidden]. The same kernels and ATen operations as the
+    module path, bitwise (`Decoder.forward` decides where it applies)."""
     return _kernels.module.decoder_rows(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0],
-                                        cos_sin[1], positions, slots, *spans, taps, heads, kv_heads, cache.k.shape[-1],
-                                        eps)
+                                        cos_sin[1], positions, slots, *spans, taps,
+                                        NO_WEIGHT if tap_dest is None else tap_dest, heads, kv_heads,
+                                        cache.k.shape[-1], eps)
+
+
+def stores_taps(tap_dest: torch.Tensor | None) -> bool:
+    """Whether `decoder_rows` can write tap features into tap_dest: fp32 on the CPU, contiguous."""
+    return (tap_dest is not None and tap_dest.dtype == torch.float32 and tap_dest.is_cpu
+            and tap_dest.is_contiguous() and tap_dest.dim() == 3)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

@@ -160,12 +160,19 @@ class AttentionBatch:
         if not self.in_place:
             keys = torch.arange(key_len, device=positions.device)
             self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        # Where the real tokens' K/V go, worked out once for every layer.
+        # Where the real tokens' K/V go, worked out once for every layer (store_slots / store_pos when first asked:
+        # one row of real tokens, a decode's, never asks).
         self.all_real = all_real
         self.rows = None if self.all_real else real.nonzero(as_tuple=True)  # (b, t) of each real token
-        store_slots = slots[:, None].expand_as(positions)
-        self.store_slots = store_slots.reshape(-1) if self.all_real else store_slots[self.rows]  # [N]
-        self.store_pos = positions.reshape(-1) if self.all_real else positions[self.rows]  # [N]
+
+    @functools.cached_property
+    def store_slots(self) -> torch.Tensor:  # [N]
+        store_slots = self.slots[:, None].expand_as(self.positions)
+        return store_slots.reshape(-1) if self.all_real else store_slots[self.rows]
+
+    @functools.cached_property
+    def store_pos(self) -> torch.Tensor:  # [N]
+        return self.positions.reshape(-1) if self.all_real else self.positions[self.rows]
 
     @functools.cached_property
     def cos(self) -> torch.Tensor:  # [B, 1, T, hd]
@@ -221,23 +228,27 @@ class Decoder(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._row: tuple | None = None  # _row_weights: (the projections copied, their versions, the weights)
+        # _row_weights: (the projections copied, their versions, the weights, the LM head's panels or None)
+        self._row: tuple | None = None
 
     def forward(
-        self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = ()
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = (),
+        tap_dest: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`. A forward
         attending in place (the requests' decodes, verifies and short prefill chunks on the CPU) of at most
         MAX_ROWS tokens runs as one C++ call where the kernels take the weights (`cpu_kernels.decoder_rows`, bitwise
-        this path)."""
+        this path); given a tap_dest it takes (`cpu_kernels.stores_taps`), that call puts the taps' real rows there
+        (at their slot and position, as `batch.store` would) and returns None for them."""
         fits = batch.in_place and tokens.numel() <= cpu_kernels.MAX_ROWS
         weights = self._row_weights() if fits else None
         if weights is not None:
+            dest = tap_dest if tap_layers and cpu_kernels.stores_taps(tap_dest) else None
             hidden, *taps = cpu_kernels.decoder_rows(
                 tokens, self.embed_tokens.weight, weights, self.norm.weight, batch.cache, batch.cos_sin, batch.positions,
                 batch.slots, batch.spans, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
-                self.cfg.rms_norm_eps)
-            return hidden, taps
+                self.cfg.rms_norm_eps, dest)
+            return hidden, None if dest is not None else taps
         x = self.embed_tokens(tokens)
         taps = []
         for i, layer in enumerate(self.layers):
@@ -247,6 +258,13 @@ class Decoder(nn.Module):
         return self.norm(x), taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden [..., H] -> fp32 logits. Rows [N, H] of a decoder that runs as one C++ call go
+        straight to its packed head, the kernel `lm_head` itself calls (the module call around it took 20 us of a
+        decode)."""
+        if (hidden.is_cpu and hidden.dim() == 2 and 0 < hidden.shape[0] <= cpu_kernels.MAX_ROWS and hidden.is_contiguous()
+                and hidden.dtype == torch.float32 and not torch.is_grad_enabled() and cpu_kernels.enabled()
+                and self._row_weights() is not None and self._row[3] is not None):
+            return cpu_kernels.packed_linear(hidden, self._row[3])
         return self.lm_head(hidden).float()
 
     def _row_weights(self) -> list[torch.Tensor] | None:
@@ -256,7 +274,9 @@ class Decoder(nn.Module):
         weights the kernels do not take, a packing budget spent."""
         if self._row is None or tuple(w._version for w in self._row[0]) != self._row[1]:
             copied, weights = self._gather_row_weights()
-            self._row = (copied, tuple(w._version for w in copied), weights)
+            head = (self.lm_head.weight,)
+            head = cpu_kernels.packed(head) if weights is not None and cpu_kernels.kernel_weights(head) else None
+            self._row = (copied, tuple(w._version for w in copied), weights, head)
         return self._row[2]
 
     def _gather_row_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -264,7 +284,7 @@ class Decoder(nn.Module):
         groups = [[(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.o_proj.weight,),
                    (m.gate_proj.weight, m.up_proj.weight), (m.down_proj.weight,)]
                   for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers)]
-        copied = [w for layer in groups for group in layer for w in group]
+        copied = [w for layer in groups for group in layer for w in group] + [self.lm_head.weight]
         if (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.hidden_size % 16 or cfg.head_dim % 16
                 or cfg.head_dim > 1024 or self.embed_tokens.weight.dtype != torch.float32):
             return copied, None

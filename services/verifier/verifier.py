@@ -209,10 +209,7 @@ class Verifier:
         return self._tap_rows[self._requests[request_id].slot]
 
     def _forward(self, segments: list[Segment]):
-        out = self.runner.forward(segments)
-        if self.tap_buffer is not None:  # where the forward stored the K/V of the same tokens
-            out.store(self.tap_buffer, out.tap_rows)
-        return out
+        return self.runner.forward(segments, self.tap_buffer)  # the tap features to where their K/V go
 
     def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
         if request_id in self._requests:

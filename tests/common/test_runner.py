@@ -167,21 +167,33 @@ def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, toke
     path = build_tiny_checkpoint(tmp_path / family, family, hidden_size=256, tokenizer=tokenizer)
     calls, rows = [], cpu_kernels.decoder_rows
     monkeypatch.setattr(cpu_kernels, "decoder_rows", lambda *a: calls.append(tuple(a[0].shape)) or rows(*a))
-    results = []
+    results, stored = [], []
     for use_call in (True, False):
         if not use_call:
             monkeypatch.setattr(decoder.Decoder, "_row_weights", lambda self: None)
-        runner = Runner(load_checkpoint(path), num_slots=3, max_len=128, tap_layers=(0, 1))
-        a, b, c = runner.cache.allocate(), runner.cache.allocate(), runner.cache.allocate()
-        runner.cache.k.fill_(7.0), runner.cache.v.fill_(-7.0)  # what no forward wrote must stay as it was
-        outs = [runner.forward([Segment(a, list(range(3, 103)), last_only=True)]),  # a prefill chunk of 100
-                runner.forward([Segment(a, [5, 6, 7, 8, 9, 10, 11, 12])]), runner.forward([Segment(a, [13])]),
-                runner.forward([Segment(a, [14]), Segment(b, [3, 4, 5])]),  # a decode and a prefill, padded
-                runner.forward([Segment(a, [15, 16, 17, 18]), Segment(b, [6]), Segment(c, [9, 8, 7, 6, 5])])]
-        results.append([*(t for o in outs for t in (*o.logits, o.tap_rows)), runner.cache.k.clone(),
-                        runner.cache.v.clone()])
+        for tap_dest in (None, torch.full((3, 128, 2 * 256), 5.0)):  # the taps returned, or put where the K/V go
+            runner = Runner(load_checkpoint(path), num_slots=3, max_len=128, tap_layers=(0, 1))
+            a, b, c = runner.cache.allocate(), runner.cache.allocate(), runner.cache.allocate()
+            runner.cache.k.fill_(7.0), runner.cache.v.fill_(-7.0)  # what no forward wrote must stay as it was
+            segments = [[Segment(a, list(range(3, 103)), last_only=True)],  # a prefill chunk of 100
+                        [Segment(a, [5, 6, 7, 8, 9, 10, 11, 12])], [Segment(a, [13])],
+                        [Segment(a, [14]), Segment(b, [3, 4, 5])],  # a decode and a prefill, padded
+                        [Segment(a, [15, 16, 17, 18]), Segment(b, [6]), Segment(c, [9, 8, 7, 6, 5])]]
+            outs = [runner.forward(s, tap_dest) for s in segments]
+            if tap_dest is None:
+                results.append([*(t for o in outs for t in (*o.logits, o.tap_rows)), runner.cache.k.clone(),
+                                runner.cache.v.clone()])
+                expected = torch.full_like(stored[-1], 5.0) if stored else torch.full((3, 128, 512), 5.0)
+                for o in outs:
+                    o.store(expected, o.tap_rows)
+            else:
+                assert all(o.tap_rows is None for o in outs)
+                stored.append(tap_dest)
+                assert torch.equal(tap_dest, expected)  # what store() puts, nothing at padding or untouched rows
     assert all(torch.equal(x, y) for x, y in zip(*results))
-    assert calls == ([] if family == "qwen2" else [(1, 100), (1, 8), (1, 1), (2, 3), (3, 5)])  # qwen2: q/k/v biases
+    assert torch.equal(*stored)
+    one_call = [(1, 100), (1, 8), (1, 1), (2, 3), (3, 5)] * 2  # without a tap_dest and with one
+    assert calls == ([] if family == "qwen2" else one_call)  # qwen2: q/k/v biases
     assert torch.all(results[0][-2][:, c, :, 5:] == 7.0) and torch.all(results[0][-2][:, b, :, 4:] == 7.0)
     # And against the target alone: transformers' logits of the same 109 tokens, at the verify's and decode's rows
     from transformers import AutoModelForCausalLM

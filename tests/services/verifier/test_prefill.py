@@ -12,9 +12,9 @@ def first_tokens(verifier: Verifier, prompts: list[list[int]], budget: int | Non
         verifier.add(rid, prompt)
     if forwards is not None:  # record (rows, width) of each target forward
         run = verifier.runner.forward
-        def recorded(segs):
+        def recorded(segs, tap_dest=None):
             forwards.append((len(segs), max(len(s.token_ids) for s in segs)))
-            return run(segs)
+            return run(segs, tap_dest)
 
         verifier.runner.forward = recorded
     out = {}
