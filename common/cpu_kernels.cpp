@@ -68,13 +68,26 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
   return out;
 }
 
+// fn(begin, end) over n independent rows: split between two threads from PARALLEL_ROWS rows on (a prefill chunk, a
+// batch's verify), each row computed as alone. At 64 rows (16 requests x 4) the norms and the q/k rotation took
+// 190 us of a verify's 3.2 ms on one thread.
+constexpr int64_t PARALLEL_ROWS = 16;
+template <typename F>
+static void over_rows(int64_t n, const F& fn) {
+  at::parallel_for(0, n, n >= PARALLEL_ROWS ? (n + 1) / 2 : std::max<int64_t>(n, 1), fn);
+}
+
 // The RMS norm of every row (last dim D) of x [..., D] (contiguous fp32, D % 16 == 0) by w [D] -> a new
 // tensor shaped like x (rms_rows: one call where torch's CPU rms_norm runs seven).
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t D = x.size(-1);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == D && D % 16 == 0, "rms_norm_rows: unsupported layout");
   auto y = torch::empty_like(x);
-  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.numel() / D, D, (float)eps);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_rows(x.numel() / D, [&](int64_t begin, int64_t end) {
+    rms_rows(xp + begin * D, wp, yp + begin * D, end - begin, D, (float)eps);
+  });
   return y;
 }
 
@@ -94,15 +107,16 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_w, torch::Tensor k
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(0 <= pp[i] && pp[i] < cos.size(0), "qk_norm_rope: position ", pp[i], " outside the table");
   float* op = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t at = pp[b * T + t] * hd;
+  over_rows(B * T, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T, at = pp[bt] * hd;
       for (int64_t g = 0; g < G; ++g) {
         float* h = op + ((b * G + g) * T + t) * hd;
         __builtin_memcpy(h, xp + b * qkv.stride(0) + t * qkv.stride(1) + g * qkv.stride(2), hd * sizeof(float));
         norm_rope(h, g < heads ? qw : kw, cp + at, sp + at, hd, (float)eps);
       }
     }
+  });
   return out;
 }
 
@@ -127,8 +141,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     auto out = torch::empty(sizes, gate_up.options());
     const float* gp = gate_up.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const int64_t grain = N * F >= 32768 ? (N + 1) / 2 : N;  // two threads from torch's grain on, an even split
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    over_rows(N, [&](int64_t begin, int64_t end) {
       const v16 one = v16{} + 1.f;
       for (int64_t n = begin; n < end; ++n)
         for (int64_t i = 0; i < F; i += 16) {

@@ -8,7 +8,8 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
 96-128): 190-220 GFLOP/s against MKL's 90-190 (256 x 4096 LM head: 2.6 ms against 3.9).
 
 * Layout: each weight is copied once, packed in panels of 64 output features ([O / 64, I, 64]), so
-  the kernel streams a panel contiguously and computes it for every row of x while it sits in cache.
+  the kernel streams a panel contiguously and computes it for every row of x while it sits in cache (8 rows
+  at a time over the whole panel; from 16 rows on, half panels x 9-12 rows, which keep their sums in registers).
 * Determinism: every output element is the sum over the input features in order, one fused
   multiply-add per step, whatever the row count and the thread split. A row's result does not depend
   on the batch it sits in (a 1-token decode and a (k+1)-token verify agree bitwise on these layers),
@@ -23,8 +24,9 @@ results). It stays ahead of MKL up to 256 rows on the default target's shapes (a
   ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered
   and a mask built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
   `argmax_rows`, the row argmax of a verify's logits; and `decoder_rows`, a decoder's layers over rows of real
-  tokens in one call (the same kernels and ATen operations as the module path, bitwise; a decode 1.50 -> 0.87 ms in
-  the step loop: the module path's Python and dispatch were most of it).
+  tokens in one call (the same kernels and arithmetic as the module path, bitwise; a decode 1.50 -> 0.87 ms in
+  the step loop: the module path's Python and dispatch were most of it); `silu_mul`, the MLP's silu(gate) * up in
+  one pass with torch's own exp (bitwise the two torch operations).
 * Switch: BLOCKSPEC_CPU_KERNELS=0 (or `set_enabled(False)`) turns the kernel off.
 * Build: compiled on first use by torch's C++ extension loader (g++ and ninja, about 35 s here, then
   cached under ~/.cache/torch_extensions). Where it cannot be built, torch's linear is used and the
@@ -279,7 +281,7 @@ def decoder_rows(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[to
     C++ call: [final-normed hidden [B, T, H], the outputs of the layers in `taps`]. spans = (slots, starts, lengths)
     on the host: row b's first lengths[b] tokens are real (the rest padding, computed and never stored) and their
     K/V go to slot slots[b] from position starts[b]. With `tap_dest` (`stores_taps`), the taps' real rows go there
-    at the same slot and positions instead, and the list is [hidden]. The same kernels and ATen operations as the
+    at the same slot and positions instead, and the list is [hidden]. The same kernels and arithmetic as the
     module path, bitwise (`Decoder.forward` decides where it applies)."""
     return _kernels.module.decoder_rows(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0],
                                         cos_sin[1], positions, slots, *spans, taps,
