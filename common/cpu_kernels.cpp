@@ -164,9 +164,11 @@ static torch::Tensor embed_rows(const torch::Tensor& tokens, const torch::Tensor
   TORCH_CHECK(tokens.is_contiguous() && emb.is_contiguous(), "decoder_rows: unsupported embedding layout");
   auto x = torch::empty({tokens.size(0), tokens.size(1), D}, emb.options());
   const int64_t* tp = tokens.data_ptr<int64_t>();
+  const float* ep = emb.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
     TORCH_CHECK(0 <= tp[n] && tp[n] < V, "decoder_rows: token id ", tp[n], " outside the vocabulary of ", V);
-    std::memcpy(x.data_ptr<float>() + n * D, emb.data_ptr<float>() + tp[n] * D, D * sizeof(float));
+    std::memcpy(xp + n * D, ep + tp[n] * D, D * sizeof(float));
   }
   return x;
 }
@@ -181,12 +183,13 @@ static void store_kv(const torch::Tensor& qk, const torch::Tensor& qkv, torch::T
   TORCH_CHECK(qk.is_contiguous() && qkv.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(),
               "decoder_rows: unsupported K/V layout");
   const float *qkp = qk.data_ptr<float>(), *vp = qkv.data_ptr<float>();
+  float *kp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
   for (size_t b = 0; b < host_slots.size(); ++b)
     for (int64_t g = 0; g < kv_heads; ++g) {
       const int64_t at = ((host_slots[b] * kv_heads + g) * L + starts[b]) * hd, n = lengths[b];
-      std::memcpy(kc.data_ptr<float>() + at, qkp + ((b * (heads + kv_heads) + heads + g) * T) * hd, n * hd * sizeof(float));
-      for (int64_t t = 0; t < n; ++t)
-        std::memcpy(vc.data_ptr<float>() + at + t * hd, vp + ((b * T + t) * (heads + 2 * kv_heads) + heads + kv_heads + g) * hd,
+      std::memcpy(kp + at, qkp + (b * (heads + kv_heads) + heads + g) * T * hd, n * hd * sizeof(float));
+      for (int64_t t = 0; t < n; ++t)  // V: head heads + kv_heads + g of token t's qkv row
+        std::memcpy(vcp + at + t * hd, vp + ((b * T + t) * (heads + 2 * kv_heads) + heads + kv_heads + g) * hd,
                     hd * sizeof(float));
     }
 }
@@ -194,8 +197,9 @@ static void store_kv(const torch::Tensor& qk, const torch::Tensor& qkv, torch::T
 // The real tokens' rows of x [B, T, D] into tap_dest [slots, max_len, n_taps * D] at their slot and position (as
 // their K/V), columns [tap * D, (tap + 1) * D): where a forward's caller keeps the tap features, without the
 // concatenation and indexed copy the rows took on the way there (20-25 us of a verify).
-static void store_tap(const torch::Tensor& x, torch::Tensor& tap_dest, int64_t tap, const std::vector<int64_t>& host_slots,
-                      const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths) {
+static void store_tap(const torch::Tensor& x, torch::Tensor& tap_dest, int64_t tap,
+                      const std::vector<int64_t>& host_slots, const std::vector<int64_t>& starts,
+                      const std::vector<int64_t>& lengths) {
   const int64_t T = x.size(1), D = x.size(2), L = tap_dest.size(1), W = tap_dest.size(2);
   const float* xp = x.data_ptr<float>();
   float* dp = tap_dest.data_ptr<float>();
@@ -217,7 +221,7 @@ static torch::Tensor add_residual(const torch::Tensor& x, torch::Tensor y) {
 // A decoder's layers over rows of real tokens (tokens [B, T]; row b's first lengths[b] are real, the rest padding)
 // in one call: per layer the norms, the packed linear products, q/k norm with RoPE, each row's real K/V stored at
 // [starts[b], starts[b] + lengths[b]) of its slot host_slots[b], attention over the cache and the MLP, with the same
-// kernels and ATen operations as the module path (common/decoder.py), so the result is bitwise the module's.
+// kernels and arithmetic as the module path (common/decoder.py), so the result is bitwise the module's.
 // w: 8 tensors a layer (input norm, q|k|v panels, q norm, k norm, o panels, post-attention norm, gate|up panels,
 // down panels). Returns [final-normed hidden [B, T, D], the outputs of the layers in `taps` (ascending)]; with a
 // tap_dest ([slots, max_len, n_taps * D] fp32, contiguous; empty: none) the taps' real rows go there instead.

@@ -51,7 +51,8 @@ static inline void halves(const float* xp, const float* pp, float* yp, int64_t I
   tile<v16, 2, RN>(xp, pp + 32, yp, I, O, o + 32, n);
 }
 
-// Rows [0, N) in groups of 8-12 (as even as they come: 16 -> 8 + 8, 50 -> 5 x 10): a group of 8 whole-panel.
+// Rows [0, N) in groups of 8-12, as even as they come (16 -> 8 + 8, 50 -> 5 x 10); a group of 8 takes the
+// whole-panel tile.
 static void many_rows(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
   const int64_t groups = (N + 11) / 12;
   for (int64_t g = 0, n = 0; g < groups; ++g) {

@@ -261,9 +261,9 @@ class Decoder(nn.Module):
         """The LM head over hidden [..., H] -> fp32 logits. Rows [N, H] of a decoder that runs as one C++ call go
         straight to its packed head, the kernel `lm_head` itself calls (the module call around it took 20 us of a
         decode)."""
-        if (hidden.is_cpu and hidden.dim() == 2 and 0 < hidden.shape[0] <= cpu_kernels.MAX_ROWS and hidden.is_contiguous()
-                and hidden.dtype == torch.float32 and not torch.is_grad_enabled() and cpu_kernels.enabled()
-                and self._row_weights() is not None and self._row[3] is not None):
+        if (hidden.is_cpu and hidden.dim() == 2 and 0 < hidden.shape[0] <= cpu_kernels.MAX_ROWS
+                and hidden.is_contiguous() and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
+                and cpu_kernels.enabled() and self._row_weights() is not None and self._row[3] is not None):
             return cpu_kernels.packed_linear(hidden, self._row[3])
         return self.lm_head(hidden).float()
 
