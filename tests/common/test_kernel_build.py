@@ -1,0 +1,19 @@
+"""Where a C++ compiler is on the PATH, the CPU kernels build. Every other test of them skips where they could not be
+built, so a source that stops compiling would otherwise pass as skips (once seen while editing cpu_kernels.cpp)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from blockspec.common import cpu_kernels
+from blockspec.services.drafter.dflash import cpu_block
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler here")
+@pytest.mark.skipif(os.environ.get(cpu_kernels.ENV_SWITCH, "1") == "0", reason="the kernels are switched off")
+def test_the_cpu_kernels_build_where_a_compiler_is():
+    assert cpu_kernels.enabled(), "common/cpu_kernels.cpp did not build: the log's warning has the compiler's error"
+    assert cpu_block._extension.get() is not None, "the drafter's C++ (dflash/cpu_block.cpp) did not build"
