@@ -202,7 +202,8 @@ def test_keys_and_rate_limits_answer_as_on_grpc(tiny_models, prompts):
             anonymous.completions.create(model="any", prompt=prompts[0], max_tokens=4)
         assert denied.value.body["type"] == "authentication_error"  # an error object, as on every /v1 answer
         (model,) = s.client.models.list().data
-        assert s.client.completions.create(model=model.id, prompt=prompts[0], max_tokens=4).usage.completion_tokens == 4
+        served = s.client.completions.create(model=model.id, prompt=prompts[0], max_tokens=4)
+        assert 1 <= served.usage.completion_tokens <= 4  # the random target may end its text early
         with pytest.raises(openai.RateLimitError) as err:
             s.client.completions.create(model=model.id, prompt=prompts[0], max_tokens=4)
         assert int(err.value.response.headers["Retry-After"]) > 0
