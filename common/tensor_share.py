@@ -77,6 +77,19 @@ def open_handle(handle: TensorHandle) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(handle.shape)
 
 
+def handle_to_pb(h: TensorHandle):
+    """A handle as the roles' wire message (blockspec.v1 TensorHandle)."""
+    from blockspec.protos import roles_pb2
+
+    return roles_pb2.TensorHandle(kind=h.kind, dtype=h.dtype, shape=h.shape, name=h.name, payload=h.payload)
+
+
+def open_pb(pb) -> torch.Tensor:
+    """The tensor a wire handle (blockspec.v1 TensorHandle) names, mapped in this process."""
+    return open_handle(TensorHandle(kind=pb.kind, dtype=pb.dtype, shape=tuple(pb.shape), name=pb.name,
+                                    payload=pb.payload))
+
+
 def cleanup_stale() -> list[str]:
     """Remove segments whose owner process no longer exists (left behind by a killed owner)."""
     removed = remove_orphans(SHM_DIR, f"{PREFIX}-*")

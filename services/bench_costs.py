@@ -35,8 +35,9 @@ def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats:
     read 9-13% dearer than plain decoding's own in the same process, r(8) lower with it (BENCHMARKS, runs
     AC). Each proposal is timed right after a verify of its width, as in the step loop. proposer=None: no
     c_d."""
-    from blockspec.services.drafter.proposer import ProposeInput
-    from blockspec.services.verifier.verifier import interleaved, rolled_back_verify
+    from blockspec.common.contracts import ProposeInput
+    from blockspec.common.timing import interleaved
+    from blockspec.services.verifier.verifier import rolled_back_verify
 
     verifier.roll_back([request_id])
     committed = list(verifier.committed(request_id))

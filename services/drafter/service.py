@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -15,18 +14,15 @@ from blockspec.common import cpu_kernels, tracing
 from blockspec.common.device import claim_gpu_share, tensor_bytes
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import load_checkpoint
-from blockspec.common.telemetry import ROLE_MEMORY_MAX_AGE_S, process_memory
-from blockspec.common.sampling import Q_ROWS, from_pb
-from blockspec.common.tensor_share import TensorHandle, open_handle
+from blockspec.common.role_stream import RoleStream
+from blockspec.common.sampling import from_pb
+from blockspec.common.distributions import Q_ROWS
+from blockspec.common.tensor_share import open_pb
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.services.drafter.proposer import ProposeInput
+from blockspec.common.contracts import ProposeInput
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method
 
 log = logging.getLogger(__name__)
-
-
-def _open(pb: roles_pb2.TensorHandle):
-    return open_handle(TensorHandle(kind=pb.kind, dtype=pb.dtype, shape=tuple(pb.shape), name=pb.name, payload=pb.payload))
 
 
 def _claim_share(method: str, drafter_path: str | None, dflash_model, num_slots: int, max_len: int,
@@ -48,10 +44,13 @@ def _claim_share(method: str, drafter_path: str | None, dflash_model, num_slots:
     claim_gpu_share(device, fraction, need, "drafter")
 
 
-class DrafterService(roles_grpc.DrafterServicer):
+class DrafterService(RoleStream, roles_grpc.DrafterServicer):
+    role, span_name = "drafter", tracing.SPAN_DRAFTER_OP
+
     def __init__(self, method: str, drafter_path: str | None, target_path: str, num_slots: int, max_len: int,
                  use_dynamic_conv: bool = True, use_path_selector: bool = True, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, gpu_fraction: float | None = None) -> None:
+        super().__init__()
         check_method(method, drafter_path)
         self.method, self.drafter_path, self.num_slots, self.max_len = method, drafter_path, num_slots, max_len
         self.modules = {"use_dynamic_conv": use_dynamic_conv, "use_path_selector": use_path_selector}
@@ -76,7 +75,6 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._tap_buffer, self._tap_rows = None, []
         self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
         self._segments: tuple[bytes, ...] | None = None  # the handles last attached to (Attach)
-        self._sessions: dict[str, object] = {}  # request -> the stream (router) that last sent it
 
     def close(self) -> None:
         pass  # nothing held outside the process (the verifier's segments are the verifier's)
@@ -104,11 +102,11 @@ class DrafterService(roles_grpc.DrafterServicer):
                 self.proposer = None  # rebuilt over the new mappings below
         self._segments = segments
         if info.HasField("draft_q_ids") and self._q_ids is None:
-            self._q_ids, self._q_probs = _open(info.draft_q_ids), _open(info.draft_q_probs)
+            self._q_ids, self._q_probs = open_pb(info.draft_q_ids), open_pb(info.draft_q_probs)
         if self.proposer is None:
-            self._tap_buffer = _open(info.tap_buffer)
+            self._tap_buffer = open_pb(info.tap_buffer)
             self._tap_rows = list(self._tap_buffer.unbind(0))  # `_features`: one view per slot
-            view = TargetView(_open(info.embedding), _open(info.lm_head), self._features)
+            view = TargetView(open_pb(info.embedding), open_pb(info.lm_head), self._features)
             self.proposer = build_proposer("dflash", self.target, self.drafter_path, self.num_slots,
                                            min(self.max_len, info.max_len), view, self.dflash_model, **self.modules)
         return self._info()
@@ -117,27 +115,11 @@ class DrafterService(roles_grpc.DrafterServicer):
         """The request's slot of the verifier's tap buffer (its first committed_len - 1 rows are the request's)."""
         return self._tap_rows[self._slots[request_id]]
 
-    async def Steps(self, requests, context: grpc.aio.ServicerContext):
-        # Each op on the server's own thread, as the verifier's (`VerifierService.Steps`): no hand-off to a worker.
-        session = object()  # the router on this stream: the requests it last sent end with it
-        try:
-            async for req in requests:
-                if self.proposer is None:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "dflash drafter not attached to a verifier")
-                yield self._handle(req, session)
-        except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
-            return
-        finally:
-            self._end_session(session)
+    def _refusal(self) -> str | None:
+        return "dflash drafter not attached to a verifier" if self.proposer is None else None
 
-    def _end_session(self, session: object) -> None:
-        """A router's stream has ended (it stopped, reconnected after a timeout, or died): forget what it still
-        held. A request it sends again on a new stream belongs to that one (and is not forgotten here)."""
-        held = [rid for rid, owner in self._sessions.items() if owner is session]
-        for rid in held:
-            self._forget(rid)
-        if held:
-            log.info("a router's stream ended holding %d requests: forgotten", len(held))
+    def _items(self, req: roles_pb2.DrafterRequest) -> int:
+        return len(req.items)
 
     def _forget(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
@@ -173,13 +155,6 @@ class DrafterService(roles_grpc.DrafterServicer):
         self._q_ids[item.feature_slot, :n, :width] = draft.q.token_ids[:n]
         self._q_probs[item.feature_slot, :n, :width] = draft.q.probs[:n]
         return roles_pb2.DraftItem(request_id=item.request_id, draft_ids=draft.token_ids[:n], q_width=width)
-
-    def _handle(self, req: roles_pb2.DrafterRequest, session: object = None) -> roles_pb2.DrafterResponse:
-        with tracing.tracer().start_as_current_span(tracing.SPAN_DRAFTER_OP, context=tracing.remote_parent(req.traceparent),
-                                                    attributes={tracing.ATTR_ROLE: "drafter", tracing.ATTR_ITEMS: len(req.items)}):
-            resp = self._run(req, session)
-        resp.rss_bytes, resp.gpu_bytes = process_memory(ROLE_MEMORY_MAX_AGE_S)
-        return resp
 
     def _run(self, req: roles_pb2.DrafterRequest, session: object = None) -> roles_pb2.DrafterResponse:
         started = time.perf_counter_ns()

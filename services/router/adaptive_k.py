@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blockspec.services.verifier.verifier import StepCosts
+from blockspec.common.contracts import StepCosts
 
 ALPHA = 0.2  # EWMA weight of the newest observation (a request's acceptance, the costs)
 PRIOR_ALPHA = 0.02  # the same for the acceptance of all requests together

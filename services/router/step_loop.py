@@ -9,42 +9,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from opentelemetry import trace
 
 from blockspec.common import tracing
 from blockspec.common.sampling import GREEDY, SamplingParams
-from blockspec.services.drafter.proposer import Draft, ProposeInput
-from blockspec.services.drafter.proposers.ngram import ContextTexts, lookup
+from blockspec.common.contracts import Draft, DrafterRole, ProposeInput, VerifierRole, VerifyInput, VerifyResult
+from blockspec.common.lookup import ContextTexts, lookup
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
-from blockspec.services.verifier.verifier import StepCosts, VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step
 # Prompt lookup in front of the drafter: the latest earlier match of the context's last 4, 3 or 2 tokens,
-# continued periodically (ngram.lookup). On the default pair's prompts these drafted better than 6..3, and
+# continued periodically (common/lookup.py). On the default pair's prompts these drafted better than 6..3, and
 # 4..1 ran 3% slower at k=7 (a 1-token match drafts worse than the drafter; BENCHMARKS, runs Y).
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
-
-
-class VerifierRole(Protocol):
-    num_slots: int
-    free_slots: int
-
-    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
-    def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]: ...
-    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]: ...
-    def release(self, request_id: str) -> None: ...
-    def measure_step_costs(self, max_width: int) -> StepCosts: ...
-
-
-class DrafterRole(Protocol):
-    max_k: int
-
-    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]: ...
-    def release(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)

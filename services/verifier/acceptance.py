@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.sampling import STREAM_ACCEPT, STREAM_TARGET, DraftDist, sample, uniforms
+from blockspec.common.distributions import STREAM_ACCEPT, STREAM_TARGET, DraftDist, sample, uniforms
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@ target's embedding, LM head and tap-feature buffer exported as shared-memory han
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -11,22 +10,16 @@ import grpc
 
 import torch
 
-from blockspec.common.sampling import Q_ROWS, Q_WIDTH, DraftDist, from_pb
+from blockspec.common.sampling import from_pb
+from blockspec.common.distributions import Q_ROWS, Q_WIDTH, DraftDist
 from blockspec.common import tracing
-from blockspec.common.telemetry import ROLE_MEMORY_MAX_AGE_S, process_memory
-from blockspec.common.tensor_share import SharedTensors, TensorHandle
+from blockspec.common.role_stream import RoleStream
+from blockspec.common.tensor_share import SharedTensors, handle_to_pb
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.services.verifier.verifier import Verifier, VerifyInput
+from blockspec.services.verifier.verifier import Verifier
+from blockspec.common.contracts import VerifyInput
 
 log = logging.getLogger(__name__)
-
-
-def handle_to_pb(h: TensorHandle) -> roles_pb2.TensorHandle:
-    return roles_pb2.TensorHandle(kind=h.kind, dtype=h.dtype, shape=h.shape, name=h.name, payload=h.payload)
-
-
-def handle_from_pb(pb: roles_pb2.TensorHandle) -> TensorHandle:
-    return TensorHandle(kind=pb.kind, dtype=pb.dtype, shape=tuple(pb.shape), name=pb.name, payload=pb.payload)
 
 
 def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path: str) -> roles_pb2.VerifierInfo:
@@ -64,13 +57,15 @@ def result_to_pb(verifier: Verifier, r) -> roles_pb2.VerifyResult:
                                   committed_len=r.committed_len, slot=verifier.slot_of(r.request_id))
 
 
-class VerifierService(roles_grpc.VerifierServicer):
+class VerifierService(RoleStream, roles_grpc.VerifierServicer):
+    role, span_name = "verifier", tracing.SPAN_VERIFIER_OP
+
     def __init__(self, verifier: Verifier, target_path: str) -> None:
+        super().__init__()
         self.verifier = verifier
         self.shares = SharedTensors()
         self.info = share_target_tensors(verifier, self.shares, target_path)
         self.q_ids, self.q_probs = share_draft_q(verifier.runner.cache.num_slots, self.shares, self.info)
-        self._sessions: dict[str, object] = {}  # request -> the stream (router) that added it
 
     def close(self) -> None:
         self.shares.close()
@@ -84,28 +79,11 @@ class VerifierService(roles_grpc.VerifierServicer):
                 batch_sizes=costs.batch_sizes, widths=costs.widths, seconds=[t for row in costs.seconds for t in row]))
         return self.info
 
-    async def Steps(self, requests, context: grpc.aio.ServicerContext):
-        # Each op runs on the server's own thread, one at a time. Handing it to a worker thread and back cost a
-        # thread wake-up each way on every op: on the 2-core VM an empty op's round trip fell from 0.60 to 0.41 ms
-        # and a verify's from 4.1 to 2.3 ms without the hand-off (README, "Overhead").
-        session = object()  # the router on this stream: what it adds and does not release ends with it
-        try:
-            async for req in requests:
-                yield self._handle(req, session)
-        except asyncio.CancelledError:  # the router went away or the server is stopping: not an error
-            return
-        finally:
-            self._end_session(session)
+    def _forget(self, request_id: str) -> None:
+        self.verifier.release(request_id)
 
-    def _end_session(self, session: object) -> None:
-        """A router's stream has ended (it stopped, or died mid-run): free the slots of what it still held, so a
-        router started again finds them (a clean stop has released everything before)."""
-        held = [rid for rid, owner in self._sessions.items() if owner is session]
-        for rid in held:
-            del self._sessions[rid]
-            self.verifier.release(rid)
-        if held:
-            log.warning("a router's stream ended holding %d requests: their slots are free again", len(held))
+    def _items(self, req: roles_pb2.VerifierRequest) -> int:
+        return len(req.prefill) + len(req.prefill_continue) + len(req.verify)
 
     def _draft_q(self, item: roles_pb2.VerifyItem) -> DraftDist | None:
         """The q rows the drafter left in the shared buffer for this request's draft (views, no copy)."""
@@ -113,15 +91,6 @@ class VerifierService(roles_grpc.VerifierServicer):
             return None
         slot, n = self.verifier.slot_of(item.request_id), len(item.draft_ids)
         return DraftDist(self.q_ids[slot, :n, : item.q_width], self.q_probs[slot, :n, : item.q_width])
-
-    def _handle(self, req: roles_pb2.VerifierRequest, session: object = None) -> roles_pb2.VerifierResponse:
-        with tracing.tracer().start_as_current_span(tracing.SPAN_VERIFIER_OP, context=tracing.remote_parent(req.traceparent),
-                                                    attributes={tracing.ATTR_ROLE: "verifier",
-                                                                tracing.ATTR_ITEMS: len(req.prefill) + len(req.prefill_continue)
-                                                                + len(req.verify)}):
-            resp = self._run(req, session)
-        resp.rss_bytes, resp.gpu_bytes = process_memory(ROLE_MEMORY_MAX_AGE_S)
-        return resp
 
     def _run(self, req: roles_pb2.VerifierRequest, session: object = None) -> roles_pb2.VerifierResponse:
         started = time.perf_counter_ns()

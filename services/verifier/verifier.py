@@ -4,91 +4,22 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from blockspec.common import cpu_kernels
+from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
-from blockspec.common.sampling import GREEDY, DraftDist, SamplingParams, log_probs, process
+from blockspec.common.timing import interleaved
+from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.distributions import DraftDist, log_probs, process
 from blockspec.services.verifier.acceptance import Acceptance, greedy_accept, rejection_accept, strict_accept
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VerifyInput:
-    request_id: str
-    draft_ids: tuple[int, ...]  # may be empty: a plain decoding step
-    q: DraftDist | None = None  # rejection rule: what the drafts were sampled from (None: deterministic)
-    q_width: int = 0  # remote drafter: q is in the verifier service's shared buffer instead
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    request_id: str
-    num_accepted: int
-    token_ids: tuple[int, ...]  # tokens committed by this step (prefill: the first token)
-    eos: bool  # the last committed token ends the sequence
-    committed_len: int  # prompt + generated tokens after this step
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Seconds of one verify step by batch size and query width (k + 1), measured by `measure_step_costs`."""
-
-    batch_sizes: tuple[int, ...]  # increasing
-    widths: tuple[int, ...]  # 1, 2, ..., max width
-    seconds: tuple[tuple[float, ...], ...]  # [batch size][width]
-
-    def verify_s(self, batch: int, width: int) -> float:
-        """Seconds for `batch` requests at `width` (past the widest measured: the widest)."""
-        return self.verify_row(batch)[min(max(width, 1), self.widths[-1]) - 1]
-
-    def verify_row(self, batch: int) -> list[float]:
-        """Seconds for `batch` requests at each measured width: linear in the batch size between the
-        measured ones (and past the largest, along its last segment)."""
-        sizes = self.batch_sizes
-        if len(sizes) == 1:
-            return [s * batch / sizes[0] for s in self.seconds[0]]
-        hi = max(next((i for i, b in enumerate(sizes) if b >= batch), len(sizes) - 1), 1)
-        frac = (batch - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
-        return [max(lo + frac * (up - lo), 0.0) for lo, up in zip(self.seconds[hi - 1], self.seconds[hi])]
-
-
-def timed(fn: Callable[[], object], repeats: int, device: str = "cpu", warm_up: bool = True) -> float:
-    """Median seconds per call of fn over `repeats` calls, after one warm-up call (CUDA work waited for)."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    if warm_up:
-        fn()
-        sync()
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
-
-
-def interleaved(fns: dict, repeats: int, device: str = "cpu", before: dict | None = None) -> dict:
-    """Median seconds per call of each fn: one untimed round first, then `repeats` rounds that each time
-    every fn once, so a machine that speeds up or slows down meanwhile shifts all of them alike.
-    before[key], where given, runs untimed just before its fn (the state the fn should meet)."""
-    samples: dict = {key: [] for key in fns}
-    for round_ in range(repeats + 1):
-        for key, fn in fns.items():
-            if before and key in before:
-                timed(before[key], 1, device, warm_up=False)  # waited for, not counted
-            seconds = timed(fn, 1, device, warm_up=False)
-            if round_:
-                samples[key].append(seconds)
-    return {key: statistics.median(s) for key, s in samples.items()}
 
 
 def rolled_back_verify(verifier: "Verifier", request_ids: Sequence[str], width: int) -> Callable[[], None]:

@@ -170,7 +170,7 @@ def test_every_proposer_and_rule_follows_the_target_distribution(pair, method, r
 
 def test_a_rule_that_skips_the_p_over_q_test_fails_the_same_check(pair, monkeypatch):
     """Accepting every draft token the target could emit (no p/q test) is lossy; the test must see it."""
-    from blockspec.common.sampling import STREAM_ACCEPT, sample
+    from blockspec.common.distributions import STREAM_ACCEPT, sample
     from blockspec.services.verifier import verifier as verifier_module
     from blockspec.services.verifier.acceptance import Acceptance
 

@@ -28,7 +28,7 @@ def test_drafter_private_memory_does_not_grow_by_the_target_tensors(tmp_path, to
         before = d_stub.Info(roles_pb2.InfoRequest(), timeout=60)
         d_stub.Attach(v_info, timeout=60)
         # Draft through the real role clients: the LM head is read whole, the embedding by row.
-        from blockspec.services.drafter.proposer import ProposeInput
+        from blockspec.common.contracts import ProposeInput
         from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 
         remote_v = RemoteVerifier(verifier.address)

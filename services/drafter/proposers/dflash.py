@@ -12,11 +12,11 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
+from blockspec.common.distributions import Q_WIDTH, DraftDist, draft_pick
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
-from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.common.contracts import Draft, ProposeInput
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class DFlashProposer:
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
 
     def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
-        """A walk `pick` following each request's sampling (common/sampling.draft_pick); greedy rows take
+        """A walk `pick` following each request's sampling (common/distributions.draft_pick); greedy rows take
         the best score. Rejection rows record the q they sampled from in q_rows."""
         vocab = self.embedding.shape[0]  # the target's vocabulary (the noise is drawn over all of it)
 

@@ -10,8 +10,8 @@ import torch
 
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
-from blockspec.common.sampling import Q_WIDTH, DraftDist, draft_pick
-from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.common.distributions import Q_WIDTH, DraftDist, draft_pick
+from blockspec.common.contracts import Draft, ProposeInput
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockspec.services.drafter.proposer import Draft, ProposeInput
+from blockspec.common.contracts import Draft, ProposeInput
 
 
 class NoneProposer:

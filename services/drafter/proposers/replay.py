@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockspec.services.drafter.proposer import Draft, ProposeInput, Proposer
+from blockspec.common.contracts import Draft, ProposeInput, Proposer
 
 _NONE = Draft(())
 

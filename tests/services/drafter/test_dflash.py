@@ -95,7 +95,7 @@ def test_one_forward_per_step_shared_tensors_and_cache_equals_recompute(drafter_
     # One batched drafter pass per step, whatever the number of requests and k.
     assert len(forwards) == len(proposes) >= max(e.stats.steps for e in finish) - 1 and max(proposes) == 2
     # A fresh proposer that sees the final context at once drafts what the incremental cache drafts.
-    from blockspec.services.drafter.proposer import ProposeInput
+    from blockspec.common.contracts import ProposeInput
 
     engine2 = Engine(tiny_models["qwen3"]["target"], drafter_dir, "dflash", max_batch=1)
     ids = list(prompts[5])

@@ -16,7 +16,7 @@ from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash import cpu_block
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
-from blockspec.services.drafter.proposer import ProposeInput
+from blockspec.common.contracts import ProposeInput
 from blockspec.services.engine import Engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")

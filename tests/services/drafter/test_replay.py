@@ -1,6 +1,6 @@
 """ReplayProposer: another proposer's drafts recorded over one run, given back without calling it."""
 
-from blockspec.services.drafter.proposer import ProposeInput
+from blockspec.common.contracts import ProposeInput
 from blockspec.services.drafter.proposers.ngram import NgramProposer
 from blockspec.services.drafter.proposers.replay import ReplayProposer
 

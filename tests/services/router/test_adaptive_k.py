@@ -6,7 +6,7 @@ import pytest
 
 from blockspec.services.router.adaptive_k import (
     ALPHA, DRAFT_MARGIN, MIN_JUDGED, PRIOR_ACCEPTANCE, PROBE_EVERY, SPIKE, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
-from blockspec.services.verifier.verifier import StepCosts
+from blockspec.common.contracts import StepCosts
 
 
 def trace_with(rates: list[float]) -> AcceptanceTrace:

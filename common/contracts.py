@@ -1,0 +1,119 @@
+"""The contracts between router, drafter and verifier: the messages of a step and the protocols the roles satisfy.
+
+The router steps through these types whether the roles run in its process or behind gRPC, so this module imports
+no role and no torch (a draft distribution is only carried, never computed, here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from blockspec.common.sampling import GREEDY, SamplingParams
+
+if TYPE_CHECKING:
+    from blockspec.common.distributions import DraftDist
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    request_id: str
+    token_ids: Sequence[int]  # committed tokens, prompt included; the last one is the anchor
+    k: int  # number of draft tokens wanted (the proposer may return fewer)
+    sampling: SamplingParams = GREEDY  # how the request samples: drafts follow it
+
+
+@dataclass(frozen=True)
+class Draft:
+    token_ids: tuple[int, ...]  # at most k draft tokens
+    # Rejection rule: the distribution each token was sampled from. None: the tokens are deterministic
+    # given the context (greedy, strict, n-gram), which the rule treats as a one-hot q.
+    q: DraftDist | None = None
+    q_width: int = 0  # remote drafter: q sits in the verifier's shared q buffer, rows this wide
+
+    def head(self, k: int) -> Draft:
+        if self.q is None and len(self.token_ids) <= k:  # nothing to cut (the step loop's usual case)
+            return self
+        return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None, self.q_width)
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    request_id: str
+    draft_ids: tuple[int, ...]  # may be empty: a plain decoding step
+    q: DraftDist | None = None  # rejection rule: what the drafts were sampled from (None: deterministic)
+    q_width: int = 0  # remote drafter: q is in the verifier service's shared buffer instead
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    request_id: str
+    num_accepted: int
+    token_ids: tuple[int, ...]  # tokens committed by this step (prefill: the first token)
+    eos: bool  # the last committed token ends the sequence
+    committed_len: int  # prompt + generated tokens after this step
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one verify step by batch size and query width (k + 1), as the verifier measures them."""
+
+    batch_sizes: tuple[int, ...]  # increasing
+    widths: tuple[int, ...]  # 1, 2, ..., max width
+    seconds: tuple[tuple[float, ...], ...]  # [batch size][width]
+
+    def verify_s(self, batch: int, width: int) -> float:
+        """Seconds for `batch` requests at `width` (past the widest measured: the widest)."""
+        return self.verify_row(batch)[min(max(width, 1), self.widths[-1]) - 1]
+
+    def verify_row(self, batch: int) -> list[float]:
+        """Seconds for `batch` requests at each measured width: linear in the batch size between the
+        measured ones (and past the largest, along its last segment)."""
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return [s * batch / sizes[0] for s in self.seconds[0]]
+        hi = max(next((i for i, b in enumerate(sizes) if b >= batch), len(sizes) - 1), 1)
+        frac = (batch - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
+        return [max(lo + frac * (up - lo), 0.0) for lo, up in zip(self.seconds[hi - 1], self.seconds[hi])]
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for a batch of requests. State is per request id; `release` drops it.
+
+    A propose for a committed context the proposer has already seen must be idempotent (a retry).
+    """
+
+    method: str
+    max_k: int
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class DrafterRole(Protocol):
+    """What the step loop needs of a drafter: a local proposer or the router's client of a remote one."""
+
+    max_k: int
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class VerifierRole(Protocol):
+    """What the step loop needs of a verifier: the local one or the router's client of a remote one."""
+
+    num_slots: int
+    free_slots: int
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
+
+    def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]: ...
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def measure_step_costs(self, max_width: int) -> StepCosts: ...

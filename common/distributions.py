@@ -1,0 +1,146 @@
+"""The sampling maths on tensors: the logits processors and warpers that turn a target's logits into p, the
+counter-based noise every sample draws from, and the draft distribution q a proposer samples from.
+
+Used by plain decoding and by every verification rule (the verifier), and (noise, draft picks) by the proposers;
+the parameters themselves are in sampling.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from blockspec.common.sampling import SamplingParams
+
+Q_WIDTH = 32  # draft distributions keep at most this many tokens per position (the proposer's top ones)
+Q_ROWS = 16  # draft positions whose q a remote drafter can share with the verifier (>= every method's k)
+
+# Noise streams: one counter-based generator per (seed, stream), indexed by absolute position.
+STREAM_TARGET = 0  # strict rule: the Gumbel noise of the target's sample (the drafter reuses it: coupling)
+STREAM_DRAFT = 1  # rejection rule: the drafter's own sampling
+STREAM_ACCEPT = 2  # rejection rule: the accept test (element 0) and the recovered / bonus sample (1..V)
+
+
+def _banned_ngram_tokens(context: np.ndarray, n: int) -> np.ndarray:
+    """Tokens that would complete an n-gram already in `context` (HF no_repeat_ngram_size)."""
+    if len(context) < n:
+        return context[:0]
+    windows = np.lib.stride_tricks.sliding_window_view(context, n)  # [L - n + 1, n]
+    hits = (windows[:, :-1] == context[len(context) - n + 1 :]).all(axis=1)
+    return windows[hits, -1]
+
+
+def process(logits: torch.Tensor, history: Sequence[int], prompt_len: int, drafts: Sequence[int],
+            params: SamplingParams) -> torch.Tensor:
+    """Apply the logits processors. logits [n, V]: row i follows history + drafts[:i] (n <= len(drafts) + 1).
+
+    Order: repetition penalty (prompt + output), presence / frequency penalties (output only),
+    no-repeat-n-gram ban, logit bias. Returns fp32 [n, V].
+    """
+    out = logits.float().clone()
+    if not params.has_processors:
+        return out
+    n, vocab = out.shape
+    hist = torch.as_tensor(list(history), dtype=torch.long)
+    # extra[i]: counts of drafts[:i], the tokens row i sees beyond the committed history.
+    extra = torch.zeros(n, vocab)
+    if n > 1:
+        extra[torch.arange(1, n), torch.as_tensor(list(drafts[: n - 1]), dtype=torch.long)] = 1.0
+        extra = extra.cumsum(0)
+    if params.repetition_penalty != 1.0:
+        seen = (torch.bincount(hist, minlength=vocab)[:vocab].float() + extra) > 0
+        penalized = torch.where(out < 0, out * params.repetition_penalty, out / params.repetition_penalty)
+        out = torch.where(seen, penalized, out)
+    if params.presence_penalty or params.frequency_penalty:
+        generated = torch.bincount(hist[prompt_len:], minlength=vocab)[:vocab].float() + extra
+        out = out - params.presence_penalty * (generated > 0) - params.frequency_penalty * generated
+    if params.no_repeat_ngram_size:
+        context = np.asarray(list(history) + list(drafts[: n - 1]), dtype=np.int64)
+        for i in range(n):
+            banned = _banned_ngram_tokens(context[: len(history) + i], params.no_repeat_ngram_size)
+            out[i, torch.from_numpy(banned)] = -math.inf
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        out[:, list(ids)] += torch.tensor(bias)
+    return out
+
+
+def log_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log p [n, V] (fp64) after temperature, top-k and top-p (HF semantics); -inf outside the kept set."""
+    z = processed.double() / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = z.topk(params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if params.top_p < 1.0:
+        ordered, order = z.sort(dim=-1)  # ascending
+        drop = ordered.softmax(-1).cumsum(-1) <= 1.0 - params.top_p
+        drop[..., -1] = False  # always keep the most likely token
+        z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return z.log_softmax(-1)
+
+
+def uniforms(seed: int, position: int, stream: int, n: int) -> torch.Tensor:
+    """n uniforms in (0, 1) (fp64) from a counter-based generator keyed by (seed, stream) at `position`.
+
+    Philox: the position sits in the counter's third word, so positions never share random numbers, and
+    a sample depends only on (seed, stream, position), not on how the text was produced.
+    """
+    bits = np.random.Philox(key=(seed % 2**64) + (stream << 64), counter=position << 128)
+    u = np.random.Generator(bits).random(n)
+    return torch.from_numpy(np.maximum(u, np.finfo(np.float64).tiny))
+
+
+def gumbel(seed: int, position: int, stream: int, n: int, offset: int = 0) -> torch.Tensor:
+    """Gumbel(0, 1) noise [n] (fp64); argmax(log p + noise) is an exact sample of p."""
+    u = uniforms(seed, position, stream, offset + n)[offset:]
+    return -torch.log(-torch.log(u))
+
+
+def sample(logp: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int:
+    """Gumbel-max sample of one row of log-probabilities [V]."""
+    return int((logp + gumbel(seed, position, stream, logp.shape[-1], offset)).argmax())
+
+
+@dataclass(frozen=True)
+class DraftDist:
+    """The distribution q each draft token was sampled from, sparse: q rows over their top tokens."""
+
+    token_ids: torch.Tensor  # [k, m] long
+    probs: torch.Tensor  # [k, m] float; q of tokens outside a row is 0
+
+    def head(self, k: int) -> DraftDist:
+        return DraftDist(self.token_ids[:k], self.probs[:k])
+
+    def dense(self, i: int, vocab_size: int) -> torch.Tensor:
+        """Row i scattered onto the vocabulary [V] (fp64)."""
+        return torch.zeros(vocab_size, dtype=torch.float64).index_add_(0, self.token_ids[i], self.probs[i].double())
+
+
+@dataclass(frozen=True)
+class DraftPick:
+    index: int  # into the scores row
+    probs: torch.Tensor | None  # [m] the distribution sampled from (rejection rule); None: deterministic pick
+
+
+def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams, position: int,
+               vocab_size: int) -> DraftPick:
+    """Choose one draft token among scores [m] over token_ids [m] for the token at `position`.
+
+    greedy: the best score. strict: the Gumbel-max with the target's own noise at that position, so a
+    drafter close to the target picks the target's sample. rejection: a sample of q = softmax(scores / T)
+    with the drafter's noise, q returned for the accept test.
+    """
+    if params.greedy:
+        return DraftPick(int(scores.argmax()), None)
+    scores, token_ids = scores.cpu(), token_ids.cpu()  # a GPU drafter's: the noise is drawn on the host
+    z = scores.double() / params.temperature
+    if params.rule == "strict":
+        noise = gumbel(params.seed, position, STREAM_TARGET, vocab_size)[token_ids]
+        return DraftPick(int((z + noise).argmax()), None)
+    logq = z.log_softmax(-1)
+    noise = gumbel(params.seed, position, STREAM_DRAFT, vocab_size)[token_ids]
+    return DraftPick(int((logq + noise).argmax()), logq.exp().float())
