@@ -4,6 +4,7 @@ and what is allowed. Components receive only their own section."""
 from __future__ import annotations
 
 import collections.abc
+import re
 import reprlib
 from pathlib import Path
 from typing import Literal
@@ -12,14 +13,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
-from blockspec.common.device import check_device_name
 from blockspec.common.errors import InvalidArgument
-
 
 # Bounds the command line's flags of the same names share (services/cli.py).
 MAX_BATCH = 1024  # server.max_batch: requests stepped together per replica
 MIN_MODEL_LEN = 16  # model.max_model_len
 MAX_LOOKUP_TOKENS = 48  # model.spec_decode.prompt_lookup_tokens
+DEFAULT_K = 5  # draft tokens per step where neither the request nor model.spec_decode.num_speculative_tokens says
+
+def check_device_name(name: str, field: str = "--device") -> str:
+    """The device's syntax only ("cpu", "cuda", "cuda:N"): what a config can be checked for anywhere (common/device.py
+    checks that the device exists on this machine)."""
+    if not re.fullmatch(r"cpu(:0)?|cuda(:[0-9]+)?", name):
+        raise InvalidArgument(field, f"{name!r} is not a device; use cpu, cuda or cuda:N")
+    return name
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -81,7 +89,7 @@ class ServerConfig(_Section):
 class SpecDecodeConfig(_Section):
     enabled: bool = True  # false: plain decoding, no drafter is started
     method: Literal["dflash", "draft_model", "ngram"] | None = None  # None: from the drafter checkpoint
-    num_speculative_tokens: int = Field(5, ge=1, le=16)  # k
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=16)  # k
     draft_model_dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"  # fp32 on CPU, with a warning
     use_dynamic_conv: bool = True
     use_path_selector: bool = True

@@ -8,22 +8,12 @@ import logging
 
 import torch
 
+from blockspec.common.config import check_device_name
 from blockspec.common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_device_name(name: str, field: str = "--device") -> str:
-    """The device's syntax only ("cpu", "cuda", "cuda:N"): what a config can be checked for anywhere."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
-        raise InvalidArgument(field, f"{name!r} is not a device; use cpu, cuda or cuda:N")
-    return name
 
 
 def resolve(device: str = "cpu", dtype: str = "float32", device_field: str = "--device",

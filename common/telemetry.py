@@ -7,10 +7,10 @@ tokens it carries); the inter-chunk gap is the time between two messages of a st
 
 from __future__ import annotations
 
+import sys
 import time
 
 import psutil
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -26,7 +26,8 @@ def process_memory(max_age_s: float = 0.0) -> tuple[int, int]:
     reading where it is that recent. Reading costs about 30 us on the 2-core VM, which every role op paid."""
     now = time.monotonic()
     if now - _last_memory[0] > max_age_s:
-        gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        torch = sys.modules.get("torch")  # a process that never loaded torch holds no CUDA memory
+        gpu = torch.cuda.memory_allocated() if torch is not None and torch.cuda.is_available() else 0
         _last_memory[:] = [now, (psutil.Process().memory_info().rss, gpu)]
     return _last_memory[1]
 

@@ -105,9 +105,9 @@ def chat_target(tiny_models, tmp_path_factory) -> Path:
 def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""
     from blockspec.common.models import load_checkpoint
+    from blockspec.services.build.distill import DistillConfig, greedy_continuations, train_drafter
     from blockspec.services.build.tiny import build_tiny_drafter
     from blockspec.services.drafter.dflash import draft_vocab
-    from blockspec.services.drafter.dflash.train import DistillConfig, greedy_continuations, train_drafter
 
     root = tmp_path_factory.mktemp("dflash")
     out = {f"{f}-random": build_tiny_drafter(root / f"{f}-random", d["target"]) for f, d in tiny_models.items()}

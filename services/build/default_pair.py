@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from blockspec.services.build.assistant import AssistantConfig, train_assistant
-from blockspec.services.drafter.dflash.train import DistillConfig, greedy_continuations, train_drafter
+from blockspec.services.build.distill import DistillConfig, greedy_continuations, train_drafter
 
 log = logging.getLogger(__name__)
 
@@ -197,18 +197,16 @@ def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[
             **modules: bool) -> dict:
     """tau, acceptance and per-position acceptance of one method over the prompts (batched).
     `modules`: use_dynamic_conv / use_path_selector switches for dflash."""
-    from blockspec.services.engine import Engine
-    from blockspec.services.router.step_loop import FinishEvent
+    from blockspec.services.serving.engine import Engine
 
     engine = Engine(target, drafter, method, max_batch=len(prompts), **modules)
-    done = [e for e in engine.generate([engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)])
-            if isinstance(e, FinishEvent)]
+    done = engine.complete([engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)])
     steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
     per_pos = np.sum([np.pad(e.stats.accepted_per_pos, (0, (k or 0) - len(e.stats.accepted_per_pos))) for e in done], axis=0)
     return {"method": method, "k": k, "tau": round(1 + accepted / steps, 3) if steps else 0.0,
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "accepted_per_pos": [int(x) for x in np.atleast_1d(per_pos)], "steps": steps,
-            "outputs": [list(e.token_ids) for e in sorted(done, key=lambda e: int(e.request_id))]}
+            "outputs": [list(e.token_ids) for e in done]}
 
 
 def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> dict:

@@ -97,11 +97,12 @@ def build_tiny_drafter(
 ) -> Path:
     """A random-weight DFlash-2 drafter for the target in `target_dir` (published layout), every module
     perturbed away from its identity initialisation so that each code path does real work."""
+    from transformers import AutoTokenizer
+
     from blockspec.common.models import parse_config, read_config
     from blockspec.services.drafter.dflash.checkpoint import save_drafter
     from blockspec.services.drafter.dflash.config import DFlashConfig
     from blockspec.services.drafter.dflash.model import DFlashDrafter
-    from transformers import AutoTokenizer
 
     target = parse_config(read_config(target_dir), Path(target_dir))
     mask_id = AutoTokenizer.from_pretrained(str(target_dir)).mask_token_id

@@ -11,15 +11,15 @@ import psutil
 import torch
 
 from blockspec.common import cpu_kernels, tracing
+from blockspec.common.contracts import ProposeInput
 from blockspec.common.device import claim_gpu_share, tensor_bytes
+from blockspec.common.distributions import Q_ROWS
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import load_checkpoint
 from blockspec.common.role_stream import RoleStream
 from blockspec.common.sampling import from_pb
-from blockspec.common.distributions import Q_ROWS
 from blockspec.common.tensor_share import open_pb
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.common.contracts import ProposeInput
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method
 
 log = logging.getLogger(__name__)

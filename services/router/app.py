@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health as grpc_health, health_pb2
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2
 
 from blockspec.common.auth import ApiKeys, AuthInterceptor
 from blockspec.common.grpc_server import start_server
@@ -98,14 +99,3 @@ def register_generation(service: GenerationService, server: grpc.aio.Server) -> 
             response_serializer=api_pb2.TokenizeResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
-def facts_from_engine(engine, default_k: int | None = None) -> ModelFacts:
-    """ModelFacts of an in-process Engine (`serve --inprocess`, the tests); default_k None: the engine's DEFAULT_K."""
-    from blockspec.services.engine import DEFAULT_K
-
-    runner = engine.verifier.runner
-    default_k = DEFAULT_K if default_k is None else default_k
-    return ModelFacts(target=str(engine.target_path), drafter=str(engine.drafter_path or ""), method=engine.method,
-                      max_k=engine.proposer.max_k, default_k=min(default_k, engine.proposer.max_k),
-                      context_len=engine.context_len, vocab_size=runner.config.vocab_size, tokenizer=engine.tokenizer)

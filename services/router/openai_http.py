@@ -17,8 +17,19 @@ import grpc
 
 from blockspec.common.auth import CHALLENGE, DENIED
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.router.openai_api import (ApiError, ChatRequest, Completion, CompletionRequest, OpenAIRequest,
-                                                  acceptance, bad_request, from_rpc_error, parse, to_generate, usage)
+from blockspec.services.router.openai_api import (
+    ApiError,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    OpenAIRequest,
+    acceptance,
+    bad_request,
+    from_rpc_error,
+    parse,
+    to_generate,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 

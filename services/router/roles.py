@@ -15,10 +15,9 @@ import grpc
 
 from blockspec.common import tracing
 from blockspec.common.auth import ENV_ROLE_KEY, role_channel
+from blockspec.common.contracts import Draft, ProposeInput, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.common.contracts import Draft, ProposeInput
-from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import grpc
 import jinja2
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
-
 from opentelemetry.trace import Status, StatusCode
 
 from blockspec.common import tracing
@@ -365,7 +364,8 @@ class GenerationService(api_grpc.GenerationServicer):
         await self._check(msg, context)
         f = self.facts
         return api_pb2.ModelInfoResponse(target=f.target, drafter=f.drafter, method=f.method,
-                                         max_speculative_tokens=f.max_k, context_len=f.context_len, vocab_size=f.vocab_size)
+                                         max_speculative_tokens=f.max_k, context_len=f.context_len, vocab_size=f.vocab_size,
+                                         default_speculative_tokens=f.default_k if f.max_k else 0)
 
     async def Tokenize(self, msg: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> api_pb2.TokenizeResponse:
         await self._check(msg, context)

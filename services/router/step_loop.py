@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from blockspec.common import tracing
-from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.common.contracts import Draft, DrafterRole, ProposeInput, VerifierRole, VerifyInput, VerifyResult
 from blockspec.common.lookup import ContextTexts, lookup
+from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
 
 log = logging.getLogger(__name__)

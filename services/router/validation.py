@@ -31,13 +31,6 @@ def validate_request(prompt_ids: Sequence[int], max_tokens: int, k: int, *, cont
         raise InvalidArgument(k_field, f"must be between 0 (plain decoding) and {max_k}, got {k}")
 
 
-def check_default_k(k: int, max_k: int, method: str) -> None:
-    """The config's default k against what the method's drafter drafts."""
-    if not 1 <= k <= max_k:
-        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
-                              f"{k} is not allowed: the {method} drafter supports 1..{max_k}")
-
-
 MAX_STOPS, MAX_STOP_CHARS = 64, 1000  # each stop sequence is searched in every message's text (the router: its event loop)
 
 

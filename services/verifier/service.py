@@ -7,17 +7,16 @@ import logging
 import time
 
 import grpc
-
 import torch
 
-from blockspec.common.sampling import from_pb
-from blockspec.common.distributions import Q_ROWS, Q_WIDTH, DraftDist
 from blockspec.common import tracing
+from blockspec.common.contracts import VerifyInput
+from blockspec.common.distributions import Q_ROWS, Q_WIDTH, DraftDist
 from blockspec.common.role_stream import RoleStream
+from blockspec.common.sampling import from_pb
 from blockspec.common.tensor_share import SharedTensors, handle_to_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.verifier.verifier import Verifier
-from blockspec.common.contracts import VerifyInput
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ import torch
 
 from blockspec.common import cpu_kernels
 from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
+from blockspec.common.distributions import DraftDist, log_probs, process
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
-from blockspec.common.timing import interleaved
 from blockspec.common.sampling import GREEDY, SamplingParams
-from blockspec.common.distributions import DraftDist, log_probs, process
+from blockspec.common.timing import interleaved
 from blockspec.services.verifier.acceptance import Acceptance, greedy_accept, rejection_accept, strict_accept
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from blockspec.common.distributions import STREAM_DRAFT, DraftDist, gumbel, log_probs, process, sample, uniforms
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import SamplingParams, validate
-from blockspec.common.distributions import STREAM_DRAFT, DraftDist, gumbel, log_probs, process, sample, uniforms
 from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
 
 

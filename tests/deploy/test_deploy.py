@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from blockspec.common.config import load_config, parse_config
-from blockspec.services.cli import build_parser
+from blockspec.services.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

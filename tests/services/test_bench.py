@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.bench import Mode, parse_modes, workload
-from blockspec.services.cli import main
+from blockspec.services.bench.modes import Mode, parse_modes
+from blockspec.services.bench.run import workload
+from blockspec.services.cli.main import main
 
 
 def test_modes_parse_and_bad_ones_name_the_flag():
@@ -137,7 +138,7 @@ def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
     """TTFT: the median request's and the 99th percentile (numpy's linear one, as vLLM's serving benchmark); TPOT:
     all decode time over all tokens after the first, and the 99th percentile of each request's own (a request with
     a single token has no decode)."""
-    from blockspec.services.bench_latency import latency
+    from blockspec.services.bench.latency import latency
 
     got = latency([0.001, 0.002, 0.003, 0.010], [(0.1, 100), (0.3, 100), (0.0, 0)], [0.004] * 99 + [0.104])
     assert got == pytest.approx({"ttft_ms": 2.5, "ttft_p99_ms": 9.79, "tpot_ms": 2.0, "tpot_p99_ms": 2.98,
@@ -149,7 +150,7 @@ def test_latency_gives_the_median_the_whole_and_the_99th_percentile():
 def test_chunk_gaps_are_per_stream_and_count_only_chunks_with_tokens():
     """ITL as vLLM's serving benchmark takes it: the gaps between consecutive chunks of one stream (not between
     two streams' chunks, nor before a stream's first); a step loop's finish events and empty chunks are no chunk."""
-    from blockspec.services.bench_latency import ChunkGaps
+    from blockspec.services.bench.latency import ChunkGaps
     from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 
     chunks = ChunkGaps()
@@ -165,7 +166,7 @@ def test_chunk_gaps_are_per_stream_and_count_only_chunks_with_tokens():
 def test_accepted_per_position_sums_lists_of_any_length():
     """Per position over the requests; a request that ended at its first token (two of the default pair's held-out
     prompts do: an end-of-sequence token) brings an empty list, which once crashed `bench --server`."""
-    from blockspec.services.bench import accepted_per_position
+    from blockspec.services.bench.run import accepted_per_position
 
     assert accepted_per_position([[3, 2, 1], [], [1]]).tolist() == [4, 2, 1]
     assert accepted_per_position([[], []], k=3).tolist() == [0, 0, 0]
@@ -175,7 +176,7 @@ def test_accepted_per_position_sums_lists_of_any_length():
 def test_the_cost_model_times_each_target_forward_after_a_decode():
     """Every target forward right after a decode (a decode follows a decode in plain decoding), a proposal right
     after a verify of its width (as in the step loop)."""
-    from blockspec.services import bench_costs
+    from blockspec.services.bench import costs as bench_costs
 
     events = []
 
@@ -238,7 +239,7 @@ def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(capsys, tmp
 
 
 def test_lengths_past_the_context_name_the_flag_and_the_room_left(tiny_pair, capsys):
-    from blockspec.services.bench import check_lengths, model_context
+    from blockspec.services.bench.run import check_lengths, model_context
 
     context = model_context(tiny_pair.target)
     check_lengths(tiny_pair.target, [[5] * 10, [6] * 4], context - 10)  # exactly full: fine
@@ -251,7 +252,7 @@ def test_lengths_past_the_context_name_the_flag_and_the_room_left(tiny_pair, cap
 
 
 def test_a_k_past_the_method_s_largest_names_the_mode(tiny_pair):
-    from blockspec.services.bench import engine_runner
+    from blockspec.services.bench.run import engine_runner
 
     with pytest.raises(InvalidArgument) as e:
         engine_runner(tiny_pair.target, tiny_pair.drafter, Mode("dflash", 99), [[5, 6, 7]], 8, 1)
@@ -259,7 +260,7 @@ def test_a_k_past_the_method_s_largest_names_the_mode(tiny_pair):
 
 
 def test_arrivals_are_a_seeded_poisson_process():
-    from blockspec.services.bench_rate import arrival_times
+    from blockspec.services.bench.rate import arrival_times
 
     times = arrival_times(20000, 50.0)
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -272,8 +273,8 @@ def test_arrivals_are_a_seeded_poisson_process():
 def test_open_loop_submits_at_arrival_and_counts_ttft_from_it(tiny_pair):
     """One slot: the second request arrives with the first and waits for its slot, its TTFT counting the wait; the
     third arrives after both finished, the loop idles until then, and its TTFT is its own prefill."""
-    from blockspec.services.bench import _engine_run
-    from blockspec.services.engine import Engine
+    from blockspec.services.bench.run import _engine_run
+    from blockspec.services.serving.engine import Engine
 
     engine = Engine(tiny_pair.target, None, "none", max_batch=1)
     elapsed, done, ttft, gaps = _engine_run(engine, [[5, 6, 7], [8, 9, 10], [11, 12, 13]], 8, None, [0.0, 0.0, 1.0])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.services.cli import main
+from blockspec.services.cli.main import main
 from tests.conftest import hf_greedy
 
 

@@ -9,8 +9,8 @@ import torch
 from blockspec.common.config import parse_config
 from blockspec.common.device import resolve
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli import parse_role_args
-from blockspec.services.serve import plan
+from blockspec.services.serving.role_args import parse_role_args
+from blockspec.services.serving.serve import plan
 
 
 def test_resolve_names_the_flag_at_fault():
@@ -41,7 +41,7 @@ def test_the_plan_gives_both_roles_the_configured_device_and_dtype(tiny_models, 
 
 def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny_models, dflash_drafters):
     """model.invariant (what bf16 on a GPU needs to stay token-identical) reaches the verifier role only."""
-    from blockspec.services.launch import role_service
+    from blockspec.services.serving.launch import role_service
 
     p = plan(config(tiny_models, dflash_drafters, invariant=True, dtype="bfloat16"))
     assert "--invariant" in p.verifier_argv and "--invariant" not in p.drafter_argv
@@ -135,7 +135,7 @@ def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_d
 
 
 def test_ray_asks_for_gpu_shares_that_fill_whole_gpus_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
-    from blockspec.services.ray_placement import ray_gpus, serve_ray
+    from blockspec.services.serving.ray_placement import ray_gpus, serve_ray
 
     assert ray_gpus(config(tiny_models, dflash_drafters), True, 1) == (0.0, 0.0, 0.0)
     cuda = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9)
@@ -154,7 +154,7 @@ def replicas_config(tiny_models, dflash_drafters, replicas: int, **model) -> obj
 
 
 def test_ray_shares_gpus_past_one_replica_each_and_refuses_what_the_cluster_cannot_hold(tiny_models, dflash_drafters):
-    from blockspec.services.ray_placement import replicas_per_gpu
+    from blockspec.services.serving.ray_placement import replicas_per_gpu
 
     cuda = {"device": "cuda", "gpu_memory_utilization": 0.9}
     three = replicas_config(tiny_models, dflash_drafters, 3, **cuda)
@@ -177,8 +177,8 @@ def test_ray_places_each_replica_on_one_gpu_and_names_replicas_it_cannot_place(t
     ray = pytest.importorskip("ray")
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from blockspec.services.ray_placement import place_replicas, ray_gpus, replicas_per_gpu
-    from blockspec.services.serve import RoleStartError
+    from blockspec.services.serving.ray_placement import place_replicas, ray_gpus, replicas_per_gpu
+    from blockspec.services.serving.serve import RoleStartError
 
     ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -205,8 +205,8 @@ def test_ray_places_each_replica_on_one_gpu_and_names_replicas_it_cannot_place(t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_on_cuda_in_bfloat16_invariant_mode_equals_plain_decoding(tiny_models, dflash_drafters, prompts):
-    from blockspec.services.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
+    from blockspec.services.serving.engine import Engine
 
     def run(engine, k):
         reqs = [engine.request(f"r{i}", p, 64, k) for i, p in enumerate(prompts)]
@@ -226,8 +226,8 @@ def test_sampling_on_cuda_runs_its_rules_on_the_host(tiny_models, dflash_drafter
     """Sampling requests on a GPU target: processors, warpers and acceptance run on the host; the seeded
     strict rule gives plain decoding's text (invariant mode, bf16), rejection sampling completes."""
     from blockspec.common.sampling import SamplingParams
-    from blockspec.services.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
+    from blockspec.services.serving.engine import Engine
 
     target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
     engines = [Engine(target, d, m, max_batch=2, invariant=True, device="cuda", dtype=torch.bfloat16)
@@ -256,7 +256,7 @@ def test_settings_of_a_disabled_spec_decode_are_said_to_be_ignored(tiny_models, 
     when it is turned back on, and the log says it is ignored meanwhile."""
     import logging
 
-    caplog.set_level(logging.WARNING, logger="blockspec.services.serve")
+    caplog.set_level(logging.WARNING, logger="blockspec.services.serving.serve")
     p = plan(config(tiny_models, dflash_drafters, spec_decode={"enabled": False, "method": "dflash",
                                                                "num_speculative_tokens": 7}))
     assert p.method == "none" and p.drafter_argv is None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.services.cli import main
+from blockspec.services.cli.main import main
 
 
 def test_gpu_check_runs_on_cpu_with_the_tiny_shape(tmp_path, capsys):
@@ -51,7 +51,7 @@ def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
 def test_sizes_whose_weights_pass_the_free_memory_are_refused_before_anything_is_built(capsys, monkeypatch):
     """`--device cpu` with the default sizes would have built the 27B target in fp32 (108 GiB with its drafter) and been
     killed by the kernel: each size's weights are counted first, on the meta device."""
-    from blockspec.services import gpu_check
+    from blockspec.services.bench import gpu_check
 
     assert gpu_check.weights_bytes("1b", torch.float32) == 2 * gpu_check.weights_bytes("1b", torch.bfloat16)
     monkeypatch.setattr(gpu_check, "free_bytes", lambda device: 8 * 2**30)

@@ -8,9 +8,9 @@ import torch
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.drafter.dflash import draft_vocab
-from blockspec.services.engine import Engine
 from blockspec.services.router.adaptive_k import WARMUP_STEPS
 from blockspec.services.router.step_loop import FinishEvent
+from blockspec.services.serving.engine import Engine
 from tests.conftest import DRAFT_VOCAB_SIZE
 
 FAMILIES = ("llama", "qwen2", "qwen3")

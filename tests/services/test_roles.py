@@ -10,9 +10,9 @@ import pytest
 
 from blockspec.protos import roles_pb2
 from blockspec.services.drafter.service import DrafterService
-from blockspec.services.launch import serve_drafter, serve_verifier, verifier_service
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.step_loop import Request, StepLoop
+from blockspec.services.serving.launch import serve_drafter, serve_verifier, verifier_service
 from tests.services.router.test_server import _wait
 from tests.services.test_split import Loop
 

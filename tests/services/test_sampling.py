@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from blockspec.common.sampling import SamplingParams
-from blockspec.services.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
+from blockspec.services.serving.engine import Engine
 from tests.conftest import hf_greedy
 
 SAMPLES = 20_000

@@ -134,7 +134,7 @@ def test_the_openai_api_is_served_on_the_http_port(server, prompts, references, 
 def test_role_processes_get_a_short_openmp_spin_unless_the_operator_sets_one(server, monkeypatch):
     """Both roles start with launch.ROLE_ENV_DEFAULTS (libgomp threads that sleep soon after a forward, so three
     processes can share the cores); a value in the server's environment is passed on instead."""
-    from blockspec.services.launch import ROLE_ENV_DEFAULTS, role_env
+    from blockspec.services.serving.launch import ROLE_ENV_DEFAULTS, role_env
 
     want = os.environ.get("GOMP_SPINCOUNT", ROLE_ENV_DEFAULTS["GOMP_SPINCOUNT"])  # serve got this test's environment
     for role in ("role verifier", "role drafter"):
@@ -191,7 +191,7 @@ def test_role_sockets_of_gone_servers_are_removed(tmp_path, monkeypatch):
     those whose server no longer runs, at a Ray server's stop its own."""
     import tempfile
 
-    from blockspec.services.launch import remove_role_sockets
+    from blockspec.services.serving.launch import remove_role_sockets
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -267,7 +267,7 @@ def test_cancelled_streams_leave_no_slot_or_segment_behind(server, prompts):
 def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys):
     import json
 
-    from blockspec.services.cli import main
+    from blockspec.services.cli.main import main
     from tests.conftest import hf_greedy
 
     address = f"127.0.0.1:{server['grpc']}"
@@ -285,7 +285,7 @@ def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
     """`blockspec bench --server`: the same workload over gRPC, per k and concurrency, passes interleaved, with TTFT
     and TPOT as the client sees them; k=0 (plain decoding on the same server) is the baseline of the ratios and of
     `exact`. A server that cannot be reached or refuses a k is a clear error, not a traceback."""
-    from blockspec.services.cli import main
+    from blockspec.services.cli.main import main
 
     assert main(["bench", "--server", "127.0.0.1:1", "--server-k", "3,-1"]) == 2
     assert "--server-k" in capsys.readouterr().err
@@ -326,7 +326,7 @@ def test_a_server_with_api_keys_serves_only_clients_that_send_one(tiny_models, d
     """server.api_keys_file end to end: the public API and /metrics refuse a call without a known key, health
     answers anyone, and `blockspec generate --server` sends $BLOCKSPEC_API_KEY."""
     from blockspec.common.auth import ENV_API_KEY
-    from blockspec.services.cli import main
+    from blockspec.services.cli.main import main
     from tests.conftest import hf_greedy
 
     key = "serve-test-key-0123456789"
@@ -429,12 +429,12 @@ def test_a_router_alone_waits_for_its_roles_and_names_one_that_never_answers(tin
     import logging
 
     from blockspec.common.config import load_config
-    from blockspec.services import serve
+    from blockspec.services.serving import serve
 
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"]))
     monkeypatch.setattr(serve, "EXTERNAL_START_S", 1.5)
-    caplog.set_level(logging.INFO, logger="blockspec.services.serve")
+    caplog.set_level(logging.INFO, logger="blockspec.services.serving.serve")
     with pytest.raises(serve.RoleStartError, match=r"--verifier-address 127.0.0.1:1: no role answered there within 1.5 s"):
         serve.serve_external(load_config(cfg), "127.0.0.1", 0, 0, "127.0.0.1:1", "127.0.0.1:2")
     assert "waiting for the role at 127.0.0.1:1 (--verifier-address)" in caplog.text
@@ -463,7 +463,7 @@ def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_draft
     """`serve --verifier-address --drafter-address` (the compose deployment): streams equal the target alone; a
     config whose role-side keys the running roles do not have is named in a warning, with the role command lines
     it implies (the roles run with their own); a verifier that is gone ends the router with exit code 1."""
-    from blockspec.services.serve import RoleProcess
+    from blockspec.services.serving.serve import RoleProcess
 
     target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
     common = ["--target", target, "--method", "dflash", "--drafter", drafter, "--max-batch", "2"]

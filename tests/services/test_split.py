@@ -13,7 +13,7 @@ import torch
 
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.drafter.service import DrafterService
-from blockspec.services.launch import serve_drafter, serve_verifier, start_split_router, verifier_service
+from blockspec.services.serving.launch import serve_drafter, serve_verifier, start_split_router, verifier_service
 from tests.services.router.test_server import collect
 
 
@@ -142,8 +142,8 @@ def test_split_sampling_equals_the_in_process_engine_for_a_seed(split, tiny_mode
     """Sampling over the roles (the rejection rule's q travels through the verifier's shared buffer) gives
     the tokens the in-process engine gives for the same seed: same p, same q, same noise."""
     from blockspec.common.sampling import SamplingParams
-    from blockspec.services.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
+    from blockspec.services.serving.engine import Engine
 
     method = split["method"]
     drafter = dflash_drafters["qwen3-trained"] if method == "dflash" else tiny_models["qwen3"]["other"]
@@ -168,10 +168,10 @@ def test_split_sampling_equals_the_in_process_engine_for_a_seed(split, tiny_mode
 def test_bfloat16_roles_stream_what_the_engine_streams_in_bfloat16(tiny_models, dflash_drafters, prompts):
     """`blockspec role ... --dtype bfloat16` (config model.dtype): both roles hold bf16 weights, the drafter
     maps the verifier's bf16 tensors, and each stream equals the in-process engine's in bf16."""
-    from blockspec.services.cli import parse_role_args
-    from blockspec.services.engine import Engine
-    from blockspec.services.launch import role_service
     from blockspec.services.router.step_loop import FinishEvent
+    from blockspec.services.serving.engine import Engine
+    from blockspec.services.serving.launch import role_service
+    from blockspec.services.serving.role_args import parse_role_args
 
     target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
     services = [role_service(parse_role_args(["role", role, "--target", target, "--method", "dflash", "--drafter",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from blockspec.common.contracts import Proposer
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import Checkpoint, check_same_tokenizer, load_checkpoint
-from blockspec.common.contracts import Proposer
 
 METHODS = ("none", "ngram", "draft_model", "dflash")
 METHODS_WITH_DRAFTER = ("draft_model", "dflash")

@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from blockspec.common import cpu_kernels
+from blockspec.common.contracts import Draft, ProposeInput
 from blockspec.common.decoder import rope_table
-from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.distributions import Q_WIDTH, DraftDist, draft_pick
+from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
-from blockspec.common.contracts import Draft, ProposeInput
 
 log = logging.getLogger(__name__)
 

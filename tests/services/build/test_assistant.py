@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from blockspec.services.build.assistant import AssistantConfig, train_assistant
-from blockspec.services.cli import main
-from blockspec.services.drafter.dflash.train import greedy_continuations
+from blockspec.services.build.distill import greedy_continuations
+from blockspec.services.cli.main import main
 
 SMALL = AssistantConfig(hidden_size=32, intermediate_size=64, num_layers=1, steps=200, batch_sequences=16,
                         warmup_steps=10, heldout_sequences=40, checkpoint_s=0.0)

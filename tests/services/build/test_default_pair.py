@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from blockspec.services.cli import main
+from blockspec.services.cli.main import main
 from tests.conftest import hf_greedy
 
 

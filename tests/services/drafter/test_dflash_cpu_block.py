@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from blockspec.common import cpu_kernels
+from blockspec.common.contracts import ProposeInput
 from blockspec.common.decoder import rope_table
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.build.tiny import build_tiny_drafter
-from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash import cpu_block
+from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
-from blockspec.common.contracts import ProposeInput
-from blockspec.services.engine import Engine
+from blockspec.services.serving.engine import Engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")
 

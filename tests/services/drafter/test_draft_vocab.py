@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.services.cli import main
+from blockspec.services.cli.main import main
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.services.router.adaptive_k import (
-    ALPHA, DRAFT_MARGIN, MIN_JUDGED, PRIOR_ACCEPTANCE, PROBE_EVERY, SPIKE, WARMUP_STEPS, AcceptanceTrace, AdaptiveK)
 from blockspec.common.contracts import StepCosts
+from blockspec.services.router.adaptive_k import (
+    ALPHA,
+    DRAFT_MARGIN,
+    MIN_JUDGED,
+    PRIOR_ACCEPTANCE,
+    PROBE_EVERY,
+    SPIKE,
+    WARMUP_STEPS,
+    AcceptanceTrace,
+    AdaptiveK,
+)
 
 
 def trace_with(rates: list[float]) -> AcceptanceTrace:

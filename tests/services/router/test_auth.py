@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from blockspec.common.auth import ENV_API_KEY, ApiKeys, client_channel
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.engine import Engine
 from blockspec.services.router.http import start_http
+from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread, collect
 
 KEY = "k" * 24

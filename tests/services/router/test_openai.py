@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from blockspec.common.auth import ApiKeys
 from blockspec.common.config import RateLimits
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.services.engine import Engine
 from blockspec.services.router.http import start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
+from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread
 
 KEY = "o" * 24

@@ -7,9 +7,9 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.services.engine import Engine
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import FinishEvent, TokenEvent
+from blockspec.services.serving.engine import Engine
 
 
 def test_a_finished_streams_late_cancel_leaves_the_next_stream_under_its_id_alone(tiny_models, prompts, references):

@@ -12,10 +12,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from blockspec.common.config import DEFAULT_K
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.engine import Engine
-from blockspec.services.router.app import facts_from_engine, start_router
+from blockspec.services.router.app import start_router
+from blockspec.services.serving.engine import Engine
 
 
 class RouterThread:
@@ -29,7 +30,7 @@ class RouterThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.router = asyncio.run_coroutine_threadsafe(
-            start_router([engine.loop, *(e.loop for e in replicas)], facts_from_engine(engine), metrics=metrics,
+            start_router([engine.loop, *(e.loop for e in replicas)], engine.facts(), metrics=metrics,
                          api_keys=api_keys, limits=limits),
             self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
@@ -151,6 +152,7 @@ def test_cancelled_streams_leave_no_slot_behind(router, prompts):
 def test_model_info_tokenize_health_and_reflection(router, tokenizer):
     info = router.stub.ModelInfo(api_pb2.ModelInfoRequest())
     assert info.method == "draft_model" and info.max_speculative_tokens == 16 and info.vocab_size == len(tokenizer)
+    assert info.default_speculative_tokens == DEFAULT_K
     assert list(router.stub.Tokenize(api_pb2.TokenizeRequest(text="def f():")).token_ids) == tokenizer.encode("def f():")
     health = health_pb2_grpc.HealthStub(router.channel)
     assert health.Check(health_pb2.HealthCheckRequest(service="blockspec.v1.Generation")).status == health_pb2.HealthCheckResponse.SERVING
@@ -448,7 +450,7 @@ def test_the_smallest_temperature_survives_the_wire(router):
 def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(router):
     """A text past context x the longest vocabulary entry cannot fit whatever it holds: refused at once (before, a
     4 MB text held the event loop for seconds while it was tokenized), for Generate and Tokenize alike."""
-    limit = facts_from_engine(router.engine).max_text_chars
+    limit = router.engine.facts().max_text_chars
     for call in (lambda text: collect(router.stub.Generate(api_pb2.GenerateRequest(text=text, max_tokens=2), timeout=30)),
                  lambda text: router.stub.Tokenize(api_pb2.TokenizeRequest(text=text), timeout=30)):
         with pytest.raises(grpc.RpcError) as e:
@@ -487,7 +489,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(router, monkeypatch):
 
     monkeypatch.setattr(tokenizer, "encode", recording)
     long_text = "def f(x):\n    return x + 1\n" * (OFF_LOOP_CHARS // 26 + 1)
-    assert OFF_LOOP_CHARS < len(long_text) <= facts_from_engine(router.engine).max_text_chars
+    assert OFF_LOOP_CHARS < len(long_text) <= router.engine.facts().max_text_chars
     for text in ("def f(x):", long_text):
         threads.clear()
         ids = router.stub.Tokenize(api_pb2.TokenizeRequest(text=text), timeout=30).token_ids

@@ -19,17 +19,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from blockspec.common import tracing
 from blockspec.common.auth import ApiKeys, ensure_role_key, role_channel
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import resolve as resolve_device, role_fractions
+from blockspec.common.device import resolve as resolve_device
+from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
-from blockspec.services.launch import ENV_SUPERVISOR, remove_role_sockets, role_env, role_socket, start_split_router
 from blockspec.services.router.http import start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
-from blockspec.services.router.validation import check_default_k
+from blockspec.services.serving.launch import (
+    ENV_SUPERVISOR,
+    remove_role_sockets,
+    role_env,
+    role_socket,
+    start_split_router,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +124,7 @@ def _check_context(target: str, max_model_len: int | None) -> None:
     """model.max_model_len within the target's context, before any role starts (a role would refuse it, seconds
     later, naming its own flag)."""
     from blockspec.common.models import parse_config as parse_model_config
-    from blockspec.services.engine import serving_len
+    from blockspec.services.serving.engine import serving_len
 
     if max_model_len is None:
         return
@@ -145,7 +151,10 @@ def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> No
         except InvalidArgument as e:
             raise InvalidArgument("model.draft_model_path", f"{e.field}: {e.message}") from None
         max_k = dflash.max_k
-    check_default_k(cfg.model.spec_decode.num_speculative_tokens, max_k, method)
+    k = cfg.model.spec_decode.num_speculative_tokens
+    if not 1 <= k <= max_k:  # the one check of the configured k (the router and the roles take it as checked)
+        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
+                              f"{k} is not allowed: the {method} drafter supports 1..{max_k}")
 
 
 class RoleStartError(RuntimeError):

@@ -8,10 +8,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from blockspec.common.device import add_device_args, resolve as resolve_device
+from blockspec.common.argtypes import address, bounded
+from blockspec.common.device import add_device_args
+from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli_args import address, bounded, out_dir, threads
-
+from blockspec.services.cli.args import out_dir, read_prompts, set_threads, threads
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
@@ -63,7 +64,8 @@ def add_perf_commands(sub) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Side-by-side measurement of the modes at each concurrency; writes bench.md/json and plots to --out."""
-    from blockspec.services import bench
+    from blockspec.services.bench.modes import parse_modes
+    from blockspec.services.bench.run import run_bench
 
     set_threads(args.threads)
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -80,12 +82,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = Path(args.target)
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     prompts = [tokenizer.encode(t) for t in _bench_prompts(args)]
-    modes = bench.parse_modes(args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else ""))
+    modes = parse_modes(args.modes or DEFAULT_MODES + ("," + ASSISTANT_MODES if args.assistant else ""))
     out = out_dir(args.out)
-    result = bench.run_bench(target, Path(args.drafter) if args.drafter else None, prompts, modes,
-                             concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
-                             rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype),
-                             request_rates=rates, max_concurrency=cap)
+    result = run_bench(target, Path(args.drafter) if args.drafter else None, prompts, modes,
+                       concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
+                       rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype),
+                       request_rates=rates, max_concurrency=cap)
     print(result["markdown"])
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
     return 0
@@ -97,7 +99,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
     import grpc
 
-    from blockspec.services.bench_server import ServerStreamError, server_passes
+    from blockspec.services.bench.server import ServerStreamError, server_passes
 
     ks = _int_list("--server-k", args.server_k, minimum=0) if args.server_k else None
     out = out_dir(args.out)
@@ -113,7 +115,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     except ServerStreamError as e:
         print(f"blockspec: error: server {args.server}: {e}", file=sys.stderr)
         return 1
-    from blockspec.services.bench_report import markdown, plots
+    from blockspec.services.bench.report import markdown, plots
 
     header = (f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens, greedy; a pass at concurrency c "
               f"serves max({len(prompts)}, {waves} c) requests, c streams at a time. Each row is the pass with the median "
@@ -129,17 +131,6 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     print(report)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(map(str, paths))}")
     return 0
-
-
-def set_threads(threads: int | None) -> None:
-    """--threads: torch's CPU threads (None: its default)."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise InvalidArgument("--threads", f"must be at least 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def _int_list(flag: str, text: str, minimum: int = 1) -> list[int]:
@@ -171,15 +162,12 @@ def _once(flag: str, values: list, text: str) -> list:
 
 
 def _bench_prompts(args: argparse.Namespace) -> list[str]:
-    from blockspec.services.cli_generate import _prompts as cli_prompts
-
-    args.prompt = None
-    prompts = cli_prompts(args)
+    prompts = read_prompts(None, args.prompts_file)
     return prompts[: args.num_prompts] if args.num_prompts else prompts
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
-    from blockspec.services import gpu_check
+    from blockspec.services.bench import gpu_check
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in gpu_check.SIZES]

@@ -7,8 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
+from blockspec.common.argtypes import bounded
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli_args import bounded, minutes, out_dir, threads
+from blockspec.services.cli.args import minutes, out_dir, threads
 
 
 def add_model_commands(sub) -> None:
@@ -89,7 +90,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from blockspec.common.models import load_checkpoint
     from blockspec.services.build.default_pair import distill
-    from blockspec.services.drafter.dflash.train import DistillConfig
+    from blockspec.services.build.distill import DistillConfig
 
     tokenizer = load_checkpoint(args.target).tokenizer
     out_dir(args.out)  # before the training, not after it

@@ -10,11 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from blockspec.common.auth import client_channel
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.bench import SERVER, Mode, Row, accepted_per_position, against_plain, timed_passes, workload
-from blockspec.services.bench_latency import ChunkGaps, latency
-from blockspec.services.bench_rate import arrival_times, check_rates
-
-DEFAULT_SERVER_K = 5  # the speculative k beside plain decoding (the shipped config's)
+from blockspec.services.bench.latency import ChunkGaps, latency
+from blockspec.services.bench.modes import SERVER, Mode, Row
+from blockspec.services.bench.rate import arrival_times, check_rates
+from blockspec.services.bench.run import accepted_per_position, against_plain, timed_passes, workload
 
 
 class ServerStreamError(RuntimeError):
@@ -71,8 +70,8 @@ def server_passes(address: str, texts: Sequence[str], max_tokens: int, ks: list[
         stub = api_grpc.GenerationStub(channel)
         prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
         if ks is None:
-            max_k = stub.ModelInfo(api_pb2.ModelInfoRequest(), timeout=60).max_speculative_tokens
-            ks = [0, min(DEFAULT_SERVER_K, max_k)] if max_k else [0]
+            default_k = stub.ModelInfo(api_pb2.ModelInfoRequest(), timeout=60).default_speculative_tokens
+            ks = [0, default_k] if default_k else [0]
     check_rates(rates, len(workload(prompts, cap, waves)))
     ks = sorted(set(ks))
     rows, rate_rows = [], []

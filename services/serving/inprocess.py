@@ -11,13 +11,14 @@ import logging
 import torch
 
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import claim_gpu_share, resolve as resolve_device
+from blockspec.common.device import claim_gpu_share
+from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.services.engine import Engine
-from blockspec.services.router.app import facts_from_engine, start_router
+from blockspec.services.router.app import start_router
 from blockspec.services.router.limits import TenantLimits
-from blockspec.services.serve import Plan, plan, serve_roles
+from blockspec.services.serving.engine import Engine
+from blockspec.services.serving.serve import Plan, plan, serve_roles
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
 
     async def router_over(_replicas, keys):
         engine, spec = loaded["engine"], cfg.model.spec_decode
-        facts = facts_from_engine(engine, spec.num_speculative_tokens if p.method != "none" else 0)
+        facts = engine.facts(spec.num_speculative_tokens if p.method != "none" else 0)
         return await start_router([engine.loop], facts, host, grpc_port, RouterMetrics(), keys,
                                   TenantLimits(cfg.server.rate_limit))
 

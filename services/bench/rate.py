@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.bench_latency import ChunkGaps
+from blockspec.services.bench.latency import ChunkGaps
 
 ARRIVAL_SEED = 0  # the same arrival times for every mode and round: the modes meet the same load
 MAX_ARRIVAL_SPAN_S = 3600.0  # a rate whose pass would take longer to arrive is refused (a rate mistyped, not a load)

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from blockspec.common.config import MIN_MODEL_LEN
+from blockspec.common.config import DEFAULT_K, MIN_MODEL_LEN
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
+from blockspec.services.router.server import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
 from blockspec.services.router.validation import validate_request
 from blockspec.services.verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
-DEFAULT_K = 5
 DEFAULT_MAX_LEN = 4096  # KV cache per slot when the model's context is longer
 
 
@@ -88,6 +88,13 @@ class Engine:
     def context_len(self) -> int:
         return self.verifier.max_len
 
+    def facts(self, default_k: int = DEFAULT_K) -> ModelFacts:
+        """What the router's API says of this engine's model (`serve --inprocess`, the tests)."""
+        max_k = self.proposer.max_k
+        return ModelFacts(target=str(self.target_path), drafter=str(self.drafter_path or ""), method=self.method,
+                          max_k=max_k, default_k=min(default_k, max_k), context_len=self.context_len,
+                          vocab_size=self.verifier.runner.config.vocab_size, tokenizer=self.tokenizer)
+
     def request(self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int | None = None,
                 sampling: SamplingParams = GREEDY) -> Request:
         """A validated request; k=None takes the method's default (0 for `none`)."""
@@ -103,3 +110,14 @@ class Engine:
     def generate(self, requests: Sequence[Request]) -> Iterator[TokenEvent | FinishEvent]:
         """Stream token and finish events; all requests step together, up to max_batch at a time."""
         return self.loop.run(requests)
+
+    def complete(self, requests: Sequence[Request], on_finish: Callable[[FinishEvent], None] | None = None
+                 ) -> list[FinishEvent]:
+        """Run the requests to their end; their finish events in the order given (`on_finish` sees each as it ends)."""
+        done = {}
+        for event in self.generate(requests):
+            if isinstance(event, FinishEvent):
+                done[event.request_id] = event
+                if on_finish is not None:
+                    on_finish(event)
+        return [done[r.request_id] for r in requests]

@@ -7,15 +7,15 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
-from blockspec.common.config import MAX_BATCH, MAX_LOOKUP_TOKENS, MIN_MODEL_LEN
+from blockspec.common.argtypes import address, bounded
+from blockspec.common.config import DEFAULT_K, MAX_BATCH, MAX_LOOKUP_TOKENS, MIN_MODEL_LEN
 from blockspec.common.detokenize import TextStream
-from blockspec.common.device import add_device_args, resolve as resolve_device
+from blockspec.common.device import add_device_args
+from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import RULES, SamplingParams
-from blockspec.services.cli_args import UINT32, UINT64, address, as_flag, bounded, seconds, threads
-from blockspec.services.cli_perf import set_threads
+from blockspec.services.cli.args import UINT32, UINT64, as_flag, read_prompts, seconds, set_threads, threads
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
@@ -34,7 +34,7 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
     gen.add_argument("-k", type=bounded(0, UINT32), help=f"draft tokens per step, 0..{MAX_K} (0: plain decoding; dflash: "
-                     "up to block_size-1; default 5)")
+                     f"up to block_size-1; default {DEFAULT_K})")
     gen.add_argument("--max-tokens", type=bounded(1, UINT32), default=128, help="new tokens per prompt (default 128)")
     gen.add_argument("--stop", action="append", help="stop sequence (text; repeatable): the output ends before it")
     samp = gen.add_argument_group("sampling (defaults: greedy; see README, Sampling)")
@@ -85,36 +85,6 @@ def stats_line(s: dict) -> str:
         f"accepted per position {s['accepted_per_pos']} | {s['tokens_per_s']:.1f} tokens/s "
         f"({s['steps']} steps, {s['elapsed_s']:.2f} s) | TTFT {s['ttft_s'] * 1e3:.1f} ms"
     )
-
-
-def _prompts(args: argparse.Namespace) -> list[str]:
-    if args.prompts_file is None:
-        if args.prompt is None:
-            raise InvalidArgument("prompt", "give a PROMPT or --prompts-file")
-        return [args.prompt]
-    if args.prompt is not None:
-        raise InvalidArgument("prompt", "give either a PROMPT or --prompts-file, not both")
-    path = Path(args.prompts_file)
-    if not path.is_file():
-        raise InvalidArgument("--prompts-file", f"{path} is not a file")
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError as e:
-        raise InvalidArgument("--prompts-file", f"{path}: not UTF-8 text (byte {e.start})") from None
-    if path.suffix == ".jsonl":  # one JSON string per line: prompts that contain newlines
-        try:
-            prompts = [json.loads(line) for line in lines]
-        except json.JSONDecodeError as e:
-            raise InvalidArgument("--prompts-file", f"{path}: not JSON lines ({e})") from None
-        except RecursionError:
-            raise InvalidArgument("--prompts-file", f"{path}: a line nests too deep to be one JSON string") from None
-        if not all(isinstance(p, str) for p in prompts):
-            raise InvalidArgument("--prompts-file", f"{path}: every line must be a JSON string")
-    else:
-        prompts = lines
-    if not prompts:
-        raise InvalidArgument("--prompts-file", f"{path} holds no prompt")
-    return prompts
 
 
 def _check_utf8(field: str, texts: list[str]) -> None:
@@ -232,7 +202,7 @@ def _print_results(args: argparse.Namespace, results: list[dict], streamed: bool
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    prompts = _prompts(args)
+    prompts = read_prompts(args.prompt, args.prompts_file)
     for field, texts in (("prompt", prompts), ("--stop", args.stop or [])):
         _check_utf8(field, texts)
     if args.server:
@@ -241,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_remote(args, prompts)
     if not args.target:
         raise InvalidArgument("--target", "give a target checkpoint directory (or --server HOST:PORT)")
-    from blockspec.services.engine import Engine
+    from blockspec.services.serving.engine import Engine
 
     if args.prompt_lookup_tokens and not args.prompt_lookup:  # it would be ignored
         raise InvalidArgument("--prompt-lookup-tokens", "goes with --prompt-lookup")

@@ -71,19 +71,13 @@ def drafter_config(target_dir: str | Path, cfg: DistillConfig) -> DFlashConfig:
 def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int = 16,
                          progress: bool = True) -> list[list[int]]:
     """The supervision: prompt + the target's own greedy continuation, for every prompt."""
-    from blockspec.services.engine import Engine
-    from blockspec.services.router.step_loop import FinishEvent
+    from blockspec.services.serving.engine import Engine
 
     engine = Engine(target_dir, None, "none", max_batch=batch, max_len=max(len(p) for p in prompts) + new_tokens)
     requests = [engine.request(str(i), p, new_tokens) for i, p in enumerate(prompts)]
-    done = {}
-    bar = tqdm(total=len(prompts), desc="target continuations", unit="seq", disable=not progress)
-    for event in engine.generate(requests):
-        if isinstance(event, FinishEvent):
-            done[event.request_id] = list(requests[int(event.request_id)].prompt_ids) + list(event.token_ids)
-            bar.update()
-    bar.close()
-    return [done[str(i)] for i in range(len(prompts))]
+    with tqdm(total=len(prompts), desc="target continuations", unit="seq", disable=not progress) as bar:
+        done = engine.complete(requests, on_finish=lambda _: bar.update())
+    return [list(r.prompt_ids) + list(e.token_ids) for r, e in zip(requests, done)]
 
 
 @torch.inference_mode()

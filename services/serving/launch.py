@@ -20,22 +20,23 @@ import torch
 
 from blockspec.common import tracing
 from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
-from blockspec.common.device import claim_gpu_share, resolve as resolve_device
+from blockspec.common.config import DEFAULT_K
+from blockspec.common.device import claim_gpu_share
+from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
-from blockspec.common.tensor_share import remove_orphans
 from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.tensor_share import remove_orphans
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
 from blockspec.services.drafter.service import DrafterService
-from blockspec.services.engine import DEFAULT_K, serving_len
 from blockspec.services.router.app import RouterServer, close_roles, start_router
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.server import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, StepLoop
-from blockspec.services.router.validation import check_default_k
+from blockspec.services.serving.engine import serving_len
 from blockspec.services.verifier.service import VerifierService
 from blockspec.services.verifier.verifier import Verifier
 
@@ -134,8 +135,6 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
     has_drafter = replicas[0][1] is not None
-    if has_drafter:
-        check_default_k(default_k, drafter.max_k, method)
     target = verifier.info.target_path
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
     facts = ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",

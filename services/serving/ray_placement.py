@@ -19,8 +19,8 @@ from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import VERIFIER_SHARE
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
-from blockspec.services.launch import remove_role_sockets, role_env, role_socket
-from blockspec.services.serve import RoleStartError, plan, serve_roles
+from blockspec.services.serving.launch import remove_role_sockets, role_env, role_socket
+from blockspec.services.serving.serve import RoleStartError, plan, serve_roles
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ class RoleActor:
 
     def __init__(self, argv: list[str]) -> None:
         from blockspec.common import tracing
-        from blockspec.services import launch
-        from blockspec.services.cli import parse_role_args
+        from blockspec.services.serving import launch
+        from blockspec.services.serving.role_args import parse_role_args
 
         args = parse_role_args(list(argv))
         if args.unix_socket and not os.path.isdir(os.path.dirname(args.unix_socket)):  # another node's temp directory

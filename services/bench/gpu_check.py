@@ -107,7 +107,7 @@ class SizeReport:
 
 
 def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20) -> SizeReport:
-    from blockspec.services.bench_costs import cost_ratios
+    from blockspec.services.bench.costs import cost_ratios
 
     target = random_target(size, device, dtype)
     context = min(context, 256) if size == "tiny" else context

@@ -8,14 +8,13 @@ import logging
 import sys
 from pathlib import Path
 
-from blockspec.common.config import MAX_BATCH, MIN_MODEL_LEN
-from blockspec.common.device import add_device_args
+from blockspec.common.argtypes import address, bounded, port
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli_args import address, as_flag, bounded, port
-from blockspec.services.cli_generate import add_generate_command
-from blockspec.services.cli_models import add_model_commands
-from blockspec.services.cli_perf import add_perf_commands
-from blockspec.services.drafter.proposers import METHODS
+from blockspec.services.cli.args import as_flag
+from blockspec.services.cli.generate import add_generate_command
+from blockspec.services.cli.models import add_model_commands
+from blockspec.services.cli.perf import add_perf_commands
+from blockspec.services.serving.role_args import add_role_arguments
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,8 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
 
 def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
-    from blockspec.services import launch
-
     from blockspec.common.grpc_server import BindError
+    from blockspec.services.serving import launch
 
     launch.watch_supervisor()  # before loading: a server gone meanwhile ends this role too
     try:
@@ -65,7 +63,7 @@ def cmd_role(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
     from blockspec.common.grpc_server import BindError
-    from blockspec.services.serve import RoleStartError, serve_external, serve_processes
+    from blockspec.services.serving.serve import RoleStartError, serve_external, serve_processes
 
     cfg = load_config(args.config)
     if args.ray_address and (args.no_ray or args.verifier_address):
@@ -81,24 +79,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_ports(port, grpc_port, "--grpc-port" if args.grpc_port is not None or args.port is not None else "server.grpc_port")
     try:
         if args.inprocess:
-            from blockspec.services.serve_inprocess import serve_inprocess
+            from blockspec.services.serving.inprocess import serve_inprocess
 
             return serve_inprocess(cfg, host, port, grpc_port)
         if args.verifier_address:
             return serve_external(cfg, host, port, grpc_port, args.verifier_address, args.drafter_address)
         if args.no_ray:
             return serve_processes(cfg, host, port, grpc_port)
-        from blockspec.services.ray_placement import serve_ray
+        from blockspec.services.serving.ray_placement import serve_ray
 
         return serve_ray(cfg, host, port, grpc_port, args.ray_address)
     except (RoleStartError, BindError) as e:  # a role that ended before it served (it printed why), no room on Ray
         print(f"blockspec: error: {e}", file=sys.stderr)  # for one, a port taken by another process
         return 1
-
-
-def parse_role_args(argv: list[str]) -> argparse.Namespace:
-    """The arguments of `blockspec role ...` (also how the Ray actors receive their role)."""
-    return build_parser().parse_args(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,21 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
     add_perf_commands(sub)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
-    role.add_argument("role", choices=("verifier", "drafter"))
-    role.add_argument("--target", required=True)
-    role.add_argument("--drafter")
-    role.add_argument("--method", choices=METHODS, required=True)
-    role.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=16)
-    role.add_argument("--max-model-len", type=bounded(MIN_MODEL_LEN))
-    role.add_argument("--no-dynamic-conv", action="store_true")
-    role.add_argument("--no-path-selector", action="store_true")
-    role.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")
-    role.add_argument("--gpu-memory-fraction", type=float, help="this role's share of the GPU's memory (checked at start)")
-    add_device_args(role)
-    role.add_argument("--host", default="127.0.0.1")
-    role.add_argument("--port", type=port, default=0)
-    role.add_argument("--unix-socket", help="also listen on this Unix domain socket (serve and the Ray actors use one "
-                                            "for a router on the same host)")
+    add_role_arguments(role)
     role.set_defaults(func=cmd_role)
     inv = sub.add_parser("check-invariance", help="compare (k+1)-token verify with 1-token decode logits")
     inv.add_argument("--target", required=True, help="target checkpoint directory")

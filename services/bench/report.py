@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from blockspec.services.bench import Mode, Row
-from blockspec.services.bench_costs import CostModel
+from blockspec.services.bench.costs import CostModel
+from blockspec.services.bench.modes import Mode, Row
 
 
 def describe(machine: str, pair: str, prompts: int, max_tokens: int, waves: int, rounds: int, sliced: bool,

@@ -1,0 +1,35 @@
+"""argparse types shared by the command line and the role processes it starts: a flag's value checked as the parser
+reads it, so a bad one is exit code 2 and one line before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def port(value: str) -> int:
+    """argparse type: a TCP port (0 = any free one)."""
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: 0..65535 (0 = any free one)")
+    return number
+
+
+def bounded(low: int, high: int | None = None):
+    """argparse type: an int in [low, high] (high None: no upper bound), as the config's key of the same name."""
+    def number(value: str) -> int:
+        n = int(value)
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: " + (f"{low}..{high}" if high is not None
+                                                                             else f"at least {low}"))
+        return n
+    return number
+
+
+def address(value: str) -> str:
+    """argparse type: HOST:PORT (port 1..65535; gRPC would wrap 99999 to 34463) or unix:PATH."""
+    if value.startswith("unix:") and len(value) > len("unix:"):
+        return value
+    host, sep, number = value.rpartition(":")
+    if not (sep and host.strip() and number.isdecimal() and number.isascii() and 1 <= int(number) <= 65535):
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port 1..65535) or unix:PATH")
+    return value

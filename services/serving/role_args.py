@@ -1,0 +1,40 @@
+"""A role's command line (`blockspec role verifier|drafter ...`): what `serve` writes for each role process or Ray
+actor, and how the role reads it back."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from blockspec.common.argtypes import bounded, port
+from blockspec.common.config import MAX_BATCH, MIN_MODEL_LEN, ServerConfig
+from blockspec.common.device import add_device_args
+from blockspec.services.drafter.proposers import METHODS
+
+
+def add_role_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `blockspec role ...`: what `serve` writes in a role's command line (`serve.plan`)."""
+    parser.add_argument("role", choices=("verifier", "drafter"))
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter")
+    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=ServerConfig().max_batch)
+    parser.add_argument("--max-model-len", type=bounded(MIN_MODEL_LEN))
+    parser.add_argument("--no-dynamic-conv", action="store_true")
+    parser.add_argument("--no-path-selector", action="store_true")
+    parser.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")
+    parser.add_argument("--gpu-memory-fraction", type=float, help="this role's share of the GPU's memory (checked at "
+                                                                  "start)")
+    add_device_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=port, default=0)
+    parser.add_argument("--unix-socket", help="also listen on this Unix domain socket (serve and the Ray actors use one "
+                                              "for a router on the same host)")
+
+
+def parse_role_args(argv: Sequence[str]) -> argparse.Namespace:
+    """A role's command line (`role verifier|drafter ...`, as `serve.plan` writes it), as the Ray actors receive it."""
+    parser = argparse.ArgumentParser(prog="blockspec role")
+    add_role_arguments(parser)
+    argv = list(argv)
+    return parser.parse_args(argv[1:] if argv[:1] == ["role"] else argv)
