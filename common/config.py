@@ -20,6 +20,7 @@ MAX_BATCH = 1024  # server.max_batch: requests stepped together per replica
 MIN_MODEL_LEN = 16  # model.max_model_len
 MAX_LOOKUP_TOKENS = 48  # model.spec_decode.prompt_lookup_tokens
 DEFAULT_K = 5  # draft tokens per step where neither the request nor model.spec_decode.num_speculative_tokens says
+DEFAULT_MAX_LEN = 4096  # tokens per request (KV cache per slot) when the model's context is longer
 
 def check_device_name(name: str, field: str = "--device") -> str:
     """The device's syntax only ("cpu", "cuda", "cuda:N"): what a config can be checked for anywhere (common/device.py
@@ -36,29 +37,35 @@ class _Section(BaseModel):
 class RateLimit(_Section):
     """A tenant's budgets (None: unlimited); each bucket holds its period's worth and refills evenly."""
 
-    requests_per_minute: int | None = Field(None, ge=1)  # Generate calls
-    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + max_tokens, reserved at admission (unused: refunded)
-    tokens_per_day: int | None = Field(None, ge=1)  # the same tokens over a rolling day: a quota
+    requests_per_minute: int | None = Field(None, ge=1, description="Generate calls a minute (unset: unlimited)")
+    tokens_per_minute: int | None = Field(None, ge=1, description=(
+        "prompt + max_tokens a minute, reserved at admission; what a request does not use is refunded"))
+    tokens_per_day: int | None = Field(None, ge=1, description="the same tokens over a rolling day: a quota")
 
 
 class RateLimits(RateLimit):
     """server.rate_limit: the limits of every tenant (an API key's, or "default" without keys), and `tenants`
     where one has its own."""
 
-    tenants: dict[str, RateLimit] = Field(default_factory=dict)
+    tenants: dict[str, RateLimit] = Field(default_factory=dict, description=(
+        "per tenant (a name from server.api_keys_file), the keys above for that tenant instead"))
 
 
 class ServerConfig(_Section):
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)  # HTTP: /health, /metrics; 0 = any free port (printed)
-    grpc_port: int = Field(8001, ge=0, le=65535)  # the public gRPC API; 0 = any free port (printed)
-    workers: int = Field(1, ge=1)  # router processes; one per server (scale out with replicas / more servers)
-    max_batch: int = Field(16, ge=1, le=MAX_BATCH)  # requests stepped together per replica
-    replicas: int = Field(1, ge=1, le=64)  # verifier + drafter pairs (one placement group each)
-    prefill_chunk_tokens: int = Field(512, ge=1)  # prompt tokens prefilled per step: long prompts never stall streams
-    unix_sockets: bool = True  # the router reaches roles on its own host over Unix domain sockets (false: TCP)
-    api_keys_file: str | None = None  # API keys, `KEY` or `TENANT KEY` a line (common/auth.py); None: no key needed
-    rate_limit: RateLimits = Field(default_factory=RateLimits)  # per tenant (services/router/limits.py)
+    host: str = Field("0.0.0.0", description="address the HTTP and gRPC ports bind")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP: /health, /metrics, /v1; 0: any free port (printed)")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="the public gRPC API; 0: any free port (printed)")
+    workers: int = Field(1, ge=1, description="router processes per server (1); scale out with server.replicas")
+    max_batch: int = Field(16, ge=1, le=MAX_BATCH, description="requests stepped together per replica (KV cache slots)")
+    replicas: int = Field(1, ge=1, le=64, description="verifier + drafter pairs, each its own placement group on Ray")
+    prefill_chunk_tokens: int = Field(512, ge=1, description=(
+        "prompt tokens prefilled per step, so that a long prompt never stalls the running streams"))
+    unix_sockets: bool = Field(True, description=(
+        "the router reaches roles on its own host over Unix domain sockets (false: TCP)"))
+    api_keys_file: str | None = Field(None, description=(
+        "API keys, `KEY` or `TENANT KEY` a line; unset: no key is needed (docs/operations.md)"))
+    rate_limit: RateLimits = Field(default_factory=RateLimits, description=(
+        "the budgets of every tenant, and of named tenants"))
 
     @field_validator("api_keys_file")
     @classmethod
@@ -87,27 +94,40 @@ class ServerConfig(_Section):
 
 
 class SpecDecodeConfig(_Section):
-    enabled: bool = True  # false: plain decoding, no drafter is started
-    method: Literal["dflash", "draft_model", "ngram"] | None = None  # None: from the drafter checkpoint
-    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=16)  # k
-    draft_model_dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"  # fp32 on CPU, with a warning
-    use_dynamic_conv: bool = True
-    use_path_selector: bool = True
-    adaptive_k: bool = False  # choose k each step (<= num_speculative_tokens; 0 when drafting does not pay)
-    prompt_lookup: bool = False  # draft a repeat of the context by n-gram lookup; the drafter drafts the rest
-    prompt_lookup_tokens: int | None = Field(None, ge=1, le=MAX_LOOKUP_TOKENS)  # a lookup's tokens when a request runs alone (None: k)
+    enabled: bool = Field(True, description="false: plain decoding, no drafter is started")
+    method: Literal["dflash", "draft_model", "ngram"] | None = Field(None, description=(
+        "unset: dflash for a DFlash checkpoint, draft_model for another drafter, ngram without one"))
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=16, description=(
+        "k, the draft tokens per step of a request that does not set its own (dflash: at most block_size - 1)"))
+    draft_model_dtype: Literal["float32", "float16", "bfloat16"] = Field("bfloat16", description=(
+        "accepted for compatibility; the drafter runs in model.dtype (it reads the target's tensors in place), and a "
+        "value set here that differs is said in the log"))
+    use_dynamic_conv: bool = Field(True, description="dflash: the drafter's two-tap dynamic convolution")
+    use_path_selector: bool = Field(True, description="dflash: the drafter's pairwise path selector")
+    adaptive_k: bool = Field(False, description=(
+        "choose k each step from measured costs and acceptance (at most num_speculative_tokens; 0 where drafting "
+        "does not pay)"))
+    prompt_lookup: bool = Field(False, description=(
+        "draft a repeat of the context by n-gram lookup; the drafter drafts the other requests"))
+    prompt_lookup_tokens: int | None = Field(None, ge=1, le=MAX_LOOKUP_TOKENS, description=(
+        "a lookup's draft tokens when a request runs alone (unset: k); needs prompt_lookup"))
 
 
 class ModelSection(_Section):
-    target_model_path: str
-    draft_model_path: str | None = None
-    spec_decode: SpecDecodeConfig = SpecDecodeConfig()
-    tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    max_model_len: int | None = Field(None, ge=MIN_MODEL_LEN)  # KV cache per request; default: the model's context, at most 4096
-    device: str = "cpu"  # both roles of a replica: cpu, cuda or cuda:N (common/device.py)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # target and drafter (the drafter reads the target's tensors)
-    invariant: bool = False  # decode with the verify query width: token-identical in bf16 too (README, Exactness)
+    target_model_path: str = Field(description="the target's checkpoint directory (config.json, weights, tokenizer)")
+    draft_model_path: str | None = Field(None, description=(
+        "the drafter's checkpoint directory (a DFlash drafter or a small causal LM); unset: ngram"))
+    spec_decode: SpecDecodeConfig = Field(SpecDecodeConfig(), description="how the drafter drafts")
+    tensor_parallel_size: int = Field(1, ge=1, description="devices per replica (1: no tensor parallelism yet)")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
+        "share of each GPU's memory the roles may hold, split between verifier and drafter and checked at start"))
+    max_model_len: int | None = Field(None, ge=MIN_MODEL_LEN, description=(
+        f"tokens per request (its KV cache slot); unset: the model's context, at most {DEFAULT_MAX_LEN}"))
+    device: str = Field("cpu", description="both roles of a replica: cpu, cuda or cuda:N")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
+        "target and drafter (the drafter reads the target's tensors)"))
+    invariant: bool = Field(False, description=(
+        "decode with the verify query width, so that bf16 output stays token-identical (docs/exactness.md)"))
 
     @field_validator("device")
     @classmethod
@@ -126,8 +146,8 @@ class ModelSection(_Section):
 
 
 class BlockspecConfig(_Section):
-    server: ServerConfig = ServerConfig()
-    model: ModelSection
+    server: ServerConfig = Field(ServerConfig(), description="the router's ports, batching, replicas, keys and limits")
+    model: ModelSection = Field(description="the target, the drafter and how they run")
 
 
 _SHORT = reprlib.Repr()  # a value in one line, however big (YAML aliases can make a short file a huge value)

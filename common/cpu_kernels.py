@@ -1,40 +1,38 @@
-"""A small-batch linear layer for the CPU: y = x @ w.T for up to 256 rows, reading each weight once.
+"""The CPU fast path: a small-batch linear layer (y = x @ w.T for up to 256 rows, reading each weight once) and
+the decoder's other operations in C++ (`cpu_shared.cpp`, `cpu_kernels.cpp`).
 
-Decoding is a matrix-vector product per layer, a verify step a product with k + 1 rows. On the 2-core
-VM this project is measured on, MKL's fp32 product over the default target's 17 MB of weights takes
-1.55 ms with one row and 1.9 ms with six, where a plain read of the same bytes takes 0.37 ms. The
-kernel (`cpu_shared.cpp`) takes 0.49 ms / 1.2 ms (`tests/common/test_cpu_kernels.py` checks its
-results). It stays ahead of MKL up to 256 rows on the default target's shapes (a batched verify at concurrency 16 has
-96-128): 190-220 GFLOP/s against MKL's 90-190 (256 x 4096 LM head: 2.6 ms against 3.9).
+Decoding is a matrix-vector product per layer and a verify step a product with k + 1 rows: memory-bound shapes
+where MKL's fp32 product reads the weights several times slower than a plain copy of them. The kernel streams each
+weight once and stays ahead of MKL up to 256 rows on the default target's shapes (`tests/common/test_cpu_kernels.py`
+checks its results; docs/performance.md says how to measure it).
 
-* Layout: each weight is copied once, packed in panels of 64 output features ([O / 64, I, 64]), so
-  the kernel streams a panel contiguously and computes it for every row of x while it sits in cache (8 rows
-  at a time over the whole panel; from 16 rows on, half panels x 9-12 rows, which keep their sums in registers).
-* Determinism: every output element is the sum over the input features in order, one fused
-  multiply-add per step, whatever the row count and the thread split. A row's result does not depend
-  on the batch it sits in (a 1-token decode and a (k+1)-token verify agree bitwise on these layers),
-  and fused projections (q, k, v together) give exactly what each projection gives alone.
-* Scope: fp32 CPU inference on a module's own parameters, at most MAX_ROWS rows, output features a
-  multiple of 64. Anything else (training, prefill chunks over 256 tokens, GPU, bf16, a tensor shared from another process)
-  goes to torch's linear. The packed copies count against a per-process budget
-  ($BLOCKSPEC_CPU_KERNELS_MAX_MB, 1024 MiB): a model too big to hold twice keeps torch's linear.
-* Also here: `rms_norm` and `qk_norm_rope`, the decoder's norms and its q/k norm with RoPE, one call each
-  where torch's CPU rms_norm runs seven operations and the q/k path a dozen (a decode in the step loop
-  1.81 -> 1.25 ms); `cached_attention`, attention of decode and verify steps and prefill chunks (at most
-  ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA needs the keys gathered
-  and a mask built, and its CPU flash kernel calls MKL with tiny shapes (about 50 us a layer at 8 queries); and
-  `argmax_rows`, the row argmax of a verify's logits; and `decoder_rows`, a decoder's layers over rows of real
-  tokens in one call (the same kernels and arithmetic as the module path, bitwise; a decode 1.50 -> 0.87 ms in
-  the step loop: the module path's Python and dispatch were most of it); `silu_mul`, the MLP's silu(gate) * up in
-  one pass with torch's own exp (bitwise the two torch operations).
+* Layout: each weight is copied once, packed in panels of 64 output features ([O / 64, I, 64]), so the kernel
+  streams a panel contiguously and computes it for every row of x while it sits in cache (8 rows at a time over the
+  whole panel; from 16 rows on, half panels x 9-12 rows, which keep their sums in registers).
+* Determinism: every output element is the sum over the input features in order, one fused multiply-add per step,
+  whatever the row count and the thread split. A row's result does not depend on the batch it sits in (a 1-token
+  decode and a (k+1)-token verify agree bitwise on these layers), and fused projections (q, k, v together) give
+  exactly what each projection gives alone.
+* Scope: fp32 CPU inference on a module's own parameters, at most MAX_ROWS rows, output features a multiple of 64.
+  Anything else (training, prefill chunks over 256 tokens, GPU, bf16, a tensor shared from another process) goes to
+  torch's linear. The packed copies count against a per-process budget ($BLOCKSPEC_CPU_KERNELS_MAX_MB, 1024 MiB):
+  a model too big to hold twice keeps torch's linear.
+* Also here, each one call where torch runs several operations with their dispatch: `rms_norm` and `qk_norm_rope`
+  (the decoder's norms, its q/k norm with RoPE); `cached_attention`, attention of decode and verify steps and
+  prefill chunks (at most ATTENTION_MAX_QUERIES queries per row) over the slot KV cache read in place, where SDPA
+  needs the keys gathered and a mask built; `argmax_rows`, the row argmax of a verify's logits; `decoder_rows`, a
+  decoder's layers over rows of real tokens in one call (the same kernels and arithmetic as the module path,
+  bitwise, without its Python and dispatch); `silu_mul`, the MLP's silu(gate) * up in one pass with torch's own
+  exp (bitwise the two torch operations).
 * Switch: BLOCKSPEC_CPU_KERNELS=0 (or `set_enabled(False)`) turns the kernel off.
-* Build: compiled on first use by torch's C++ extension loader (g++ and ninja, about 35 s here, then
-  cached under ~/.cache/torch_extensions). Where it cannot be built, torch's linear is used and the
-  log says so once.
+* Build: compiled on first use by torch's C++ extension loader (g++ and ninja, under a minute), then cached in
+  torch's extension directory (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) under a name keyed by
+  `build_key`. Where it cannot be built, torch's linear is used and the log says so once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -49,8 +47,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # above this (prefill chunks), torch's linear: not measured to lose, not measured to win
-ATTENTION_MAX_QUERIES = 256  # cached_attention up to this many queries per row (more: SDPA, blocked for them; a
-# one-row prefill of 65-256 tokens measured 10-25% faster in place, 384 and 512 no faster)
+# cached_attention up to this many queries per row; more go to SDPA, whose blocked kernel gains from long rows (in
+# place is faster up to here, no faster beyond)
+ATTENTION_MAX_QUERIES = 256
 ENV_SWITCH = "BLOCKSPEC_CPU_KERNELS"  # "0" turns the kernel off (torch's linear everywhere)
 ENV_BUDGET = "BLOCKSPEC_CPU_KERNELS_MAX_MB"  # packed copies per process, MiB (default 1024)
 
@@ -66,13 +65,35 @@ _packs: dict[tuple[int, ...], tuple] = {}  # ids of weights -> (weakrefs, versio
 _budget = {"left": int(os.environ.get(ENV_BUDGET, "1024")) * 2**20}  # bytes of packed copies still allowed
 
 
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def build_key(source: str, cflags: Sequence[str] = CFLAGS) -> str:
+    """What a build depends on, as a short digest: the source, the flags, the torch and Python it links against and
+    the CPU that -march=native targets. Each key gets its own directory in torch's extension cache, so two
+    environments (another torch, another machine sharing a home directory) never rebuild each other's kernels."""
+    import platform
+    import sys
+
+    flags = next((line for line in _cpuinfo().splitlines() if line.startswith(("flags", "Features"))), "")
+    parts = (source, " ".join(cflags), torch.__version__, sys.version.split()[0], platform.machine(), flags)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:  # not Linux: the machine name alone keys the CPU
+        return ""
+
+
 class Extension:
-    """A C++ extension built with this module's flags on first use (or loaded from torch's cache).
-    `get()` is None while the kernels are switched off, or for good, logged once with what is used
-    instead (`fallback`), where it cannot be built. Sources start from PANEL_SOURCE to use `linear_into`."""
+    """A C++ extension built with this module's flags on first use (or loaded from torch's cache, under a name
+    keyed by `build_key`). `get()` is None while the kernels are switched off, or for good, logged once with what
+    is used instead (`fallback`), where it cannot be built. Sources start from PANEL_SOURCE to use `linear_into`."""
 
     def __init__(self, name: str, source: str, fallback: str) -> None:
-        self.name, self.source, self.fallback = name, source, fallback
+        self.name, self.source, self.fallback = f"{name}_{build_key(source)}", source, fallback
         self.module, self.failed = None, False
 
     def get(self):
@@ -89,7 +110,7 @@ class Extension:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            return load_inline(self.name, cpp_sources=self.source, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            return load_inline(self.name, cpp_sources=self.source, extra_cflags=list(CFLAGS),
                                extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, no headers: the torch path still works
             log.warning("CPU kernel %s unavailable, using %s: %s", self.name, self.fallback, exc)
@@ -296,8 +317,8 @@ def stores_taps(tap_dest: torch.Tensor | None) -> bool:
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
-    """x.argmax(-1).tolist() for x [N, V]: one C++ loop for fp32 on the CPU (30 -> a few us for a verify's
-    8 x 4096 logits), the same indices (first among equals, NaN as the largest)."""
+    """x.argmax(-1).tolist() for x [N, V]: one C++ loop for fp32 on the CPU (torch's argmax and tolist cost a verify
+    several times as much), the same indices (first among equals, NaN as the largest)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] and enabled():
         return _kernels.module.argmax_rows(x.contiguous())
     return x.argmax(dim=-1).tolist()

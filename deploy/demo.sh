@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# The main job on the shipped default pair: serve it (router + verifier + drafter processes), stream
-# a completion through the gRPC API, print tau / acceptance / speed; then the same prompt with plain
-# decoding in-process for comparison. Run from the repository root after `make setup`.
+# The main job on the shipped default pair (`make demo`): serve it as the operators' config does (router, verifier and
+# drafter processes), stream a completion of a held-out prompt through the gRPC API, then measure speculative against
+# plain decoding on all the held-out prompts in this process. Run from the repository root after `make setup`.
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 PAIR=${PAIR:-models/base}
-# Default: the first held-out prompt (a file the pair never trained on).
-PROMPT=${PROMPT:-$("$BIN/python" -c "import json; print(json.loads(open('$PAIR/heldout_prompts.jsonl').readline()))")}
+PROMPTS=${PROMPTS:-$PAIR/heldout_prompts.jsonl}  # files the pair never trained on, one JSON string a line
+TOKENS=${TOKENS:-64}                             # the streamed completion
+COMPARE_TOKENS=${COMPARE_TOKENS:-128}            # each prompt of the comparison
+PROMPT=${PROMPT:-$("$BIN/python" -c "import json, sys; print(json.loads(open(sys.argv[1]).readline()))" "$PROMPTS")}
 LOG=$(mktemp)
-# The C++ CPU kernels are compiled on first use (about a minute here, then cached): a one-token run builds
-# them now, so the roles below start in seconds instead of each compiling while the demo waits.
-echo "== loading the CPU kernels (the first run on a machine compiles them: about a minute)"
-"$BIN/blockspec" generate "x" --target "$PAIR/target" --drafter "$PAIR/drafter" --max-tokens 1 --json >/dev/null
+SERVER=
+trap '[ -n "$SERVER" ] && { kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; }; rm -f "$LOG"' EXIT
+
+"$BIN/python" - "$PAIR/card.json" <<'PY'
+import json, sys
+card = json.load(open(sys.argv[1]))
+print(f"== blockspec demo: the default pair, a {card['target_parameters'] / 1e6:.1f}M-parameter target trained on "
+      f"Python sources\n   and its {card['drafter_parameters'] / 1e6:.2f}M-parameter DFlash-2 drafter (a model "
+      "this small writes Python-shaped text that soon repeats itself)")
+PY
+echo "== 1/4 loading the C++ CPU kernels (a new machine compiles them once, about a minute)"
+"$BIN/blockspec" generate "x" --target "$PAIR/target" --drafter "$PAIR/drafter" --max-tokens 8 --json >/dev/null
+
+echo "== 2/4 serving deploy/config.yaml: a router, a verifier and a drafter process"
 "$BIN/blockspec" serve --config deploy/config.yaml --no-ray --port 0 --grpc-port 0 >"$LOG" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$LOG"' EXIT
 for _ in $(seq 1 600); do  # up to 5 minutes
   grep -q '^SERVING' "$LOG" && break
   kill -0 $SERVER 2>/dev/null || { cat "$LOG"; exit 1; }
@@ -23,11 +34,38 @@ done
 grep -q '^SERVING' "$LOG" || { echo "the server did not start in 5 minutes:"; cat "$LOG"; exit 1; }
 GRPC=$(sed -n 's/^SERVING grpc=\([0-9]*\).*/\1/p' "$LOG")
 HTTP=$(sed -n 's/^SERVING .*http=\([0-9]*\)/\1/p' "$LOG")
-echo "== blockspec serving on gRPC :$GRPC, HTTP :$HTTP (health: $(curl -s -o /dev/null -w '%{http_code}' localhost:$HTTP/health))"
-echo "== speculative (dflash, k=5), streamed from the server:"
-"$BIN/blockspec" generate "$PROMPT" --server "localhost:$GRPC" --max-tokens 128
-echo "== the same prompt in-process: speculative (dflash, k=5, with prompt lookup as served, then without), then plain decoding (the baseline):"
-"$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --drafter "$PAIR/drafter" -k 5 --prompt-lookup --max-tokens 128 | tail -n 1
-"$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --drafter "$PAIR/drafter" -k 5 --max-tokens 128 | tail -n 1
-"$BIN/blockspec" generate "$PROMPT" --target "$PAIR/target" --method none --max-tokens 128 | tail -n 1
-echo "(the small target loops under greedy decoding; see README, 'The default pair')"
+echo "   gRPC on :$GRPC, HTTP on :$HTTP (GET /health: $(curl -s -o /dev/null -w '%{http_code}' "localhost:$HTTP/health"))"
+
+echo "== 3/4 a held-out prompt:"
+printf '%s\n' "$PROMPT" | sed 's/^/   | /'
+echo "   its completion, streamed from the server (dflash k=5 with prompt lookup, greedy, $TOKENS tokens):"
+"$BIN/blockspec" generate "$PROMPT" --server "localhost:$GRPC" --max-tokens "$TOKENS" | sed 's/^/   | /'
+kill $SERVER; wait $SERVER 2>/dev/null || true; SERVER=
+
+echo "== 4/4 speculative against plain decoding in this process: the $(wc -l <"$PROMPTS") held-out prompts one at a" \
+     "time, $COMPARE_TOKENS tokens each"
+run() {  # label, generate flags: one JSON line per prompt into a file named after the label
+  "$BIN/blockspec" generate --target "$PAIR/target" --prompts-file "$PROMPTS" --max-batch 1 \
+    --max-tokens "$COMPARE_TOKENS" --json "${@:2}" >"$LOG.$1"
+}
+run lookup --drafter "$PAIR/drafter" -k 5 --prompt-lookup
+run dflash --drafter "$PAIR/drafter" -k 5
+run plain --method none
+"$BIN/python" - "$LOG" <<'PY'
+import json, sys
+runs = {}
+for name in ("lookup", "dflash", "plain"):
+    rows = [json.loads(line) for line in open(f"{sys.argv[1]}.{name}") if line.startswith("{")]
+    tokens = sum(len(r["token_ids"]) for r in rows)
+    wall = max(r["stats"]["elapsed_s"] for r in rows)  # submitted together, run one at a time: the last one's time
+    steps = sum(r["stats"]["steps"] for r in rows)
+    runs[name] = (tokens / wall, tokens / steps if steps else 0.0, [r["token_ids"] for r in rows])
+plain_speed, _, plain_ids = runs["plain"]
+labels = {"lookup": "speculative: dflash k=5 + prompt lookup", "dflash": "speculative: dflash k=5",
+          "plain": "plain decoding (the target alone)"}
+for name, (speed, tau, ids) in runs.items():
+    same = "-" if name == "plain" else ("yes" if ids == plain_ids else "NO")
+    print(f"   {labels[name]:<41} {speed:8.1f} tokens/s  {speed / plain_speed:4.2f}x  tokens per step {tau:4.2f}  "
+          f"same tokens as plain decoding: {same}")
+PY
+rm -f "$LOG".*

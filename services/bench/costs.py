@@ -63,7 +63,7 @@ class CostSampler:
         from blockspec.services.serving.engine import Engine
 
         self.engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32,
-                             device=device[0], dtype=device[1])
+                             device=device[0], dtype=device[1], threads=torch.get_num_threads())
         self.device = str(device[0])
         self.engine.verifier.add("x", list(range(16, 16 + context)))
         self.engine.verifier.prefill(["x"])

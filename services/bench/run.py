@@ -101,7 +101,8 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     room = max(len(p) for p in prompts) + max_tokens + 16  # run_bench checked that prompt + max_tokens fit the context
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
                     max_batch=concurrency, max_len=min(room, model_context(target)), adaptive_k=mode.adaptive,
-                    prompt_lookup=mode.lookup, prompt_lookup_tokens=mode.lookup_tokens, device=device[0], dtype=device[1])
+                    prompt_lookup=mode.lookup, prompt_lookup_tokens=mode.lookup_tokens, device=device[0], dtype=device[1],
+                    threads=torch.get_num_threads())  # a fixed count: every mode measured alike
     try:
         _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
     except InvalidArgument as e:

@@ -199,7 +199,7 @@ def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[
     `modules`: use_dynamic_conv / use_path_selector switches for dflash."""
     from blockspec.services.serving.engine import Engine
 
-    engine = Engine(target, drafter, method, max_batch=len(prompts), **modules)
+    engine = Engine(target, drafter, method, max_batch=len(prompts), threads=torch.get_num_threads(), **modules)
     done = engine.complete([engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)])
     steps, drafted, accepted = (sum(getattr(e.stats, a) for e in done) for a in ("steps", "drafted", "accepted"))
     per_pos = np.sum([np.pad(e.stats.accepted_per_pos, (0, (k or 0) - len(e.stats.accepted_per_pos))) for e in done], axis=0)

@@ -73,7 +73,8 @@ def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]
     """The supervision: prompt + the target's own greedy continuation, for every prompt."""
     from blockspec.services.serving.engine import Engine
 
-    engine = Engine(target_dir, None, "none", max_batch=batch, max_len=max(len(p) for p in prompts) + new_tokens)
+    engine = Engine(target_dir, None, "none", max_batch=batch, max_len=max(len(p) for p in prompts) + new_tokens,
+                    threads=torch.get_num_threads())
     requests = [engine.request(str(i), p, new_tokens) for i, p in enumerate(prompts)]
     with tqdm(total=len(prompts), desc="target continuations", unit="seq", disable=not progress) as bar:
         done = engine.complete(requests, on_finish=lambda _: bar.update())

@@ -15,7 +15,7 @@ from blockspec.common.device import add_device_args
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import RULES, SamplingParams
-from blockspec.services.cli.args import UINT32, UINT64, as_flag, read_prompts, seconds, set_threads, threads
+from blockspec.services.cli.args import UINT32, UINT64, as_flag, read_prompts, seconds, threads
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
@@ -54,7 +54,8 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
-    gen.add_argument("--threads", type=threads, help="torch CPU threads (default: torch's choice, one per core)")
+    gen.add_argument("--threads", type=threads, help="CPU threads (default: one per core that other processes leave "
+                     "free, followed as their load changes)")
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.add_argument("--prompt-lookup", action="store_true",
                      help="draft a repeat of the context by n-gram lookup; the drafter drafts the other requests")
@@ -215,7 +216,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.prompt_lookup_tokens and not args.prompt_lookup:  # it would be ignored
         raise InvalidArgument("--prompt-lookup-tokens", "goes with --prompt-lookup")
-    set_threads(args.threads)
     method = args.method or default_method(args.drafter)
     device, dtype = resolve_device(args.device, args.dtype)
     try:  # the engine's errors name its own fields: said as the flags
@@ -223,7 +223,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         max_len=args.max_model_len, invariant=args.invariant,
                         use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
                         adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
-                        prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype)
+                        prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype,
+                        threads=args.threads)
         # Validate every prompt before anything is generated or written.
         validate_stops(args.stop or [], "--stop")
         sampling = _sampling(args)

@@ -60,6 +60,23 @@ def cmd_role(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the configuration reference, or a config file as the server reads it (every default filled in)."""
+    if args.reference:
+        from blockspec.common.config_reference import reference
+
+        print(reference())
+        return 0
+    if args.config is None:
+        raise InvalidArgument("config", "give a config file to check, or --reference")
+    import yaml
+
+    from blockspec.common.config import load_config
+
+    print(yaml.safe_dump(load_config(args.config).model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
     from blockspec.common.grpc_server import BindError
@@ -112,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--verifier-address", type=address, help="HOST:PORT of a running verifier role: start only the router")
     sv.add_argument("--drafter-address", type=address, help="HOST:PORT of a running drafter role (with --verifier-address)")
     sv.set_defaults(func=cmd_serve)
+    cf = sub.add_parser("config", help="check a config file and print it with its defaults, or print the reference")
+    cf.add_argument("config", nargs="?", help="config.yaml to check")
+    cf.add_argument("--reference", action="store_true", help="print every key (docs/configuration.md)")
+    cf.set_defaults(func=cmd_config)
     add_perf_commands(sub)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
     add_role_arguments(role)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common.config import DEFAULT_K, MIN_MODEL_LEN
+from blockspec.common.config import DEFAULT_K, DEFAULT_MAX_LEN, MIN_MODEL_LEN
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
+from blockspec.common.threads import ThreadGovernor
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
 from blockspec.services.router.server import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
@@ -20,7 +21,6 @@ from blockspec.services.verifier.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_LEN = 4096  # KV cache per slot when the model's context is longer
 
 
 def serving_len(model_context: int, max_len: int | None) -> int:
@@ -56,11 +56,16 @@ class Engine:
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         device: torch.device | str = "cpu",  # target and drafter (common/device.resolve checks user input)
         dtype: torch.dtype = torch.float32,
+        threads: int | None = None,  # CPU threads; None: one per core that other processes leave free (threads.py)
     ) -> None:
         check_method(method, drafter)
         if prompt_lookup_tokens and (invariant or adaptive_k):  # one verify width / adaptive k's table up to k + 1
             raise InvalidArgument("prompt_lookup_tokens", "is not allowed with invariant mode or adaptive k (wider "
                                                           "verifies than k + 1)")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        # Started first: its first reading sets the thread count before any parallel work starts the thread pool.
+        governor = ThreadGovernor() if threads is None and torch.device(device).type == "cpu" else None
         checkpoint = load_checkpoint(target)
         max_len = serving_len(checkpoint.config.max_position_embeddings, max_len)
         dflash_model = None
@@ -74,7 +79,7 @@ class Engine:
         # Invariant mode: decode and verify share one query width, the widest verify.
         query_width = max_k + 1 if invariant else None
         self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers, dtype=dtype,
-                                 device=device)
+                                 device=device, threads=governor)
         view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features)
         self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,
                                        use_dynamic_conv, use_path_selector, device, dtype)

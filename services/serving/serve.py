@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -329,8 +330,9 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     state: dict = {"router": None, "replicas": []}
     tracing.setup_tracing("blockspec-router")
     keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
-    if keys is None:
-        log.warning("server.api_keys_file is not set: every client is served (README, \"API keys\")")
+    if keys is None:  # every client is served: fine on loopback, worth a warning where others can connect
+        log.log(logging.INFO if _loopback_only(host) else logging.WARNING,
+                "server.api_keys_file is not set: every client that reaches %s is served (docs/operations.md)", host)
     http = start_http(host, port, _readiness(state), keys, V1App(Upstream(lambda: _loopback(host, state))))
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics, /v1)", host, http.server_port)
@@ -345,6 +347,14 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
                 if role is not None:
                     role.stop()
         tracing.shutdown_tracing()
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether an address binds loopback only (no other machine can connect)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _loopback(host: str, state: dict) -> str | None:

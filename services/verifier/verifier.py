@@ -16,6 +16,7 @@ from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
 from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.threads import ThreadGovernor
 from blockspec.common.timing import interleaved
 from blockspec.services.verifier.acceptance import Acceptance, greedy_accept, rejection_accept, strict_accept
 
@@ -54,7 +55,9 @@ class Verifier:
         tap_layers: Sequence[int] = (),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        threads: ThreadGovernor | None = None,
     ) -> None:
+        self.threads = threads  # polled before each forward: the CPU threads follow the machine's other load
         self.runner = Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device)
         width = len(self.runner.tap_layers) * checkpoint.config.hidden_size
         # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden].
@@ -139,6 +142,10 @@ class Verifier:
         indexed per call, right after a target forward, the view took several microseconds of a proposal."""
         return self._tap_rows[self._requests[request_id].slot]
 
+    def _poll_threads(self) -> None:
+        if self.threads is not None:
+            self.threads.poll()
+
     def _forward(self, segments: list[Segment]):
         return self.runner.forward(segments, self.tap_buffer)  # the tap features to where their K/V go
 
@@ -157,6 +164,7 @@ class Verifier:
         prefill_rows padded rows, where more than one prompt goes). With a budget, stop after that many prompt
         tokens (chunked prefill: a later call continues where this one stopped). Returns the first generated token
         of every request whose prompt is now complete."""
+        self._poll_threads()
         remaining = math.inf if budget is None else budget
         pending, results = list(request_ids), []
         while pending and remaining > 0:
@@ -184,6 +192,7 @@ class Verifier:
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
         """Target forward over [anchor, d1..dk] of every request at once, then the acceptance rule."""
+        self._poll_threads()
         states = [self._requests[i.request_id] for i in inputs]
         segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) for s, i in zip(states, inputs)]
         out = self._forward(segments)

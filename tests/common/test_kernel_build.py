@@ -17,3 +17,17 @@ from blockspec.services.drafter.dflash import cpu_block
 def test_the_cpu_kernels_build_where_a_compiler_is():
     assert cpu_kernels.enabled(), "common/cpu_kernels.cpp did not build: the log's warning has the compiler's error"
     assert cpu_block._extension.get() is not None, "the drafter's C++ (dflash/cpu_block.cpp) did not build"
+
+
+def test_the_build_key_follows_what_the_build_depends_on(monkeypatch):
+    """Two environments share torch's extension cache: a kernel built for one torch, source or set of flags gets its
+    own name, so neither rebuilds the other's; the same inputs give the same name."""
+    import torch
+
+    key = cpu_kernels.build_key("int f();")
+    assert key == cpu_kernels.build_key("int f();") and len(key) == 12
+    assert key != cpu_kernels.build_key("int g();")
+    assert key != cpu_kernels.build_key("int f();", ("-O2",))
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert key != cpu_kernels.build_key("int f();")
+    assert cpu_kernels.Extension("x", "int f();", "torch").name == f"x_{cpu_kernels.build_key('int f();')}"

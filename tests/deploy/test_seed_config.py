@@ -1,5 +1,5 @@
-"""The operators' seed config (deploy/config.yaml, pointing at the shipped pair) starts the service:
-/health answers 503 while loading, 200 once ready, and a stream comes back."""
+"""The operators' seed config (deploy/config.yaml, pointing at the shipped pair) starts the service without a warning
+about itself: /health answers 503 while loading, 200 once ready, and a stream comes back."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (ROOT / "models" / "base" 
                                                   reason="models/base is not built (build-default)")]
 
 
-def test_seed_config_serves_the_shipped_pair():
-    info = spawn_serve("--config", "deploy/config.yaml", "--no-ray", "--port", "0", "--grpc-port", "0", cwd=ROOT)
+def test_seed_config_serves_the_shipped_pair(tmp_path):
+    log = (tmp_path / "serve.log").open("w+")
+    info = spawn_serve("--config", "deploy/config.yaml", "--no-ray", "--port", "0", "--grpc-port", "0", cwd=ROOT,
+                       stderr=log)
     try:
         assert info["before"] == 503
         assert wait_for(lambda: http_status(info["http"]) == 200)  # readiness probes each role: seconds
@@ -27,3 +29,5 @@ def test_seed_config_serves_the_shipped_pair():
         assert finish.reason == "length" and finish.usage.completion_tokens == 32 and finish.acceptance.drafted > 0
     finally:
         stop_serve(info)
+    log.seek(0)
+    assert [line for line in log.read().splitlines() if "WARNING" in line] == []
