@@ -69,8 +69,8 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
 }
 
 // fn(begin, end) over n independent rows: split between two threads from PARALLEL_ROWS rows on (a prefill chunk, a
-// batch's verify), each row computed as alone. At 64 rows (16 requests x 4) the norms and the q/k rotation took
-// 190 us of a verify's 3.2 ms on one thread.
+// batch's verify), each row computed as alone. On one thread the norms and the q/k rotation are a noticeable share
+// of a batch's verify.
 constexpr int64_t PARALLEL_ROWS = 16;
 template <typename F>
 static void over_rows(int64_t n, const F& fn) {
@@ -127,8 +127,8 @@ extern "C" v16 Sleef_expf16_u10(v16) __attribute__((weak));
 #endif
 
 // silu(gate) * up for gate_up [N, 2 F] (contiguous fp32, gate the first F of each row) -> [N, F]: ATen's silu formula
-// x / (1 + exp(-x)) with its AVX-512 exp, then the product, in one pass (three ATen operations, their dispatch and a
-// strided read of the gate were 12 us a decode and 116 us a 50-token prefill over the default target's 4 layers).
+// x / (1 + exp(-x)) with its AVX-512 exp, then the product, in one pass (ATen's three operations pay their dispatch
+// and a strided read of the gate, a visible share of a decode's forward).
 // Bitwise F.silu(gate) * up (tested) for F a multiple of 32, the rows torch computes in vectors; other widths go to
 // ATen. The decoder's two paths both call it.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
@@ -158,7 +158,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 // The embedding rows of tokens [B, T] (contiguous int64) from emb [V, D] -> [B, T, D]: index_select's result, a
-// copy a row (index_select took 14 us of a decode's forward).
+// copy a row (index_select's dispatch is a visible share of a decode's forward).
 static torch::Tensor embed_rows(const torch::Tensor& tokens, const torch::Tensor& emb) {
   const int64_t N = tokens.numel(), V = emb.size(0), D = emb.size(1);
   TORCH_CHECK(tokens.is_contiguous() && emb.is_contiguous(), "decoder_rows: unsupported embedding layout");
@@ -175,7 +175,7 @@ static torch::Tensor embed_rows(const torch::Tensor& tokens, const torch::Tensor
 
 // Each row's real tokens' K (the k heads of qk [B, heads + kv_heads, T, hd]) and V (of qkv [B, T, heads + 2 kv_heads,
 // hd]) into one layer's cache kc / vc [slots, kv_heads, max_len, hd] at [starts[b], starts[b] + lengths[b]) of slot
-// host_slots[b]: plain copies (ATen's views and copies took 28 us of a decode's forward).
+// host_slots[b]: plain copies (ATen's views and copies cost more than the copying at a decode's sizes).
 static void store_kv(const torch::Tensor& qk, const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc,
                      const std::vector<int64_t>& host_slots, const std::vector<int64_t>& starts,
                      const std::vector<int64_t>& lengths, int64_t heads, int64_t kv_heads) {
@@ -195,8 +195,8 @@ static void store_kv(const torch::Tensor& qk, const torch::Tensor& qkv, torch::T
 }
 
 // The real tokens' rows of x [B, T, D] into tap_dest [slots, max_len, n_taps * D] at their slot and position (as
-// their K/V), columns [tap * D, (tap + 1) * D): where a forward's caller keeps the tap features, without the
-// concatenation and indexed copy the rows took on the way there (20-25 us of a verify).
+// their K/V), columns [tap * D, (tap + 1) * D): where a forward's caller keeps the tap features, without a
+// concatenation and an indexed copy on the way there.
 static void store_tap(const torch::Tensor& x, torch::Tensor& tap_dest, int64_t tap,
                       const std::vector<int64_t>& host_slots, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& lengths) {

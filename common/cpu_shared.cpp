@@ -6,7 +6,7 @@
 #include <vector>
 
 // Lowered to what the CPU has (AVX-512, AVX2, SSE) for arithmetic; compares and selects on it are not
-// lowered well without AVX-512 (GCC goes element by element: an argmax ran 47x, a silu 5.5x slower on
+// lowered well without AVX-512 (GCC goes element by element: an argmax or a silu many times slower on
 // AVX2), so those use `vf` below, the CPU's own width.
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -40,9 +40,9 @@ static inline void tile(const float* xp, const float* panel, float* yp, int64_t 
 
 #if defined(__AVX512F__)
 // From this many rows on (prefill chunks, batched verifies) the panel goes as two halves of 32 features x 9-12
-// rows: 24 accumulators and 2 weight vectors fit the 32 registers, where 4 x 8 spills. In one thread over the
-// target's four projections, 50-128 rows: 130 -> 150-160 GFLOP/s; below 16 rows no faster (the weights come from L3
-// there, and a half-panel tile reads each 256-byte row twice).
+// rows: 24 accumulators and 2 weight vectors fit the 32 registers, where 4 x 8 spills, so a prefill's projections run
+// faster; below 16 rows no faster (the weights come from L3 there, and a half-panel tile reads each 256-byte row
+// twice).
 constexpr int64_t MANY_ROWS = 16;
 
 template <int RN>
@@ -69,8 +69,8 @@ static void many_rows(const float* xp, const float* pp, float* yp, int64_t N, in
 }
 
 // One panel, whole (4 blocks of 16 features) for up to 8 rows at a time: the panel streams through once
-// per 8 rows, contiguously (half-panel tiles read every 256-byte row in two strided passes and ran
-// 15-40% slower at 6-16 rows when the weights come from L3). 8 rows use 32 accumulators (some spill).
+// per 8 rows, contiguously (half-panel tiles read every 256-byte row in two strided passes, slower at
+// 6-16 rows when the weights come from L3). 8 rows use 32 accumulators (some spill).
 static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
   if (N >= MANY_ROWS) { many_rows(xp, pp, yp, N, I, O, o); return; }
   int64_t n = 0;
@@ -89,7 +89,7 @@ static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_
 
 #else
 // Without AVX-512 (AVX2: 16 vector registers of 8 floats) the tiles above spill most of their
-// accumulators (8 rows x 64 features ran 10x slower than MKL). Here a tile is RB vectors of 8 features
+// accumulators (8 rows x 64 features ran far slower than MKL). Here a tile is RB vectors of 8 features
 // (a slice of the panel) x RN rows, so that its accumulators stay in the 16 registers.
 static void panel(const float* xp, const float* pp, float* yp, int64_t N, int64_t I, int64_t O, int64_t o) {
   constexpr int RB = 4, RN = 3;  // of the shapes tried (4 x 3, 2 x 6, 4 x 2, 8 x 1), the fastest at 8 rows
@@ -168,7 +168,7 @@ static void norm_rope(float* h, const float* w, const float* cos, const float* s
 }
 
 // The attention's vector: the CPU's own width (GCC splits a wider vector into several registers, and its
-// loops over arrays of them then spill: 16-float vectors ran 3-10x slower on an AVX2 machine).
+// loops over arrays of them then spill: 16-float vectors ran several times slower on an AVX2 machine).
 #if defined(__AVX512F__)
 constexpr int VW = 16;
 #else

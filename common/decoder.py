@@ -58,8 +58,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [max_len, head_dim], in the rotate-half layout transformers uses."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
-    emb = torch.cat((freqs, freqs), dim=-1)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))  # [max_len, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
     return emb.cos(), emb.sin()
 
 
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, KV = cfg.num_heads, cfg.num_kv_heads
         qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(B, T, H + 2 * KV, cfg.head_dim)
-        v = qkv[:, :, H + KV :]
+        v = qkv[:, :, H + KV :]  # [B, T, kv_heads, hd]
         qk = cpu_kernels.qk_norm_rope(qkv, self.q_norm.weight if cfg.qk_norm else None,
                                       self.k_norm.weight if cfg.qk_norm else None, batch.cos_sin, batch.positions, H, KV,
                                       cfg.rms_norm_eps)  # [B, heads + kv_heads, T, hd], or None off the CPU in fp32
@@ -97,12 +97,13 @@ class Attention(nn.Module):
             if cfg.qk_norm:  # q and k heads normed in one op: row-wise, each head with its own weight
                 qk = rms_norm(qk, torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(KV, -1)]),
                               cfg.rms_norm_eps)
-            qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)
+            qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)  # [B, heads + kv_heads, T, hd]
         batch.write(layer, qk[:, H:], v.transpose(1, 2))
         if batch.in_place:  # short queries on the CPU: one C++ call over the cache as it lies
             return self.o_proj(cached_attention(qk[:, :H], batch.cache.k[layer], batch.cache.v[layer], batch.slots,
                                                 batch.positions))
         keys, values = batch.read(layer)
+        # out: [B, heads, T, hd]
         out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=batch.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -179,7 +180,7 @@ class AttentionBatch:
         return self.cos_sin[0][self.positions].unsqueeze(1)
 
     @functools.cached_property
-    def sin(self) -> torch.Tensor:
+    def sin(self) -> torch.Tensor:  # [B, 1, T, hd]
         return self.cos_sin[1][self.positions].unsqueeze(1)
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +250,7 @@ class Decoder(nn.Module):
                 batch.slots, batch.spans, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
                 self.cfg.rms_norm_eps, dest)
             return hidden, None if dest is not None else taps
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)  # [B, T, H]
         taps = []
         for i, layer in enumerate(self.layers):
             x = layer(x, i, batch)
@@ -259,8 +260,8 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over hidden [..., H] -> fp32 logits. Rows [N, H] of a decoder that runs as one C++ call go
-        straight to its packed head, the kernel `lm_head` itself calls (the module call around it took 20 us of a
-        decode)."""
+        straight to its packed head, the kernel `lm_head` itself calls (the module call around it is a visible share of
+        a decode)."""
         if (hidden.is_cpu and hidden.dim() == 2 and 0 < hidden.shape[0] <= cpu_kernels.MAX_ROWS
                 and hidden.is_contiguous() and hidden.dtype == torch.float32 and not torch.is_grad_enabled()
                 and cpu_kernels.enabled() and self._row_weights() is not None and self._row[3] is not None):

@@ -1,6 +1,6 @@
 """Where the models run and in which precision (`--device` / `--dtype`, the config's `model.device` /
 `model.dtype`), checked in one place with the flag or key named. Target, caches and drafter share one
-device and dtype: the dflash drafter reads the target's tensors in place (README, "Device and dtype")."""
+device and dtype: the dflash drafter reads the target's tensors in place (docs/cli.md, "Device and dtype")."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def add_device_args(parser, default_device: str = "cpu") -> None:
     parser.add_argument("--device", default=default_device,
                         help=f"where the target and the drafter run: cpu, cuda or cuda:N (default {default_device})")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
-                        help="the models' precision (default float32; bfloat16 on a GPU: see README, Exactness)")
+                        help="the models' precision (default float32; bfloat16 on a GPU: see docs/exactness.md)")
 
 
 VERIFIER_SHARE = 0.8  # of model.gpu_memory_utilization when both roles share a GPU; the drafter gets the rest

@@ -47,12 +47,12 @@ def process(logits: torch.Tensor, history: Sequence[int], prompt_len: int, draft
     n, vocab = out.shape
     hist = torch.as_tensor(list(history), dtype=torch.long)
     # extra[i]: counts of drafts[:i], the tokens row i sees beyond the committed history.
-    extra = torch.zeros(n, vocab)
+    extra = torch.zeros(n, vocab)  # [n, V]
     if n > 1:
         extra[torch.arange(1, n), torch.as_tensor(list(drafts[: n - 1]), dtype=torch.long)] = 1.0
         extra = extra.cumsum(0)
     if params.repetition_penalty != 1.0:
-        seen = (torch.bincount(hist, minlength=vocab)[:vocab].float() + extra) > 0
+        seen = (torch.bincount(hist, minlength=vocab)[:vocab].float() + extra) > 0  # [n, V]
         penalized = torch.where(out < 0, out * params.repetition_penalty, out / params.repetition_penalty)
         out = torch.where(seen, penalized, out)
     if params.presence_penalty or params.frequency_penalty:

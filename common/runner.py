@@ -41,7 +41,7 @@ class ForwardResult:
     @property
     def taps(self) -> list[torch.Tensor]:
         """Per segment: [n, n_taps * hidden]; [] without tap layers. Split on request: the step loop stores
-        tap_rows whole (splitting 16 decodes' rows took 14 us, about 0.5% of their step)."""
+        tap_rows whole (splitting them costs a little on every step)."""
         return list(self.tap_rows.split(list(self.lengths))) if self.tap_rows is not None else []
 
 
@@ -127,8 +127,8 @@ class Runner:
     def _index_tensors(self, segments: Sequence[Segment], lengths: list[int], starts: list[int], host_slots: list[int],
                        width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens [B, T] (padding: 0), real [B, T] (False: padding), positions [B, T] (padding's clamped to the
-        cache) and slots [B], made from host lists in two calls: built with tensor operations they took 40 us of
-        a decode's forward, about 7% of it."""
+        cache) and slots [B], made from host lists in two calls (tensor operations building them would be a visible
+        share of a decode's forward)."""
         last, pad = self.max_len - 1, (0,) * width
         rows = [[*seg.token_ids, *pad[n:]] for seg, n in zip(segments, lengths)]
         rows += [[min(p, last) for p in range(start, start + width)] for start in starts]

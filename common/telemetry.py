@@ -23,7 +23,7 @@ _last_memory: list = [float("-inf"), (0, 0)]  # (monotonic time read, (rss, gpu)
 
 def process_memory(max_age_s: float = 0.0) -> tuple[int, int]:
     """(resident bytes of this process, CUDA bytes allocated by it; 0 without a GPU). max_age_s > 0: the last
-    reading where it is that recent. Reading costs about 30 us on the 2-core VM, which every role op paid."""
+    reading where it is that recent (a reading is too dear for every role op to pay)."""
     now = time.monotonic()
     if now - _last_memory[0] > max_age_s:
         torch = sys.modules.get("torch")  # a process that never loaded torch holds no CUDA memory

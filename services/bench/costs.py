@@ -32,9 +32,8 @@ def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats:
     decode: a decode follows a decode, as in plain decoding, and a verify meets the caches a target
     forward leaves (what the drafter's proposal between two verifies costs the verify is the loop's, not
     r's). Timed after the round's previous forward instead (a verify of 8 before each decode), a decode
-    read 9-13% dearer than plain decoding's own in the same process, r(8) lower with it (BENCHMARKS, runs
-    AC). Each proposal is timed right after a verify of its width, as in the step loop. proposer=None: no
-    c_d."""
+    reads dearer than plain decoding's own in the same process, and r(8) lower with it. Each proposal is
+    timed right after a verify of its width, as in the step loop. proposer=None: no c_d."""
     from blockspec.common.contracts import ProposeInput
     from blockspec.common.timing import interleaved
     from blockspec.services.verifier.verifier import rolled_back_verify

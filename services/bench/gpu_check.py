@@ -19,8 +19,7 @@ from blockspec.common.models import Checkpoint, parse_config
 from blockspec.common.runner import Runner
 
 # name -> (layers, hidden, heads, kv heads, intermediate, vocab), untied LM head: 0.75B, 8.2B and 26.7B
-# parameters. "27b" has the reference target's size (~54 GB bf16); its drafter 2.2B. (The
-# first H200 run, BENCHMARKS.md, had intermediate 17408 there: 22.7B.)
+# parameters. "27b" has the reference target's size (~54 GB bf16); its drafter 2.2B.
 SIZES = {
     "tiny": (2, 64, 4, 2, 128, 512),
     "1b": (28, 1024, 16, 8, 3072, 151936),

@@ -165,7 +165,7 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
 
 def write_base_draft_vocab(paths: PairPaths, train_ids) -> dict:
     """The base drafter's draft vocabulary: half the target's vocabulary, the most frequent tokens of the
-    target's training tokens (README, "The DFlash-2 block drafter")."""
+    target's training tokens (docs/models.md, "The DFlash-2 block drafter")."""
     from blockspec.common.models import load_checkpoint
     from blockspec.services.drafter.dflash import draft_vocab
 

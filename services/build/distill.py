@@ -85,11 +85,11 @@ def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]
 def tap_features(runner: Runner, sequences: Sequence[Sequence[int]], batch: int = 8,
                  dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Target tap features [len, n_taps * H] of every position of every sequence: views of one tensor of
-    `dtype`, filled batch by batch. (Per-batch fp32 results kept until the end held 32k sequences of 192
-    tokens in 19 GB, and per-sequence copies fragmented the heap past this machine's 24 GB.)"""
+    `dtype`, filled batch by batch: per-batch fp32 results kept until the end take far more memory, and
+    per-sequence copies fragment the heap."""
     lengths = [len(seq) for seq in sequences]
     width = len(runner.tap_layers) * runner.config.hidden_size
-    store = torch.empty(sum(lengths), width, dtype=dtype)
+    store = torch.empty(sum(lengths), width, dtype=dtype)  # [all sequences' tokens, n_taps * H]
     offset = 0
     for i in range(0, len(sequences), batch):
         chunk = sequences[i : i + batch]
@@ -117,7 +117,7 @@ class _Batcher:
     def sample(self, n_seq: int, n_anchor: int):
         pick = self.rng.choice(len(self.items), size=min(n_seq, len(self.items)), replace=False)
         length = max(len(self.items[i][0]) for i in pick)
-        feats = torch.zeros(len(pick), length, self.items[pick[0]][1].shape[-1])
+        feats = torch.zeros(len(pick), length, self.items[pick[0]][1].shape[-1])  # [b, S, n_taps * H], zero-padded
         seq_of, anchors, blocks = [], [], []
         for b, i in enumerate(pick):
             seq, feat, first = self.items[i]
@@ -137,12 +137,12 @@ def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: D
     layer_kv = [(k[seq_of], v[seq_of]) for k, v in model.context_kv(ctx_h, cos[None, None, :S], sin[None, None, :S])]
     visible = torch.arange(S)[None, :] < anchors[:, None]  # [R, S]: the context before the anchor
     positions = anchors[:, None] + torch.arange(B)  # [R, B]
-    block_ids = torch.full_like(blocks, dc.mask_token_id)
+    block_ids = torch.full_like(blocks, dc.mask_token_id)  # [R, B]: [anchor, MASK...]
     block_ids[:, 0] = blocks[:, 0]
     ctx = DrafterContext(layer_kv, visible, (cos[positions][:, None], sin[positions][:, None]))
     hidden = model(embedding[block_ids], ctx)[:, 1:]  # [R, B - 1, H]
     logits = model.draft_logits(hidden, lm_head)  # [R, B - 1, V]
-    labels = blocks[:, 1:]
+    labels = blocks[:, 1:]  # [R, B - 1]
     weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / cfg.decay_gamma)  # slot k weight, k = 1..B-1
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / (weights.sum() * labels.shape[0])

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 class TrainConfig:
     """Optimisation settings; everything here is stored in the checkpoint and in training.json."""
 
-    seq_len: int = 512  # 512 ran within 25% of 256's tokens/s, and the verifier sees longer contexts
-    batch_size: int = 8  # 4096 tokens a step: ~2 s on one core, thousands of steps in two hours
+    seq_len: int = 512  # not much slower a token than 256, and the verifier sees longer contexts
+    batch_size: int = 8  # 4096 tokens a step: thousands of steps in a two-hour build on one core
     peak_lr: float = 3e-3
     warmup_steps: int = 50
     final_lr_ratio: float = 0.1  # cosine ends at 10% of peak at the planned last step

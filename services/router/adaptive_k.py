@@ -41,16 +41,16 @@ RELAX = 0.2  # per step, how far a request's unjudged positions move towards all
 WARMUP_STEPS = 32  # steps at the requested k before choosing: acceptance and drafter time are observed, and
 # the first drafter calls (a whole prompt of context to catch up) are forgotten by the EWMA
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed for a position never drafted
-MIN_JUDGED = 20  # all requests' rate at a position judged fewer times counts at least the one before it: a deep
-# position judged 5 times in the warm-up, 1 accepted, held the chooser at k = 4 at concurrency 1 for good (not drafted,
-# it was never judged again), where k = 7 ran 19% faster; on the default pair it does not fall with depth (0.74-0.91)
+MIN_JUDGED = 20  # all requests' rate at a position judged fewer times counts at least the one before it: else a deep
+# position judged a few times in the warm-up, mostly rejected, holds the chooser at a smaller k for good (not drafted,
+# it is never judged again) where a larger k runs faster; on the default pair acceptance does not fall with depth
 PROBE_EVERY = 64  # a batch held at k = 0 drafts one token every this many steps (refreshes the prior) ...
 PROBE_MARGIN = 0.8  # ... when drafting is estimated to give at least this share of plain decoding's rate
 DRAFT_MARGIN = 1.15  # a batch at plain decoding starts drafting only when that is estimated this much faster ...
 STAY_MARGIN = 1.0  # ... and a drafting batch keeps drafting while it is estimated at least this fast (hysteresis:
 # each return to drafting makes the drafter catch up the context it skipped)
-SPIKE = 2.0  # a step's cost counts at most this multiple of its estimate: a preempted step (5 ms where the
-# drafter takes 0.3) must not make a width look dear for long, as it is not observed again while not chosen
+SPIKE = 2.0  # a step's cost counts at most this multiple of its estimate: a preempted step (many times the drafter's
+# usual time) must not make a width look dear for long, as it is not observed again while not chosen
 
 
 def _ewma(old: float | None, new: float) -> float:

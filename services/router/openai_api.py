@@ -239,7 +239,7 @@ def usage(finish: api_pb2.Finish) -> dict:
 
 
 def acceptance(finish: api_pb2.Finish) -> dict:
-    """blockspec's extension of a completion: the request's speculation summary (README, "Observability")."""
+    """blockspec's extension of a completion: the request's speculation summary (docs/observability.md)."""
     a = finish.acceptance
     return {"steps": a.steps, "drafted": a.drafted, "accepted": a.accepted, "tau": a.tau,
             "acceptance_rate": a.acceptance_rate, "accepted_per_pos": list(a.accepted_per_pos)}

@@ -2,9 +2,9 @@
 
 The step loop runs on a thread of its own, step after step while it has work: submit / cancel run there
 between steps (the step loop needs no locks), a slow forward never blocks the event loop, and the next step
-does not wait for the event loop to take the last one's events (a round trip through it cost 0.2 ms a step at
-concurrency 1 on the 2-core VM, 7% of a served step). A prompt's first token is handed over as soon as its
-prefill is done, before the step's speculative round.
+does not wait for the event loop to take the last one's events (a round trip through it is a noticeable share of
+a served step at concurrency 1). A prompt's first token is handed over as soon as its prefill is done, before the
+step's speculative round.
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def check_message(msg: object) -> None:
 
 MAX_REQUEST_ID_CHARS = 256
 # Prompts of more characters are tokenized on a worker thread: the largest the context allows (about 400,000
-# characters for the default pair) took 0.4 s, during which the event loop sent no other stream's tokens. Shorter
-# ones stay on the loop, where tokenizing costs less than the hop to a thread.
+# characters for the default pair) takes a good part of a second, during which the event loop would send no other
+# stream's tokens. Shorter ones stay on the loop, where tokenizing costs less than the hop to a thread.
 OFF_LOOP_CHARS = 8192
 
 

@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step
 # Prompt lookup in front of the drafter: the latest earlier match of the context's last 4, 3 or 2 tokens,
-# continued periodically (common/lookup.py). On the default pair's prompts these drafted better than 6..3, and
-# 4..1 ran 3% slower at k=7 (a 1-token match drafts worse than the drafter; BENCHMARKS, runs Y).
+# continued periodically (common/lookup.py). On the default pair's prompts these draft better than 6..3, and
+# 4..1 runs a little slower (a 1-token match drafts worse than the drafter).
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
 
 
@@ -338,8 +338,9 @@ class StepLoop:
 
     def _lookup_wants(self, lives: list[_Live], wants: list[ProposeInput]) -> list[ProposeInput]:
         """What each request asks of the lookup: its k, or `lookup_tokens` (within max_tokens) where set and the
-        request runs alone. The verify pads every request to the widest draft: at concurrency 8 and 16 16-token
-        lookups ran 1.09x and 0.77-0.85x plain decoding, where lookups of k ran 1.35x and 1.45x (run Y10)."""
+        request runs alone. The verify pads every request to the widest draft, so in a batch a long lookup widens
+        every request's verify: at concurrency 8 and 16, 16-token lookups gain little over plain decoding or lose
+        to it, where lookups of k gain clearly."""
         if not self.lookup_tokens or len(lives) > 1:
             return wants  # at the requested k; adaptive k cuts it to the chosen one
         room = [lv.request.max_tokens - lv.generated - 1 for lv in lives]  # a step commits at most k + 1 tokens

@@ -1,6 +1,6 @@
 """The acceptance rules: which draft tokens the target keeps, and the token it adds itself.
 
-Terms (DESIGN.md): a draft d1..dk is verified as [anchor, d1..dk]; row i of the target's output
+Terms (docs/architecture.md): a draft d1..dk is verified as [anchor, d1..dk]; row i of the target's output
 gives p for the token after d_i. *Accepted tokens* are the draft prefix the rule keeps (greedy and
 strict: equal to the target's argmax / seeded sample; rejection: passed the p/q test). The
 *recovered token* is the target's own token at the first rejection; if all k drafts are accepted the
@@ -28,7 +28,7 @@ def greedy_accept(draft_ids: Sequence[int], target_ids: Sequence[int]) -> Accept
     k = len(draft_ids)
     if len(target_ids) != k + 1:
         raise ValueError(f"need k + 1 = {k + 1} target tokens, got {len(target_ids)}")
-    n = 0  # plain Python: a few small lists, where tensor ops cost ~25 us a step
+    n = 0  # plain Python: a few small lists, where tensor ops' dispatch costs more than the comparison
     while n < k and int(draft_ids[n]) == int(target_ids[n]):
         n += 1
     return Acceptance(num_accepted=n, token_ids=tuple(int(t) for t in target_ids[: n + 1]))

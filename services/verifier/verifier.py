@@ -67,7 +67,7 @@ class Verifier:
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         # On the CPU a prefill forward of at most MAX_ROWS padded rows (prompts x the longest) runs as one C++ call
-        # (`cpu_kernels.decoder_rows`): 16 prompts of 21-87 tokens took 63 ms in two forwards, 42 ms in six that fit.
+        # (`cpu_kernels.decoder_rows`): several forwards that each fit are faster than fewer, wider ones that do not.
         self.prefill_rows = cpu_kernels.MAX_ROWS if self.runner.device.type == "cpu" else None
         self._requests: dict[str, _State] = {}
 
@@ -130,7 +130,7 @@ class Verifier:
         finally:
             for rid in ids:
                 self.release(rid)
-        table = [[seconds[b, w] for w in widths] for b in sizes]
+        table = [[seconds[b, w] for w in widths] for b in sizes]  # [batch size][width]
         for i, row in enumerate(table):
             for j in range(len(row)):
                 row[j] = max(row[j], row[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
@@ -139,7 +139,7 @@ class Verifier:
     def features(self, request_id: str) -> torch.Tensor:
         """Tap features of the request's slot, a view [max_len, n_taps * hidden]: its first committed_len - 1 rows
         are the committed tokens' before the anchor (the rest is not theirs). The slot's view is made once:
-        indexed per call, right after a target forward, the view took several microseconds of a proposal."""
+        indexing per call, right after a target forward, costs a visible share of a proposal."""
         return self._tap_rows[self._requests[request_id].slot]
 
     def _poll_threads(self) -> None:

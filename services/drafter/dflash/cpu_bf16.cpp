@@ -51,7 +51,7 @@ static inline void tile_bf16(const uint32_t* xb, const uint16_t* panel, float* y
 }
 
 // Up to 7 rows in one tile; more in tiles of 4 rows until 4-7 are left. 8-row tiles (32 accumulators,
-// which spill) ran 4-9% slower from 8 to 48 rows (interleaved A/B), unlike the fp32 kernel's.
+// which spill) ran slower from 8 to 48 rows, unlike the fp32 kernel's.
 static void panel_bf16(const uint32_t* xb, const uint16_t* pp, float* yp, int64_t N, int64_t J, int64_t O, int64_t o) {
   int64_t n = 0;
   for (; N - n >= 8; n += 4) tile_bf16<4>(xb, pp, yp, J, O, o, n);
@@ -231,10 +231,9 @@ static void quantize_rows_i8(const float* xp, int64_t N, int64_t I, int8_t* xs, 
 static constexpr int64_t AMX_SPLIT_PANELS = 4;
 
 // fn(begin, end) over the P panels of a tile projection: from AMX_SPLIT_PANELS panels on, each of two threads its
-// own share. Right after a verify the weights come from L3, and two threads keep more loads in flight. In the step
-// loop (dflash alone, k = 7, alternating processes) a bf16 proposal at concurrency 1 went 215 / 189 / 190 -> 179 /
-// 175 / 170 us, its LM head of 2048 rows about 39 -> 24 us; 16 requests at k = 3: 675 / 588 / 581 -> 635 / 570 / 573
-// us. Thresholds of 2 to 32 panels read the same within the noise (int8: from 4 panels or 300 KB, 85-89 us either way).
+// own share. Right after a verify the weights come from L3, and two threads keep more loads in flight: a proposal
+// is faster at concurrency 1 and at 16 requests, its LM head most of all. The threshold matters little (2 to 32
+// panels read the same within the noise, for int8 too).
 template <typename F>
 static void amx_split(int64_t P, const F& fn) {
   const int64_t per_thread = at::get_num_threads() > 1 && P >= AMX_SPLIT_PANELS ? (P + 1) / 2 : P;
@@ -270,7 +269,7 @@ static void linear_bf16_into(const float* xp, int64_t N, int64_t I, const torch:
     for (int64_t j = 0; j < J; ++j)
       xs[n * J + j] = bf16_bits(xp[n * I + 2 * j]) | (bf16_bits(xp[n * I + 2 * j + 1]) << 16);
 #if AMX_KERNEL
-  if (use_amx && J % 16 == 0) {  // 5-16 us a projection at 8 rows (cpu_block.py)
+  if (use_amx && J % 16 == 0) {  // tile products (cpu_block.py)
     amx_split(P, [&](int64_t begin, int64_t end) {
       amx_panels(xs.data(), wp + begin * J * 128, yp + begin * 64, N, J, end - begin, O);
     });

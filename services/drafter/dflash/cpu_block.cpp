@@ -5,8 +5,8 @@
 #include <optional>
 #include <vector>
 
-// Scratch space kept from call to call, one set per thread: the block's vectors alone are about 70 KB, which
-// a call spent about 4 us zero-filling (std::vector), and each element is written before it is read.
+// Scratch space kept from call to call, one set per thread: the block's vectors alone are tens of KB, which a
+// std::vector would zero-fill on every call, and each element is written before it is read.
 template <int Id>
 static float* scratch(size_t n) {
   thread_local std::vector<float> buffer;
@@ -56,9 +56,7 @@ struct Conv {  // a DynamicConv: base [2, K, H], dyn [N, 2 * K * G] from the sub
 // chunk's VW scores as hd products of a vector by the key's element: the key rows read as they lie, and no
 // horizontal sums (`attend_head`, which the target uses, spends most of its time in those at these sizes). The
 // softmax runs across the chunk's queries at once, key by key; the values are weighted 4 queries at a time.
-// With attend_head the drafter's attention took about 16 us of a proposal at concurrency 1, k = 7; this way a
-// proposal went 134 / 135 / 142 -> 127 / 128 / 139 us there, and 469 / 481 -> 432 / 440 us for 16 requests at
-// k = 3 (step loop, alternating processes).
+// A proposal is a little faster this way than with attend_head, at concurrency 1 and at 16 requests.
 template <int BLK>
 static void attend_chunk(const float* const* qs, int64_t count, const float* kctx, const float* vctx,
                          const float* kblock, const float* vblock, int64_t C, int64_t n, int64_t QKV, float scale,
@@ -246,7 +244,7 @@ void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tens
 #if defined(__AVX512F__)
 // The top_k (<= 16) logits of a row of V (a multiple of 16) without a branch that depends on the values, the walk's
 // hot spot otherwise: offering logits one by one (below) mispredicts, and on new logits every call (as in the loop)
-// a walk over 7 slots of 2048 took 22 against 13 us on the same logits again. Here the maxima of the 16 lanes over
+// a walk takes nearly twice as long as on the same logits again. Here the maxima of the 16 lanes over
 // the row are 16 distinct logits, so the least of them bounds the top_k-th from below; the columns at or above it
 // (a few dozen) are compressed into a list in column order, and each one's rank (the logits above it, and the
 // equal ones in lower columns) places it. Writes val / idx [top_k + 1] (the last a scratch entry for the ranks

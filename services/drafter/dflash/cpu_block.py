@@ -1,10 +1,10 @@
 """The drafter's inference forward on the CPU in one C++ call per proposal.
 
-The drafter runs once per speculative step, over a block of 8 slots, against a target that on the CPU
-costs a millisecond or two per step. In torch it is about 150 small operations (norms, RoPE, the
-dynamic convolutions, attention over the cached context, the MLP), and their dispatch cost, not their
-arithmetic, made a proposal cost most of a target decode. Here the same computation is one call (the
-C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, built on first use like `common/cpu_kernels.py`):
+The drafter runs once per speculative step, over a block of 8 slots, against a small target whose CPU step is
+short. In torch it is about 150 small operations (norms, RoPE, the dynamic convolutions, attention over the cached
+context, the MLP), and their dispatch cost, not their arithmetic, makes a proposal cost most of a target decode.
+Here the same computation is one call (the C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, built
+on first use like `common/cpu_kernels.py`):
 
 * `block`: the block [anchor, MASK...] of every request through all layers and the final norm,
   attending to the request's cached context K/V (read in place, no gathered copy) and to the whole
@@ -31,18 +31,17 @@ fp32: with AVX512-BF16 (`vdpbf16ps`), or on AVX2 by widening each weight to fp32
 and adding the exact products with FMA. Norms, attention, the convolutions and the walk stay fp32.
 Half the bytes (and with AVX512-BF16 twice the products per instruction): a proposal at concurrency 1
 and k = 7 costs less, on drafts that differ from the fp32 ones only where two candidates nearly tie
-(tau in the README). Where the CPU has neither, the weights stay fp32. Where the compiler targets Intel's
+(tau: docs/performance.md). Where the CPU has neither, the weights stay fp32. Where the compiler targets Intel's
 AMX tiles (Sapphire Rapids and later) and Linux grants the process their state, the bf16 projections run
-as tile products instead (`TDPBF16PS`, 5-16 us for 8 rows, the call included; two threads from 256 outputs on;
-BLOCKSPEC_DRAFTER_AMX=0 keeps `vdpbf16ps`; inputs in whole tiles of 32): the same bf16 operands and fp32 sums,
-rounded within a few ulp of the vector path's.
+as tile products instead (`TDPBF16PS`; two threads from 256 outputs on; BLOCKSPEC_DRAFTER_AMX=0 keeps `vdpbf16ps`;
+inputs in whole tiles of 32): the same bf16 operands and fp32 sums, rounded within a few ulp of the vector path's.
 
 int8 weights (`int8=True`; the proposer asks for them unless BLOCKSPEC_DRAFTER_INT8=0) where AMX runs the bf16
 projections and the CPU has AMX-INT8 tiles: the projections over whole tiles of 64 inputs and the LM head read int8
 copies (each output feature's weights in steps of its max |w| / 127) and multiply them on the tiles (`TDPBSSD`,
 exact int32 sums) by each activation row split into two int8 rows, so only the weights lose precision. Half the
-bytes of bf16: right after a verify, reading the weights from L3 was most of a proposal. The drafts differ from the
-bf16 ones where candidates nearly tie (tau in the README).
+bytes of bf16: right after a verify, reading the weights from L3 is most of a proposal. The drafts differ from the
+bf16 ones where candidates nearly tie (tau: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ class CpuDrafter:
         (context, then LM head and walk), made again only after a weight they copy (the projections,
         packed) changed in place (e.g. load_state_dict); the other weights go as views, which see such
         changes. Gathering them (module attributes, detach) costs more than a small proposal's arithmetic,
-        and so does checking every parameter's version in the loop (about 20 us, its objects out of cache)."""
+        and so does checking every parameter's version in the loop (its objects out of cache)."""
         versions = tuple(p._version for p in self._copied)
         if not versions or versions != self._prepared_for:
             cfg, sel = self.cfg, self.model.candidate_selector
@@ -170,7 +169,7 @@ class CpuDrafter:
         """The LM head packed for `propose`; None where it is not this process's own fp32 parameter (a
         tensor mapped from the target's process is never copied) or the packing budget is spent. The last
         packing is kept with the head's version: called before every proposal, right after a target forward,
-        the packing cache's lookup took about 10 us there (line profile)."""
+        where the packing cache's lookup meets cold caches and costs more than this check."""
         last = self._head_panels
         if last[0] is lm_head and last[1] == lm_head._version:
             return last[2]
@@ -199,10 +198,8 @@ class CpuDrafter:
         The fixed arguments are bound once per set of prepared weights and LM head (a C++ `Proposer`, which also
         checks the versions of the weights its packed copies come from: None back means one changed in place, and
         the weights are prepared and bound again). The proposal runs right after a target forward, where every
-        Python operation meets cold caches: with the proposer's lean path around it, the drafter's time per step
-        fell from 0.211 / 0.273 to 0.199 / 0.254 ms (medians of two A/B runs in one process, concurrency 1, k = 7).
-        With the arguments bound, the way from this call into the C++ and back went from 12.7 + 4.7 to 9.5 +
-        2.4 us (medians in the step loop, k = 7)."""
+        Python operation meets cold caches, so the path around it is kept lean: with the arguments bound, a call
+        into the C++ converts a handful of small arguments, not all of them."""
         if self._bound[0] is not lm_head_panels or self._bound[1] is None:
             self._bound = (lm_head_panels, self._fixed(lm_head_panels))
         ctx_slots, starts, ends, features = zip(*pending) if pending else ((), (), (), ())

@@ -74,11 +74,11 @@ class DrafterAttention(nn.Module):
         H, KV, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(R, B, H + 2 * KV, hd)
         q = apply_rope(self.q_norm(qkv[:, :, :H]).transpose(1, 2), ctx.block_cos, ctx.block_sin)  # [R, heads, B, hd]
-        k_blk = self._keys(qkv[:, :, H : H + KV], ctx.block_cos, ctx.block_sin)
-        v_blk = qkv[:, :, H + KV :].transpose(1, 2)
+        k_blk = self._keys(qkv[:, :, H : H + KV], ctx.block_cos, ctx.block_sin)  # [R, kv_heads, B, hd]
+        v_blk = qkv[:, :, H + KV :].transpose(1, 2)  # [R, kv_heads, B, hd]
         k_ctx, v_ctx = ctx.layer_kv[ctx.layer]  # [R, kv_heads, C, hd]
-        keys, values = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        keys, values = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # [R, kv_heads, C + B, hd]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)  # [R, heads, B, hd]
         return self.o_proj(out.transpose(1, 2).reshape(R, B, -1))
 
 
@@ -118,7 +118,7 @@ class DrafterContext:
         self.layer_kv = layer_kv
         self.block_cos, self.block_sin = block_cos_sin
         R, B = ctx_visible.shape[0], self.block_cos.shape[2]
-        # Every block slot sees the visible context and the whole block (bidirectional).
+        # Every block slot sees the visible context and the whole block (bidirectional): [R, 1, 1, C + B].
         self.mask = torch.cat([ctx_visible, torch.ones(R, B, dtype=torch.bool, device=ctx_visible.device)], dim=1)[:, None, None, :]
         self.layer = 0
 
@@ -162,7 +162,7 @@ class CandidateSelector(nn.Module):
             s = table[rows, t, index]  # [R, top_k]: the scores after the predecessor chosen at t - 1
             index = s.argmax(-1) if pick is None else pick(t, s, candidates[:, t])
             chosen.append(index)
-        return candidates.gather(2, torch.stack(chosen, 1)[..., None]).squeeze(2)
+        return candidates.gather(2, torch.stack(chosen, 1)[..., None]).squeeze(2)  # [R, S]
 
 
 Pick = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -95,12 +95,12 @@ class DFlashProposer:
         if not pending:
             return
         pieces = [features[start:end] for _, start, end, features in pending]
-        positions = torch.cat([torch.arange(start, end, device=self.device) for _, start, end, _ in pending])
+        positions = torch.cat([torch.arange(start, end, device=self.device) for _, start, end, _ in pending])  # [N]
         if cpu is not None:
-            rows = torch.cat([torch.full((end - start,), slot) for slot, start, end, _ in pending])
+            rows = torch.cat([torch.full((end - start,), slot) for slot, start, end, _ in pending])  # [N]: slot of each
             cpu.context(torch.cat(pieces), self.cache, rows, positions, self._cos, self._sin)
         else:
-            cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]
+            cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]  # [1, 1, N, hd] each
             layer_kv = self.model.context_kv(self.model.context(torch.cat(pieces))[None], cos, sin)
             offset = 0
             for slot, start, end, _ in pending:
@@ -120,10 +120,9 @@ class DFlashProposer:
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
         slot_ids, pending = self._pending([i.request_id for i in live], ctx_lens)
         # Greedy, the block is [anchor, MASK x k] for the largest k asked: shorter than the block the drafter
-        # was trained on (block_size), which changes its drafts a little (tau at k = 3: 3.04 where the whole
-        # block gives 3.06; 3.77 and 3.75 at k = 5) and costs (k + 1) / block_size of it - a third of a step at
-        # concurrency 16. Sampled proposals keep the whole block: their q moved more (rejection sampling at
-        # T = 0.7, k = 5: tau 1.65 against 1.73).
+        # was trained on (block_size), which changes its drafts a little (tau within noise of the whole block's)
+        # and costs (k + 1) / block_size of it, a large share of a step at high concurrency. Sampled proposals
+        # keep the whole block: a shorter one moves their q more, and rejection sampling's tau falls with it.
         slots_used = max(i.k for i in live)
         greedy = all(i.sampling.greedy for i in live)
         B = min(self.cfg.block_size, slots_used + 1) if greedy else self.cfg.block_size
@@ -144,18 +143,18 @@ class DFlashProposer:
         dev = self.device
         self._extend(pending, cpu)
         anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
-        slots, lens = torch.tensor(slot_ids, device=dev), torch.tensor(ctx_lens, device=dev)
-        block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)
+        slots, lens = torch.tensor(slot_ids, device=dev), torch.tensor(ctx_lens, device=dev)  # [R] each
+        block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)  # [R, B]: [anchor, MASK...]
         block_ids[:, 0] = anchors
         if cpu is not None:
-            hidden = cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)
+            hidden = cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)  # [R, B, H]
         else:
             key_len = self.cache.key_span(max(ctx_lens))
             layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
             visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
             positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
             ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
-            hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)
+            hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)  # [R, B, H]
         hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
         q_rows: list[list] = [[] for _ in live]

@@ -17,7 +17,7 @@ class NgramProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         # A match that runs into the context's end continues as a loop: on the default pair's held-out prompts
-        # tau 2.93 at k=5 and 3.21 at k=7, against 2.35 and 2.41 with the tokens after the match alone.
+        # a clearly higher tau than the tokens after the match alone give.
         self.periodic = periodic
         self._texts = ContextTexts()
 
