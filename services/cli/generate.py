@@ -37,7 +37,7 @@ def add_generate_command(sub) -> None:
                      f"up to block_size-1; default {DEFAULT_K})")
     gen.add_argument("--max-tokens", type=bounded(1, UINT32), default=128, help="new tokens per prompt (default 128)")
     gen.add_argument("--stop", action="append", help="stop sequence (text; repeatable): the output ends before it")
-    samp = gen.add_argument_group("sampling (defaults: greedy; see README, Sampling)")
+    samp = gen.add_argument_group("sampling (defaults: greedy; docs/sampling.md)")
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     samp.add_argument("--top-p", type=float, default=1.0)
     samp.add_argument("--top-k", type=bounded(0, UINT32), default=0, help="0 = off")
@@ -51,7 +51,7 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     gen.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=16, help="requests stepped together (default 16)")
     gen.add_argument("--max-model-len", type=bounded(MIN_MODEL_LEN), help="KV cache length per request (default: model context, <= 4096)")
-    gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (see README)")
+    gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (docs/exactness.md)")
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
     gen.add_argument("--threads", type=threads, help="CPU threads (default: one per core that other processes leave "

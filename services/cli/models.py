@@ -46,7 +46,7 @@ def add_model_commands(sub) -> None:
     td.add_argument("--seed", type=bounded(0, 2**32 - 1), default=0)
     td.set_defaults(func=cmd_train_drafter)
     dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "
-                        "(draft_vocab.json in its directory; README, 'The DFlash-2 block drafter')")
+                        "(draft_vocab.json in its directory; docs/models.md)")
     dv.add_argument("--drafter", required=True, help="the DFlash drafter's directory (the file is written there)")
     dv.add_argument("--target", required=True, help="its target (tokenizer and vocabulary)")
     dv.add_argument("--text-file", nargs="+", required=True, help="text files or directories (.py/.txt) to count tokens in")

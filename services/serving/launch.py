@@ -44,10 +44,9 @@ log = logging.getLogger(__name__)
 
 ENV_SUPERVISOR = "BLOCKSPEC_SUPERVISOR_PID"  # set by `serve` for the role processes it starts (watch_supervisor)
 SUPERVISOR_POLL_S = 1.0
-# OpenMP (libgomp) threads spin this many times after a parallel region before they sleep; the default, 300,000,
-# kept a role's threads spinning well past its forward while the router and the other role waited for a core.
-# On the 2-core VM a split step at concurrency 1 ran 4.3-5.0 ms with the default and 2.7-2.9 ms with 10,000
-# (2,000 and 30,000: 3.1 ms; 100,000: 4.1 ms); inside one process (the engine) nothing waits for the core.
+# OpenMP (libgomp) threads spin this many times after a parallel region before they sleep. libgomp's default keeps
+# a role's threads spinning well past its forward while the router and the other role wait for a core, which costs
+# a split step far more than the wake-up a shorter spin costs; inside one process nothing waits for the core.
 ROLE_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 VERIFIER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 DRAFTER_SERVICE = roles_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -103,8 +102,8 @@ async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: 
 
 def role_socket(name: str) -> str | None:
     """Where a role started by this process (`serve`) listens besides its port, for a router on the same host: a
-    Unix domain socket in the temp directory (None where that path is too long for one). Per step, a role round
-    trip over it took 0.02-0.09 ms less than over TCP loopback (README, "Unix sockets")."""
+    Unix domain socket in the temp directory (None where that path is too long for one): a role round trip over it
+    is a little cheaper than over TCP loopback, and it is not reachable from other machines."""
     path = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{name}.sock")
     return path if len(path.encode()) < UNIX_PATH_MAX else None
 
