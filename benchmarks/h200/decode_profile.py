@@ -17,7 +17,7 @@ import time
 import torch
 
 from blockspec.common.runner import Runner, Segment
-from blockspec.services import gpu_check
+from blockspec.services.bench import gpu_check
 
 CONTEXT = 1024
 CUDA = torch.autograd.DeviceType.CUDA
