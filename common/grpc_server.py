@@ -67,3 +67,19 @@ def bind_problem(address: str) -> str:
     except OSError as e:  # socket.gaierror too: a host name that does not resolve
         return str(e.strerror or e)
     return "grpc refused it"
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Refuse a taken or foreign HOST:PORT before anything slow starts (a server checks its public port before it
+    loads models); the bind itself still reports what changes meanwhile. Port 0 (any free one) always binds."""
+    if not port:
+        return
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds: a port in TIME_WAIT is free
+            probe.bind(where)
+    except OSError as e:
+        raise BindError(f"cannot bind {address} ({e.strerror or e})") from None

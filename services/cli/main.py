@@ -1,5 +1,5 @@
-"""The `blockspec` command line: serve, the roles and check-invariance; `generate` and the model and performance
-commands are registered from cli_generate.py, cli_models.py and cli_perf.py."""
+"""The `blockspec` command line: the parser, `serve`, `role`, `config` and `check-invariance`; `generate`, the model
+commands and the performance commands are registered from generate.py, models.py and perf.py."""
 
 from __future__ import annotations
 

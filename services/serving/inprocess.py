@@ -1,8 +1,8 @@
 """`blockspec serve --inprocess`: the router and both roles in this one process, as the in-process engine wires them.
 
 No role processes and no role round trips: each step calls the verifier and the proposer directly. What it gives up
-is the split deployment's isolation: a drafter that fails takes the server with it (a role process is restarted
-while its requests go on at k=0), and one replica only."""
+is the split deployment's isolation: a drafter that cannot load fails the start, one that fails in a step fails that
+step's requests (a role process is restarted while its requests go on at k=0), and one replica only."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.grpc_server import check_bindable
 from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tensor_share import cleanup_stale
@@ -337,6 +338,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     print(f"HTTP {http.server_port}", flush=True)
     log.info("HTTP on %s:%d (/health, /metrics, /v1)", host, http.server_port)
     try:
+        check_bindable(host, grpc_port)  # before the roles load: a taken port fails in a second, not after them
         state["replicas"] = start_roles()
         router_over = router_over or (lambda replicas, keys: _split_router(cfg, p, host, grpc_port, replicas, keys))
         return asyncio.run(_route(router_over, http.server_port, state, keys))

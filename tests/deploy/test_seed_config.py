@@ -27,7 +27,7 @@ def test_seed_config_serves_the_shipped_pair(tmp_path):
         msgs = list(info["stub"].Generate(api_pb2.GenerateRequest(text=prompt, max_tokens=32), timeout=60))
         finish = msgs[-1].finish
         assert finish.reason == "length" and finish.usage.completion_tokens == 32 and finish.acceptance.drafted > 0
+        log.seek(0)
+        assert [line for line in log.read().splitlines() if "WARNING" in line] == []  # from start to a served stream
     finally:
         stop_serve(info)
-    log.seek(0)
-    assert [line for line in log.read().splitlines() if "WARNING" in line] == []
