@@ -26,12 +26,15 @@ demo: setup
 serve: setup
 	$(BIN)/blockspec serve --config deploy/config.yaml --no-ray
 
-# A line per test file as it runs, the slowest tests at the end.
+# The test files spread over the cores (a file's tests stay together: they share its servers and models), a line
+# per test as it passes, the slowest tests at the end.
+PYTEST := $(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile -v --durations=10
+
 test: setup
-	$(BIN)/python -m pytest --durations=10
+	$(PYTEST)
 
 test-slow: setup
-	$(BIN)/python -m pytest -m slow --durations=10
+	$(PYTEST) -m slow
 
 # Refresh constraints.txt from what .venv holds (after changing pyproject.toml's ranges and installing).
 constraints: setup

@@ -69,14 +69,16 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 def build_key(source: str, cflags: Sequence[str] = CFLAGS) -> str:
-    """What a build depends on, as a short digest: the source, the flags, the torch and Python it links against and
-    the CPU that -march=native targets. Each key gets its own directory in torch's extension cache, so two
-    environments (another torch, another machine sharing a home directory) never rebuild each other's kernels."""
+    """What a build depends on, as a short digest: the source, the flags, the torch (version and installation: its
+    headers' path is in the build's command line) and Python it builds against, and the CPU that -march=native
+    targets. Each key gets its own directory in torch's extension cache, so two environments (another venv, another
+    torch, another machine sharing a home directory) never rebuild each other's kernels: each builds its own once."""
     import platform
     import sys
 
     flags = next((line for line in _cpuinfo().splitlines() if line.startswith(("flags", "Features"))), "")
-    parts = (source, " ".join(cflags), torch.__version__, sys.version.split()[0], platform.machine(), flags)
+    parts = (source, " ".join(cflags), torch.__version__, os.path.dirname(torch.__file__), sys.version.split()[0],
+             platform.machine(), flags)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 

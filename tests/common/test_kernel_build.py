@@ -20,14 +20,17 @@ def test_the_cpu_kernels_build_where_a_compiler_is():
 
 
 def test_the_build_key_follows_what_the_build_depends_on(monkeypatch):
-    """Two environments share torch's extension cache: a kernel built for one torch, source or set of flags gets its
-    own name, so neither rebuilds the other's; the same inputs give the same name."""
+    """Two environments share torch's extension cache: a kernel built for one torch installation, source or set of
+    flags gets its own name, so neither rebuilds the other's; the same inputs give the same name."""
     import torch
 
     key = cpu_kernels.build_key("int f();")
     assert key == cpu_kernels.build_key("int f();") and len(key) == 12
     assert key != cpu_kernels.build_key("int g();")
     assert key != cpu_kernels.build_key("int f();", ("-O2",))
+    monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")
+    assert key != cpu_kernels.build_key("int f();")  # another environment's torch: its headers' path differs
+    monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert key != cpu_kernels.build_key("int f();")
     assert cpu_kernels.Extension("x", "int f();", "torch").name == f"x_{cpu_kernels.build_key('int f();')}"
