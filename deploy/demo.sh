@@ -8,10 +8,15 @@ PAIR=${PAIR:-models/base}
 PROMPTS=${PROMPTS:-$PAIR/heldout_prompts.jsonl}  # files the pair never trained on, one JSON string a line
 TOKENS=${TOKENS:-64}                             # the streamed completion
 COMPARE_TOKENS=${COMPARE_TOKENS:-128}            # each prompt of the comparison
-PROMPT=${PROMPT:-$("$BIN/python" -c "import json, sys; print(json.loads(open(sys.argv[1]).readline()))" "$PROMPTS")}
 LOG=$(mktemp)
+PROMPT_FILE=$LOG.prompt.jsonl  # the first held-out prompt, as a JSON line: its text ends with a newline, kept
+if [ -n "${PROMPT:-}" ]; then
+  "$BIN/python" -c "import json, sys; print(json.dumps(sys.argv[1]))" "$PROMPT" >"$PROMPT_FILE"
+else
+  head -n 1 "$PROMPTS" >"$PROMPT_FILE"
+fi
 SERVER=
-trap '[ -n "$SERVER" ] && { kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; }; rm -f "$LOG"' EXIT
+trap '[ -n "$SERVER" ] && { kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; }; rm -f "$LOG" "$LOG".*' EXIT
 
 "$BIN/python" - "$PAIR/card.json" <<'PY'
 import json, sys
@@ -37,9 +42,11 @@ HTTP=$(sed -n 's/^SERVING .*http=\([0-9]*\)/\1/p' "$LOG")
 echo "   gRPC on :$GRPC, HTTP on :$HTTP (GET /health: $(curl -s -o /dev/null -w '%{http_code}' "localhost:$HTTP/health"))"
 
 echo "== 3/4 a held-out prompt:"
-printf '%s\n' "$PROMPT" | sed 's/^/   | /'
+"$BIN/python" -c "import json, sys; print(json.loads(open(sys.argv[1]).readline()), end='')" "$PROMPT_FILE" \
+  | sed 's/^/   | /'
 echo "   its completion, streamed from the server (dflash k=5 with prompt lookup, greedy, $TOKENS tokens):"
-"$BIN/blockspec" generate "$PROMPT" --server "localhost:$GRPC" --max-tokens "$TOKENS" | sed 's/^/   | /'
+"$BIN/blockspec" generate --prompts-file "$PROMPT_FILE" --server "localhost:$GRPC" --max-tokens "$TOKENS" \
+  | sed 's/^/   | /'
 kill $SERVER; wait $SERVER 2>/dev/null || true; SERVER=
 
 echo "== 4/4 speculative against plain decoding in this process: the $(wc -l <"$PROMPTS") held-out prompts one at a" \
@@ -68,4 +75,3 @@ for name, (speed, tau, ids) in runs.items():
     print(f"   {labels[name]:<41} {speed:8.1f} tokens/s  {speed / plain_speed:4.2f}x  tokens per step {tau:4.2f}  "
           f"same tokens as plain decoding: {same}")
 PY
-rm -f "$LOG".*
