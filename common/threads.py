@@ -20,7 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 0.25  # how often the load is read: a window this long, between two forwards
-PROBE_S = 0.1  # the first reading, when the governor starts
+PROBE_S = 0.05  # the first reading, when the governor starts (/proc/stat counts in 10 ms ticks)
 SPARE = 0.3  # other processes' busy cores below this many count as none (daemons, this process's own helpers)
 
 
