@@ -39,8 +39,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama 3 frequency scaling when configured."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    """Inverse frequencies [rope_dim / 2] (rope_dim: head_dim, or the rotary part of a head), with Llama 3 frequency
+    scaling when configured."""
+    dim = cfg.rope_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if not cfg.rope_scaling:
         return inv
     s = dict(cfg.rope_scaling)
@@ -57,9 +59,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_table(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [max_len, head_dim], in the rotate-half layout transformers uses."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))  # [max_len, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+    """cos and sin, each [max_len, rope_dim], in the rotate-half layout transformers uses."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))  # [max_len, rope_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rope_dim]
     return emb.cos(), emb.sin()
 
 
@@ -148,6 +150,8 @@ class AttentionBatch:
         host_lengths: list[int],
     ) -> None:
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
+        self.real = real
+        self.states = None  # a hybrid model's linear layers: the forward's `state_cache.StateStep`
         self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
         # One row of real tokens: what `store` puts (K/V, tap features) is one slice of its slot.
         all_real = min(host_lengths) == positions.shape[1]

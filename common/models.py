@@ -14,10 +14,34 @@ from blockspec.common.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-# model_type -> family; the three families differ only in biases and the q/k norm.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# model_type -> family. The dense three differ only in biases and the q/k norm; the Qwen3.5 hybrids (text-only
+# `qwen3_5_text`, multimodal `qwen3_5` whose text model is read and its vision tower left out) interleave Gated DeltaNet
+# linear-attention layers with gated full-attention layers (`layer_types`).
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
+LAYER_TYPES = ("full_attention", "linear_attention")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 TOKENIZER_FILES = ("tokenizer.json",)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's dimensions (`linear_*` keys of a Qwen3.5 config)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # the causal depthwise convolution's width; its state keeps conv_kernel - 1 inputs
+
+    @property
+    def conv_dim(self) -> int:  # channels through the convolution: q, k and v
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -42,6 +66,32 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, sorted items
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid models (HYBRID_MODEL_TYPES, `common/hybrid.py`): each layer's type, the Gated DeltaNet dimensions and
+    # RoPE on the first rotary_dim of each head only.
+    layer_types: tuple[str, ...] = ()  # empty: every layer full attention
+    linear: LinearAttention | None = None
+    rotary_dim: int | None = None  # None: head_dim
+
+    @property
+    def hybrid(self) -> bool:
+        return self.linear is not None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache, in order."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers with a recurrent and a convolution state, in order."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -85,8 +135,55 @@ def _eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def text_config(raw: dict) -> dict:
+    """The language model's config: a multimodal Qwen3.5 checkpoint keeps it under `text_config`."""
+    if raw.get("model_type") == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+        outer = {k: raw[k] for k in ("tie_word_embeddings",) if k in raw}
+        return {**raw["text_config"], **outer, "model_type": "qwen3_5"}
+    return raw
+
+
+# Stored-name prefixes of what a multimodal or multi-token-prediction checkpoint holds beside the language model:
+# left unread. The language model's own prefix becomes `model.`.
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+TEXT_PREFIX = "model.language_model."
+
+
+def _hybrid_fields(raw: dict, path: Path, num_layers: int, head_dim: int) -> dict:
+    """The ModelConfig fields of a Qwen3.5 hybrid: layer types (or the interval they follow), the Gated DeltaNet
+    dimensions, partial RoPE, the output gate."""
+    where = str(path / "config.json")
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown or len(types) != num_layers:
+        raise ModelLoadError(where, f"layer_types: {len(types)} entries for {num_layers} layers"
+                                    + (f", unknown types {unknown}" if unknown else "") + f"; known: {LAYER_TYPES}")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(where, f"hidden_act {act!r} is not supported; supported: 'silu'")
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if raw.get("attn_output_gate", True) is not True:
+        raise ModelLoadError(where, "attn_output_gate=false is not supported (Qwen3.5 attention gates its output)")
+    linear = LinearAttention(
+        num_k_heads=int(_require(raw, "linear_num_key_heads", path)),
+        num_v_heads=int(_require(raw, "linear_num_value_heads", path)),
+        k_head_dim=int(_require(raw, "linear_key_head_dim", path)),
+        v_head_dim=int(_require(raw, "linear_value_head_dim", path)),
+        conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+    )
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ModelLoadError(where, f"linear_num_value_heads {linear.num_v_heads} is not a multiple of "
+                                    f"linear_num_key_heads {linear.num_k_heads}")
+    return {"layer_types": tuple(types), "linear": linear, "rotary_dim": int(head_dim * factor)}
+
+
 def parse_config(raw: dict, path: Path) -> ModelConfig:
     """Validate an HF config dict for one of the supported families and turn it into a ModelConfig."""
+    raw = text_config(raw)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = raw.get("architectures")
@@ -101,25 +198,31 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     heads = int(_require(raw, "num_attention_heads", path))
     theta, scaling = _rope(raw, path)
     attention_bias = bool(raw.get("attention_bias", False))
+    num_layers = int(_require(raw, "num_hidden_layers", path))
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    hybrid = model_type in HYBRID_MODEL_TYPES
+    if hybrid and attention_bias:
+        raise ModelLoadError(str(path / "config.json"), "attention_bias=true is not supported for a hybrid model")
     return ModelConfig(
         family=model_type,
         vocab_size=int(_require(raw, "vocab_size", path)),
         hidden_size=hidden,
         intermediate_size=int(_require(raw, "intermediate_size", path)),
-        num_layers=int(_require(raw, "num_hidden_layers", path)),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
         o_bias=model_type == "llama" and attention_bias,
         mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type == "qwen3" or hybrid,
         rope_theta=theta,
         rope_scaling=scaling,
         eos_token_ids=_eos_ids(raw, path),
+        **(_hybrid_fields(raw, path, num_layers, head_dim) if hybrid else {}),
     )
 
 
@@ -144,19 +247,29 @@ def read_config(path: str | Path) -> dict:
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint's safetensors files, by their stored names."""
+    """The language model's tensors of the checkpoint's safetensors files, by their stored names (a multimodal
+    checkpoint's text model under `model.`; its vision tower and multi-token-prediction head left unread, with a
+    log line)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         found = sorted(f.name for f in path.glob("*.bin")) or ["nothing"]
         raise ModelLoadError(str(path), f"no *.safetensors weights (found {', '.join(found)}); save with safetensors")
     weights: dict[str, torch.Tensor] = {}
+    skipped: dict[str, int] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    weights[name] = st.get_tensor(name)
+                    prefix = next((p for p in SKIPPED_PREFIXES if name.startswith(p)), None)
+                    if prefix is not None:
+                        skipped[prefix] = skipped.get(prefix, 0) + 1
+                        continue
+                    key = "model." + name.removeprefix(TEXT_PREFIX) if name.startswith(TEXT_PREFIX) else name
+                    weights[key] = st.get_tensor(name)
         except (SafetensorError, OSError) as e:  # truncated, corrupt or unreadable: name the file, not a traceback
             raise ModelLoadError(str(f), f"cannot read the weights ({e})") from None
+    for prefix, count in skipped.items():
+        log.info("%s: %d tensors under %s left unread (not the language model)", path, count, prefix)
     return weights
 
 

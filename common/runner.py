@@ -11,8 +11,10 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.decoder import AttentionBatch, Decoder, rope_table
 from blockspec.common.errors import ModelLoadError
+from blockspec.common.hybrid import HybridDecoder
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import Checkpoint
+from blockspec.common.state_cache import HybridKVCache
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +47,12 @@ class ForwardResult:
         return list(self.tap_rows.split(list(self.lengths))) if self.tap_rows is not None else []
 
 
-def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder:
-    """A Decoder holding the checkpoint's weights (HF names, `model.` prefix stripped). Built on the meta
-    device and handed the checkpoint's tensors: no second copy (a 27B target would not fit twice)."""
+def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder | HybridDecoder:
+    """A Decoder (a HybridDecoder for a hybrid model) holding the checkpoint's weights (HF names, `model.` prefix
+    stripped). Built on the meta device and handed the checkpoint's tensors: no second copy (a 27B target would not
+    fit twice)."""
     with torch.device("meta"):
-        model = Decoder(checkpoint.config)
+        model = (HybridDecoder if checkpoint.config.hybrid else Decoder)(checkpoint.config)
     weights = {k.removeprefix("model."): v for k, v in checkpoint.weights.items()}
     if checkpoint.config.tie_word_embeddings:
         weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight"))
@@ -107,7 +110,11 @@ class Runner:
         self.model = build_decoder(checkpoint, dtype).to(self.device)
         if self.device.type == "cpu":
             cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
-        self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype, self.device)
+        if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones
+            self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device)
+        else:
+            self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype,
+                                     self.device)
         self._cos_sin = tuple(t.to(self.device, dtype) for t in rope_table(cfg, self.max_len))
 
     @property
@@ -155,6 +162,8 @@ class Runner:
         if self.device.type != "cpu":  # index tensors are built on the host, then moved once
             tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
         batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, starts, lengths)
+        if isinstance(self.cache, HybridKVCache):
+            batch.states = self.cache.states.begin(host_slots, starts, lengths, self.device)
         hidden, taps = self.model(tokens, batch, self.tap_layers, tap_dest)  # [B, T, H]; taps None: in tap_dest
         tap_rows = batch.real_rows(torch.cat(taps, dim=-1)) if taps else None  # [N, n_taps * H]
         if tap_rows is not None and tap_dest is not None:

@@ -1,4 +1,5 @@
-"""Throwaway random-weight checkpoints (Llama / Qwen2 / Qwen3) with a small BPE tokenizer, for tests and demos."""
+"""Throwaway random-weight checkpoints (Llama / Qwen2 / Qwen3, Qwen3.5 hybrids) with a small BPE tokenizer, for tests
+and demos."""
 
 from __future__ import annotations
 
@@ -121,3 +122,64 @@ def build_tiny_drafter(
             if "conv" in name or "codebook" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return save_drafter(model, out)
+
+
+# Qwen3.5-27B's language model as published (text_config of Qwen/Qwen3.5-27B): the family's real config, which the
+# tiny hybrids shrink.
+QWEN3_5_27B = {
+    "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "attn_output_gate": True, "attention_bias": False, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+
+def tiny_hybrid_config(tokenizer: object, num_layers: int = 4, hidden_size: int = 64, **overrides: object) -> dict:
+    """QWEN3_5_27B shrunk: layers, widths and head dimensions cut, its layer-type pattern (three linear layers, then
+    full attention), its head ratios (24 query to 4 KV heads becomes 6:1, 16 key to 48 value heads 1:3) and partial
+    RoPE kept."""
+    eos = tokenizer.convert_tokens_to_ids(SPECIALS[0])
+    return {**QWEN3_5_27B, "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_layers, "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "max_position_embeddings": 512, "eos_token_id": eos, "pad_token_id": eos,
+            "bos_token_id": eos, "rope_parameters": {**QWEN3_5_27B["rope_parameters"], "rope_theta": 10000.0,
+                                                      "mrope_section": [2, 1, 1]}, **overrides}
+
+
+def build_tiny_hybrid(out: str | Path, layout: str = "text", seed: int = 0, tokenizer: object | None = None,
+                      lm_head_scale: float = 1.0, **config: object) -> Path:
+    """A random-weight Qwen3.5 hybrid (tiny_hybrid_config) saved as transformers saves it: `layout="text"` a
+    Qwen3_5ForCausalLM (model.*), `"multimodal"` a Qwen3_5ForConditionalGeneration with a one-block vision tower (its
+    language model under model.language_model.*). The norms, decays and step biases are drawn away from their
+    initial values so that every term of the arithmetic shows; lm_head_scale > 1 sharpens its next-token
+    distributions (a sampling test needs more than a near-uniform target)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    text = tiny_hybrid_config(tokenizer, **config)
+    torch.manual_seed(seed)
+    if layout == "text":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    elif layout == "multimodal":
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                  "out_hidden_size": text["hidden_size"], "num_position_embeddings": 16}
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
+                                                              tie_word_embeddings=False))
+    else:
+        raise ValueError(f"layout {layout!r}: expected 'text' or 'multimodal'")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
+            elif name == "lm_head.weight":
+                p.mul_(lm_head_scale)
+    out = Path(out)
+    model.eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

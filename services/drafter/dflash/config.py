@@ -38,6 +38,10 @@ class DFlashConfig:
         return ()  # plain RoPE; lets common.decoder.rope_table read this config
 
     @property
+    def rope_dim(self) -> int:
+        return self.head_dim  # RoPE over whole heads (rope_table)
+
+    @property
     def max_k(self) -> int:
         return self.block_size - 1
 

@@ -1,0 +1,188 @@
+"""The per-slot state of a hybrid model's linear-attention layers, beside the KV cache of its attention layers.
+
+A Gated DeltaNet layer carries two states per request: the last conv_kernel - 1 inputs of its causal convolution and
+its recurrent state (one [k_head_dim, v_head_dim] matrix per value head, kept in fp32). A KV cache rolls back by
+setting a length; a recurrent state cannot: it has folded every token in. So each slot keeps two buffers of each
+state. A forward reads the current one and writes the other, then they swap; the buffer it read stays as it was, the
+state before that forward, together with what the forward's tokens feed into the recurrence (their convolution inputs
+and their k, v, decay and beta). Setting the slot's length to a position inside that forward replays the recurrence
+from the kept state over the tokens before the position (`replay`): the step that accepts j of k drafts costs j + 1
+token updates of each layer's state and no model forward, and a slot holds two states plus one block of those inputs.
+The other way, `rollback="states"`, keeps the state after every token of the forward and copies the one wanted: no
+replay, T states a slot. Positions before the last forward cannot be reached either way (the router never asks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.models import ModelConfig
+
+ROLLBACKS = ("replay", "states")
+
+
+def l2_normalise(x: torch.Tensor) -> torch.Tensor:
+    """x / |x| over the last dimension, as the Gated DeltaNet reference computes it (fp32, eps 1e-6 inside the root)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def delta_rule_steps(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     q: torch.Tensor | None = None, keep: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule one token at a time, in fp32: state [B, Hv, dk, dv]; k [B, T, Hv, dk] (l2-normalised),
+    v [B, T, Hv, dv], g [B, T, Hv] (log decay), beta [B, T, Hv]; q [B, T, Hv, dk] (normalised and scaled) or None.
+    Per token: S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; out = S^T q. A padding token has g = beta = 0, which
+    leaves S bitwise unchanged. keep [B, T, Hv, dk, dv]: the state after every token is written there. Returns the
+    outputs [B, T, Hv, dv] (None without q) and the final state."""
+    out = torch.empty(*v.shape, dtype=torch.float32, device=v.device) if q is not None else None
+    decay = g.exp()[..., None, None]  # [B, T, Hv, 1, 1]
+    for t in range(k.shape[1]):
+        k_t = k[:, t, :, :, None]  # [B, Hv, dk, 1]
+        state = state * decay[:, t]
+        kv_mem = (state * k_t).sum(dim=-2)  # [B, Hv, dv]
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state = state + k_t * delta[:, :, None, :]
+        if q is not None:
+            out[:, t] = (state * q[:, t, :, :, None]).sum(dim=-2)
+        if keep is not None:
+            keep[:, t] = state
+    return out, state
+
+
+@dataclass
+class _Block:
+    """What a slot's last forward fed its linear layers, per layer: the convolution's inputs [n, conv_dim] and the
+    recurrence's k, v, g, beta (n tokens), or (rollback="states") the state after each token."""
+
+    start: int  # the slot's length before the forward
+    n: int  # its tokens
+    at: int  # the length the current buffers hold
+    conv_in: list[torch.Tensor]
+    recurrence: list[tuple[torch.Tensor, ...]]
+
+
+class SlotStates:
+    """Conv and recurrent states of every linear layer for `num_slots` requests, two buffers each (see the module)."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", rollback: str = "replay", max_block: int = 64) -> None:
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback {rollback!r}: expected one of {ROLLBACKS}")
+        lin, n = cfg.linear, len(cfg.linear_layers)
+        self.cfg, self.rollback, self.max_block = cfg, rollback, max_block
+        # [layers, slots, 2 buffers, conv_dim, conv_kernel - 1] in the model dtype, as the convolution reads them
+        self.conv = torch.zeros(n, num_slots, 2, lin.conv_dim, lin.conv_kernel - 1, dtype=dtype, device=device)
+        # [layers, slots, 2 buffers, v_heads, k_head_dim, v_head_dim], fp32 whatever the model dtype
+        self.recurrent = torch.zeros(n, num_slots, 2, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim,
+                                     dtype=torch.float32, device=device)
+        self.current = [0] * num_slots  # which buffer holds the slot's state
+        self._blocks: dict[int, _Block] = {}
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, dtype: torch.dtype, rollback: str = "replay", block: int = 16) -> dict[str, int]:
+        """Bytes one slot holds: the two buffers of each state, and the speculative extras of a forward of `block`
+        tokens (replay: the convolution inputs and k, v, g, beta; states: the state after each token)."""
+        lin, n = cfg.linear, len(cfg.linear_layers)
+        if lin is None:
+            return {"conv": 0, "recurrent": 0, "speculative": 0}
+        state = lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4
+        per_token = (lin.conv_dim * dtype.itemsize + lin.num_v_heads * (lin.k_head_dim + lin.v_head_dim + 2) * 4
+                     if rollback == "replay" else state)
+        return {"conv": 2 * n * lin.conv_dim * (lin.conv_kernel - 1) * dtype.itemsize, "recurrent": 2 * n * state,
+                "speculative": n * block * per_token}
+
+    def reset(self, slot: int) -> None:
+        """A new request's state: zeros."""
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+        self.current[slot] = 0
+        self._blocks.pop(slot, None)
+
+    def begin(self, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> StateStep:
+        return StateStep(self, slots, starts, lengths, device)
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Make the slot's state the state after its first `length` tokens (within its last forward)."""
+        block = self._blocks.get(slot)
+        if block is None or length == block.at:
+            return
+        if not block.start <= length <= block.start + block.n:
+            raise ValueError(f"slot {slot}: the linear-attention state holds positions {block.start}.."
+                             f"{block.start + block.n} of its last forward, not {length}")
+        j, cur = length - block.start, self.current[slot]
+        prev, k1 = 1 - cur, self.cfg.linear.conv_kernel - 1
+        for layer, (conv_in, rec) in enumerate(zip(block.conv_in, block.recurrence)):
+            inputs = torch.cat((self.conv[layer, slot, prev], conv_in[:j].transpose(0, 1)), dim=1)
+            self.conv[layer, slot, cur] = inputs[:, inputs.shape[1] - k1 :]
+            if j == 0:
+                self.recurrent[layer, slot, cur] = self.recurrent[layer, slot, prev]
+            elif self.rollback == "states":
+                self.recurrent[layer, slot, cur] = rec[0][j - 1]
+            else:
+                k, v, g, beta = (t[None, :j] for t in rec)
+                self.recurrent[layer, slot, cur] = delta_rule_steps(self.recurrent[layer, slot, prev][None],
+                                                                    k, v, g, beta)[1][0]
+        block.at = length
+
+
+class StateStep:
+    """One forward's access to the states: each layer reads the rows' current buffers and writes the others;
+    `finish` swaps them and keeps the block for a rollback."""
+
+    def __init__(self, states: SlotStates, slots: list[int], starts: list[int], lengths: list[int],
+                 device: torch.device) -> None:
+        self.states, self.slots, self.starts, self.lengths = states, slots, starts, lengths
+        self.slot_index = torch.tensor(slots, dtype=torch.long, device=device)
+        read = [states.current[s] for s in slots]
+        self.read = torch.tensor(read, dtype=torch.long, device=device)
+        self.write = 1 - self.read
+        self.keep = states.rollback == "states" and max(lengths) <= states.max_block
+        self._conv_in: list[torch.Tensor] = []
+        self._recurrence: list[tuple[torch.Tensor, ...]] = []
+
+    def conv_state(self, layer: int) -> torch.Tensor:  # [B, conv_dim, conv_kernel - 1]
+        return self.states.conv[layer, self.slot_index, self.read]
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:  # [B, Hv, dk, dv]
+        return self.states.recurrent[layer, self.slot_index, self.read]
+
+    def store(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor, conv_in: torch.Tensor,
+              recurrence: tuple[torch.Tensor, ...]) -> None:
+        """The layer's new states [B, ...] and what a rollback replays: conv_in [B, T, conv_dim], recurrence
+        (k, v, g, beta [B, T, ...], or the kept states [B, T, Hv, dk, dv])."""
+        self.states.conv[layer, self.slot_index, self.write] = conv
+        self.states.recurrent[layer, self.slot_index, self.write] = recurrent
+        self._conv_in.append(conv_in)
+        self._recurrence.append(recurrence)
+
+    def finish(self) -> None:
+        states = self.states
+        for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)):
+            states.current[slot] = 1 - states.current[slot]
+            if n > states.max_block:  # a long prefill chunk: nothing kept (no step rolls one back)
+                states._blocks[slot] = _Block(start + n, 0, start + n, [], [])
+                continue
+            states._blocks[slot] = _Block(start, n, start + n, [c[b, :n] for c in self._conv_in],
+                                          [tuple(t[b, :n] for t in rec) for rec in self._recurrence])
+
+
+class HybridKVCache(SlotKVCache):
+    """The KV cache of a hybrid model's attention layers and its linear layers' states: a slot's length moves
+    both (allocate zeroes the states, a shorter length rolls them back within the last forward)."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", rollback: str = "replay") -> None:
+        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
+        self.states = SlotStates(cfg, num_slots, dtype, device, rollback)
+
+    def allocate(self) -> int:
+        slot = super().allocate()
+        self.states.reset(slot)
+        return slot
+
+    def set_length(self, slot: int, length: int) -> None:
+        super().set_length(slot, length)
+        self.states.set_length(slot, length)
