@@ -32,6 +32,8 @@ checks its results; docs/performance.md says how to measure it).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -112,11 +114,33 @@ class Extension:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            return load_inline(self.name, cpp_sources=self.source, extra_cflags=list(CFLAGS),
-                               extra_ldflags=["-fopenmp"], verbose=False)
+            with self._build_lock():
+                return load_inline(self.name, cpp_sources=self.source, extra_cflags=list(CFLAGS),
+                                   extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, no headers: the torch path still works
             log.warning("CPU kernel %s unavailable, using %s: %s", self.name, self.fallback, exc)
             return None
+
+    @contextlib.contextmanager
+    def _build_lock(self):
+        """One process at a time builds or loads this extension, under an flock the OS drops when its holder dies.
+        torch's own lock is a file in the build directory that a build killed midway leaves behind, and every later
+        process would wait on it forever; under the flock no live process holds it, so a leftover one is removed."""
+        from torch.utils import cpp_extension
+
+        directory = Path(cpp_extension._get_build_directory(self.name, verbose=False))
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory.parent / f"{self.name}.flock", "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("CPU kernel %s: waiting for another process that builds it", self.name)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            leftover = directory / "lock"
+            if leftover.exists():
+                log.warning("CPU kernel %s: removing %s, left by a build that did not finish", self.name, leftover)
+                leftover.unlink()
+            yield
 
 
 _kernels = Extension("blockspec_cpu_kernels", _SOURCE, "torch's linear")

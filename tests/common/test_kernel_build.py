@@ -34,3 +34,24 @@ def test_the_build_key_follows_what_the_build_depends_on(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert key != cpu_kernels.build_key("int f();")
     assert cpu_kernels.Extension("x", "int f();", "torch").name == f"x_{cpu_kernels.build_key('int f();')}"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hold_up_the_next_one(tmp_path, monkeypatch, caplog):
+    """torch's build lock is a plain file: a build killed midway leaves it, and torch would wait on it forever. The
+    next build (under its own flock, which no dead process holds) removes it and builds."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = cpu_kernels.Extension("stale_lock_test", "int f();", "torch")
+    leftover = tmp_path / ext.name / "lock"
+    leftover.parent.mkdir()
+    leftover.write_text("")
+    seen = []
+
+    def load_inline(name, **kwargs):
+        seen.append(leftover.exists())
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    assert ext.get() == "module" and seen == [False]
+    assert "removing" in caplog.text and "left by a build that did not finish" in caplog.text
