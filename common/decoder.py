@@ -12,6 +12,7 @@ from torch import nn
 from blockspec.common import cpu_kernels
 from blockspec.common.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
 from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.mlp import mlp_of
 from blockspec.common.models import ModelConfig
 
 
@@ -110,24 +111,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_kernels.silu_mul(fused_linear(x, (self.gate_proj, self.up_proj))))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp_of(cfg, layer)
 
     def forward(self, x: torch.Tensor, layer: int, batch: "AttentionBatch") -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), layer, batch)
@@ -228,7 +218,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -286,6 +276,8 @@ class Decoder(nn.Module):
 
     def _gather_row_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         cfg = self.cfg
+        if cfg.experts is not None:  # routed experts: the torch path
+            return [self.lm_head.weight], None
         groups = [[(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.o_proj.weight,),
                    (m.gate_proj.weight, m.up_proj.weight), (m.down_proj.weight,)]
                   for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers)]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.cpu_kernels import Linear, cached_attention
-from blockspec.common.decoder import MLP, AttentionBatch
+from blockspec.common.decoder import AttentionBatch, mlp_of
 from blockspec.common.models import ModelConfig
 from blockspec.common.state_cache import StateStep, delta_rule_steps, l2_normalise
 
@@ -154,7 +154,7 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, cfg.attention_layers.index(layer))
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp_of(cfg, layer)
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, step: StateStep, real: torch.Tensor | None
                 ) -> torch.Tensor:

@@ -17,8 +17,11 @@ log = logging.getLogger(__name__)
 # model_type -> family. The dense three differ only in biases and the q/k norm; the Qwen3.5 hybrids (text-only
 # `qwen3_5_text`, multimodal `qwen3_5` whose text model is read and its vision tower left out) interleave Gated DeltaNet
 # linear-attention layers with gated full-attention layers (`layer_types`).
-DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+# The MoE variants (`qwen3_moe`; `qwen3_5_moe` and its text-only `qwen3_5_moe_text`) replace the MLP with routed
+# experts (and, in Qwen3.5, a gated shared expert).
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # their language model's config is `text_config`
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 LAYER_TYPES = ("full_attention", "linear_attention")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -42,6 +45,20 @@ class LinearAttention:
     @property
     def value_dim(self) -> int:
         return self.num_v_heads * self.v_head_dim
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP: each token's top_k experts of num_experts (softmax over the router's logits, the
+    top_k weights renormalised to sum 1 where norm_topk_prob), plus a shared expert gated by sigmoid where
+    shared_intermediate_size is set."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()  # layers with the plain MLP instead (`mlp_only_layers`, `decoder_sparse_step`)
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,11 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # empty: every layer full attention
     linear: LinearAttention | None = None
     rotary_dim: int | None = None  # None: head_dim
+    experts: Experts | None = None  # MoE models
+
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is the mixture of experts."""
+        return self.experts is not None and layer not in self.experts.dense_layers
 
     @property
     def hybrid(self) -> bool:
@@ -110,15 +132,14 @@ def _require(raw: dict, key: str, path: Path) -> object:
     return raw[key]
 
 
-def _rope(raw: dict, path: Path) -> tuple[float, tuple[tuple[str, float], ...]]:
+def rope_settings(raw: dict, where: str) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """RoPE theta and scaling parameters from a config's `rope_parameters` (or older `rope_scaling`) and
+    `rope_theta`; a rope type other than SUPPORTED_ROPE_TYPES is refused, naming the file `where`."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            str(path / "config.json"),
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
-        )
+        raise ModelLoadError(where, f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, ()
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -137,10 +158,38 @@ def _eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
 
 def text_config(raw: dict) -> dict:
     """The language model's config: a multimodal Qwen3.5 checkpoint keeps it under `text_config`."""
-    if raw.get("model_type") == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+    if raw.get("model_type") in MULTIMODAL_MODEL_TYPES and isinstance(raw.get("text_config"), dict):
         outer = {k: raw[k] for k in ("tie_word_embeddings",) if k in raw}
-        return {**raw["text_config"], **outer, "model_type": "qwen3_5"}
+        return {**raw["text_config"], **outer, "model_type": raw["model_type"]}
     return raw
+
+
+def _experts(raw: dict, path: Path, model_type: str, num_layers: int) -> Experts | None:
+    """The MoE fields of a qwen3_moe / qwen3_5_moe config (None for the others)."""
+    if model_type not in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"):
+        return None
+    where = str(path / "config.json")
+    if "num_experts" not in raw and "num_local_experts" in raw:  # the name transformers 5 saves
+        raw = {**raw, "num_experts": raw["num_local_experts"]}
+    num_experts = int(_require(raw, "num_experts", path))
+    if model_type == "qwen3_moe":
+        step = int(raw.get("decoder_sparse_step", 1))
+        only = set(raw.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(num_layers) if i in only or num_experts == 0 or (i + 1) % step)
+        shared, norm = 0, bool(raw.get("norm_topk_prob", False))
+    else:  # Qwen3.5 MoE: every layer routed, weights renormalised, a gated shared expert
+        if raw.get("mlp_only_layers"):
+            raise ModelLoadError(where, "mlp_only_layers is not supported for qwen3_5_moe (every layer is routed)")
+        dense, norm = (), True
+        shared = int(_require(raw, "shared_expert_intermediate_size", path))
+    experts = Experts(num_experts=num_experts,
+                      top_k=int(_require(raw, "num_experts_per_tok", path)),
+                      intermediate_size=int(_require(raw, "moe_intermediate_size", path)), norm_topk_prob=norm,
+                      shared_intermediate_size=shared, dense_layers=dense)
+    if not 0 < experts.top_k <= experts.num_experts:
+        raise ModelLoadError(where, f"num_experts_per_tok {experts.top_k} is not in 1..num_experts "
+                                    f"({experts.num_experts})")
+    return experts
 
 
 # Stored-name prefixes of what a multimodal or multi-token-prediction checkpoint holds beside the language model:
@@ -196,7 +245,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         raise ModelLoadError(str(path / "config.json"), "use_sliding_window=true is not supported")
     hidden = int(_require(raw, "hidden_size", path))
     heads = int(_require(raw, "num_attention_heads", path))
-    theta, scaling = _rope(raw, path)
+    theta, scaling = rope_settings(raw, str(path / "config.json"))
     attention_bias = bool(raw.get("attention_bias", False))
     num_layers = int(_require(raw, "num_hidden_layers", path))
     head_dim = int(raw.get("head_dim") or hidden // heads)
@@ -207,7 +256,8 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         family=model_type,
         vocab_size=int(_require(raw, "vocab_size", path)),
         hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size", path)),
+        intermediate_size=int(raw.get("intermediate_size") or 0) if model_type.startswith("qwen3_5_moe")
+        else int(_require(raw, "intermediate_size", path)),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -215,13 +265,14 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
-        o_bias=model_type == "llama" and attention_bias,
+        qkv_bias=model_type == "qwen2" or (model_type != "qwen2" and attention_bias),
+        o_bias=model_type != "qwen2" and attention_bias,
         mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3" or hybrid,
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
         rope_theta=theta,
         rope_scaling=scaling,
         eos_token_ids=_eos_ids(raw, path),
+        experts=_experts(raw, path, model_type, num_layers),
         **(_hybrid_fields(raw, path, num_layers, head_dim) if hybrid else {}),
     )
 
@@ -251,6 +302,16 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     checkpoint's text model under `model.`; its vision tower and multi-token-prediction head left unread, with a
     log line)."""
     files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint: every shard its index names must be there
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(str(index), f"not a safetensors index (weight_map: {e})") from None
+        missing = [f for f in shards if not (path / f).is_file()]
+        if missing:
+            raise ModelLoadError(str(index), f"weight_map names {len(missing)} shard(s) not in the directory: "
+                                             f"{', '.join(missing[:3])}")
     if not files:
         found = sorted(f.name for f in path.glob("*.bin")) or ["nothing"]
         raise ModelLoadError(str(path), f"no *.safetensors weights (found {', '.join(found)}); save with safetensors")
@@ -289,6 +350,9 @@ def load_checkpoint(path: str | Path, with_weights: bool = True) -> Checkpoint:
     p = _checkpoint_dir(path)
     config = parse_config(read_config(p), p)
     tokenizer = load_tokenizer(p)
+    if len(tokenizer) > config.vocab_size:  # ids past the embedding: the first such token would fail mid-request
+        raise ModelLoadError(str(p / "tokenizer.json"), f"{len(tokenizer)} tokens (with the added ones) do not fit "
+                                                        f"config.json's vocab_size {config.vocab_size}")
     weights = load_weights(p) if with_weights else {}
     log.info("loaded %s checkpoint %s (%d tensors)", config.family, p, len(weights))
     return Checkpoint(path=p, config=config, weights=weights, tokenizer=tokenizer)

@@ -81,11 +81,13 @@ def references(tiny_models, prompts) -> dict[str, list[list[int]]]:
     return {family: [hf_greedy(dirs["target"], p) for p in prompts] for family, dirs in tiny_models.items()}
 
 
-# A ChatML-like template that, as real ones do, refuses a conversation whose roles do not alternate.
+# A ChatML-like template that, as real ones do, refuses a conversation whose roles do not alternate, and, as Qwen3's
+# and Qwen3.5's do, opens the assistant's turn with an empty think block when `enable_thinking` is false.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
     "{{ raise_exception('roles must alternate') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 

@@ -27,8 +27,9 @@ def _read(file: Path) -> dict:
     return value
 
 
-def describe(path: Path) -> str:
-    """The card of a pair (card.json written by build-default), or the basics of one checkpoint."""
+def describe(path: Path, dtype: str = "bfloat16", contexts: tuple[int, ...] = (4096, 32768)) -> str:
+    """The card of a pair (card.json written by build-default), or the basics of one checkpoint: for a target its
+    family, layer types, parameters and the bytes of a request slot at `dtype` and each of `contexts`."""
     if (path / "card.json").is_file():
         card = _read(path / "card.json")
         try:
@@ -42,12 +43,42 @@ def describe(path: Path) -> str:
     training = path / "training.json"
     lines = [f"checkpoint: {path}", f"architectures: {cfg.get('architectures')}",
              f"hidden {cfg.get('hidden_size')}, layers {cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}"]
-    if "dflash_config" in cfg:
-        lines.append(f"dflash_config: {json.dumps(cfg['dflash_config'])}")
+    if "dflash_config" in cfg or "block_size" in cfg:
+        lines.append(f"dflash_config: {json.dumps(cfg.get('dflash_config', {}))}")
+    else:
+        lines += _target(path, cfg, dtype, contexts)
     if training.is_file():
         t = _read(training)
         lines.append(f"training tokens {t.get('tokens_seen')}, held-out loss {t.get('heldout_loss')}, loop share {t.get('loop_share')}")
     return "\n".join(lines)
+
+
+def _target(path: Path, raw: dict, dtype: str, contexts: tuple[int, ...]) -> list[str]:
+    """A target checkpoint's family, layer types, parameters and bytes per request slot."""
+    import torch
+
+    from blockspec.common.footprint import parameters, slot_bytes
+    from blockspec.common.models import parse_config
+
+    cfg = parse_config(raw, path)
+    types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+    counts = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
+    params = parameters(cfg)
+    lines = [f"family: {cfg.family}; layers: {counts}",
+             f"parameters: {params.total / 1e9:.2f}B" + (f", {params.active / 1e9:.2f}B active per token "
+                                                         f"({cfg.experts.top_k} of {cfg.experts.num_experts} experts)"
+                                                         if cfg.experts else ""),
+             (f"bytes per request slot in {dtype} (speculative: rollback inputs of a 16-token verify; a DFlash "
+              "drafter's taps add context x taps x hidden):"),
+             "| context | KV cache | conv state | recurrent state | speculative | total |", "|---|---|---|---|---|---|"]
+    for context in contexts:
+        b = slot_bytes(cfg, context, getattr(torch, dtype))
+        lines.append(f"| {context} | " + " | ".join(_mib(v) for v in (*b.values(), sum(b.values()))) + " |")
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 def _card(path: Path, c: dict) -> str:

@@ -124,59 +124,101 @@ def build_tiny_drafter(
     return save_drafter(model, out)
 
 
-# Qwen3.5-27B's language model as published (text_config of Qwen/Qwen3.5-27B): the family's real config, which the
-# tiny hybrids shrink.
+# The language models of the published checkpoints the tiny ones shrink (their config.json, or text_config):
+# Qwen3.5-27B (hybrid), Qwen3.6-35B-A3B (hybrid MoE, the layout of Qwen3.5-35B-A3B) and Qwen3-30B-A3B (MoE).
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}
 QWEN3_5_27B = {
     "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
     "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
     "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
     "hidden_act": "silu", "attn_output_gate": True, "attention_bias": False, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "rope_parameters": _QWEN3_5_ROPE,
 }
+QWEN3_6_35B_A3B = {
+    "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 248320, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "attn_output_gate": True, "attention_bias": False, "tie_word_embeddings": False,
+    "rope_parameters": _QWEN3_5_ROPE,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+PUBLISHED = {"qwen3_5": QWEN3_5_27B, "qwen3_5_moe": QWEN3_6_35B_A3B, "qwen3_moe": QWEN3_30B_A3B}
 
 
-def tiny_hybrid_config(tokenizer: object, num_layers: int = 4, hidden_size: int = 64, **overrides: object) -> dict:
-    """QWEN3_5_27B shrunk: layers, widths and head dimensions cut, its layer-type pattern (three linear layers, then
-    full attention), its head ratios (24 query to 4 KV heads becomes 6:1, 16 key to 48 value heads 1:3) and partial
-    RoPE kept."""
+def tiny_family_config(family: str, tokenizer: object, num_layers: int = 4, hidden_size: int = 64,
+                       **overrides: object) -> dict:
+    """PUBLISHED[family] shrunk: layers, widths, head dimensions and experts cut; its layer-type pattern (three linear
+    layers, then full attention), its head ratios (e.g. 24 query to 4 KV heads becomes 6:1, 16 key to 48 value
+    heads 1:3), partial RoPE and routing (top-k of the experts, shared expert) kept."""
+    real = PUBLISHED[family]
     eos = tokenizer.convert_tokens_to_ids(SPECIALS[0])
-    return {**QWEN3_5_27B, "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": num_layers, "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 32,
-            "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16, "max_position_embeddings": 512, "eos_token_id": eos, "pad_token_id": eos,
-            "bos_token_id": eos, "rope_parameters": {**QWEN3_5_27B["rope_parameters"], "rope_theta": 10000.0,
-                                                      "mrope_section": [2, 1, 1]}, **overrides}
+    q_per_kv = real["num_attention_heads"] // real["num_key_value_heads"]
+    cfg = {**real, "vocab_size": len(tokenizer), "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+           "num_attention_heads": q_per_kv, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512,
+           "eos_token_id": eos, "pad_token_id": eos, "bos_token_id": eos}
+    if "intermediate_size" in real:
+        cfg["intermediate_size"] = 2 * hidden_size
+    if "linear_num_key_heads" in real:
+        v_per_k = real["linear_num_value_heads"] // real["linear_num_key_heads"]
+        cfg.update(linear_num_key_heads=2, linear_num_value_heads=2 * v_per_k, linear_key_head_dim=16,
+                   linear_value_head_dim=16)
+    if "num_experts" in real:
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        if "shared_expert_intermediate_size" in real:
+            cfg["shared_expert_intermediate_size"] = 48
+    cfg["rope_parameters"] = {**real["rope_parameters"], "rope_theta": 10000.0}
+    if "mrope_section" in real["rope_parameters"]:
+        cfg["rope_parameters"]["mrope_section"] = [2, 1, 1]
+    return {**cfg, **overrides}
 
 
-def build_tiny_hybrid(out: str | Path, layout: str = "text", seed: int = 0, tokenizer: object | None = None,
-                      lm_head_scale: float = 1.0, **config: object) -> Path:
-    """A random-weight Qwen3.5 hybrid (tiny_hybrid_config) saved as transformers saves it: `layout="text"` a
-    Qwen3_5ForCausalLM (model.*), `"multimodal"` a Qwen3_5ForConditionalGeneration with a one-block vision tower (its
-    language model under model.language_model.*). The norms, decays and step biases are drawn away from their
-    initial values so that every term of the arithmetic shows; lm_head_scale > 1 sharpens its next-token
-    distributions (a sampling test needs more than a near-uniform target)."""
-    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+def build_tiny_family(out: str | Path, family: str = "qwen3_5", layout: str = "text", seed: int = 0,
+                      tokenizer: object | None = None, lm_head_scale: float = 1.0, **config: object) -> Path:
+    """A random-weight checkpoint of a published family (tiny_family_config) saved as transformers saves it:
+    `layout="text"` its causal LM (model.*), `"multimodal"` (the Qwen3.5 families) its conditional-generation model
+    with a one-block vision tower (the language model under model.language_model.*). Norms, decays, step biases,
+    experts and the router are drawn away from their initial values so that every term of the arithmetic shows;
+    lm_head_scale > 1 sharpens the next-token distributions (a sampling test needs more than a near-uniform target)."""
+    import transformers as tf
 
+    classes = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config",
+                           "Qwen3_5ForConditionalGeneration"),
+               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
+                               "Qwen3_5MoeForConditionalGeneration"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None, None)}
+    text_cfg, text_model, mm_cfg, mm_model = (getattr(tf, c) if c else None for c in classes[family])
     tokenizer = tokenizer or tiny_tokenizer()
-    text = tiny_hybrid_config(tokenizer, **config)
+    text = tiny_family_config(family, tokenizer, **config)
     torch.manual_seed(seed)
     if layout == "text":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
-    elif layout == "multimodal":
+        model = text_model(text_cfg(**text))
+    elif layout == "multimodal" and mm_model is not None:
         vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
                   "out_hidden_size": text["hidden_size"], "num_position_embeddings": 16}
-        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
-                                                              tie_word_embeddings=False))
+        model = mm_model(mm_cfg(text_config=text, vision_config=vision, tie_word_embeddings=False))
     else:
-        raise ValueError(f"layout {layout!r}: expected 'text' or 'multimodal'")
+        raise ValueError(f"layout {layout!r} for {family}: expected 'text'" + (" or 'multimodal'" if mm_model else ""))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
             elif name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
+            elif "experts" in name or "shared_expert" in name:
+                p.normal_(0.0, 0.05)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
             elif name == "lm_head.weight":
                 p.mul_(lm_head_scale)
     out = Path(out)

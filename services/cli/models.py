@@ -32,6 +32,10 @@ def add_model_commands(sub) -> None:
     ba.set_defaults(func=cmd_build_assistant)
     info = sub.add_parser("info", help="model card of a pair directory (or of a target or drafter checkpoint)")
     info.add_argument("path")
+    info.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                      help="a target's per-slot bytes at this dtype (default bfloat16)")
+    info.add_argument("--context", type=lambda v: tuple(int(c) for c in v.split(",")), default=(4096, 32768),
+                      help="comma list of context lengths for a target's per-slot bytes (default 4096,32768)")
     info.set_defaults(func=cmd_info)
     td = sub.add_parser("train-drafter", help="distil a DFlash-2 drafter from a target")
     td.add_argument("--target", required=True)
@@ -83,7 +87,7 @@ def cmd_build_assistant(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from blockspec.services.build.card import describe
 
-    print(describe(Path(args.path)))
+    print(describe(Path(args.path), args.dtype, args.context))
     return 0
 
 

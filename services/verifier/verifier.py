@@ -12,7 +12,7 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
 from blockspec.common.distributions import DraftDist, log_probs, process
-from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.footprint import slot_bytes
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
 from blockspec.common.sampling import GREEDY, SamplingParams
@@ -74,13 +74,12 @@ class Verifier:
     @staticmethod
     def static_bytes(checkpoint: Checkpoint, num_slots: int, max_len: int, tap_layers: Sequence[int],
                      dtype: torch.dtype) -> int:
-        """What a verifier of these dimensions holds once built (weights, KV cache, tap buffer), before it is:
-        the allocations of `__init__`, counted (a GPU memory share is checked against it)."""
-        cfg = checkpoint.config
-        weights = sum(t.numel() for t in checkpoint.weights.values())
-        taps = num_slots * max_len * len(tap_layers) * cfg.hidden_size
-        return ((weights + taps) * dtype.itemsize
-                + SlotKVCache.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype))
+        """What a verifier of these dimensions holds once built (weights, and per slot the KV cache, a hybrid's
+        linear-layer states and the tap buffer: `footprint.slot_bytes`), before it is: a GPU memory share is
+        checked against it."""
+        weights = sum(t.numel() for t in checkpoint.weights.values()) * dtype.itemsize
+        per_slot = slot_bytes(checkpoint.config, max_len, dtype, len(tap_layers))
+        return weights + num_slots * sum(per_slot.values())
 
     @property
     def max_len(self) -> int:

@@ -123,7 +123,7 @@ def test_qk_norm_rope_matches_the_torch_path(qk_norm, batch, queries):
     from blockspec.common.decoder import apply_rope, rope_table
 
     heads, kv_heads, hd = 4, 2, 64
-    cos, sin = rope_table(SimpleNamespace(head_dim=hd, rope_theta=1e4, rope_scaling=()), 64)
+    cos, sin = rope_table(SimpleNamespace(rope_dim=hd, rope_theta=1e4, rope_scaling=()), 64)
     qkv = torch.randn(batch, queries, heads + 2 * kv_heads, hd)
     positions = torch.randint(0, 64 - queries, (batch, 1)) + torch.arange(queries)
     q_w, k_w = (torch.randn(hd), torch.randn(hd)) if qk_norm else (None, None)

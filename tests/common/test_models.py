@@ -77,3 +77,33 @@ def test_unreadable_weights_name_the_file(tmp_path, tiny_models):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match=rf"{weights}: cannot read the weights"):
         load_checkpoint(broken)
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path, tiny_models):
+    """A sharded checkpoint (model.safetensors.index.json) copied without one of its shards."""
+    from safetensors.torch import load_file, save_file
+
+    ck = copy_of(tiny_models["qwen3"]["target"], tmp_path)
+    weights = load_file(str(ck / "model.safetensors"))
+    (ck / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for file, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(ck / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_checkpoint(ck).weights.keys() == weights.keys()
+    (ck / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"index.json: weight_map names 1 shard\(s\) not in the directory: "
+                                             r"model-00002-of-00002.safetensors"):
+        load_checkpoint(ck)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tiny_models):
+    ck = copy_of(tiny_models["qwen3"]["target"], tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    with pytest.raises(ModelLoadError, match=r"tokenizer.json: 320 tokens \(with the added ones\) do not fit "
+                                             r"config.json's vocab_size 300"):
+        load_checkpoint(ck)

@@ -1,6 +1,7 @@
-"""Qwen3.5 hybrid targets (Gated DeltaNet + gated attention): both published layouts load, every method's greedy output
-equals transformers `generate` of the target alone (one prompt and batched, chunked prefill, k 1, 5, 15), and the
-linear layers' states roll back to exactly what the committed tokens give."""
+"""The published target families beyond the dense three: the Qwen3.5 hybrids (Gated DeltaNet + gated attention, both
+published layouts), their MoE variant and Qwen3-MoE. Each loads, every method's greedy output equals transformers
+`generate` of the target alone (one prompt and batched, chunked prefill, k 1, 5, 15), and the linear layers' states
+roll back to exactly what the committed tokens give."""
 
 from __future__ import annotations
 
@@ -13,18 +14,24 @@ import torch
 
 from blockspec.common.models import load_checkpoint
 from blockspec.common.runner import Runner, Segment
-from blockspec.services.build.tiny import build_tiny_drafter, build_tiny_hybrid
+from blockspec.services.build.tiny import build_tiny_drafter, build_tiny_family
 from blockspec.services.serving.engine import Engine
 from tests.conftest import hf_greedy
 
 NEW = 48  # tokens generated per prompt
 LAYOUTS = ("text", "multimodal")
+TARGETS = ("qwen3_5-text", "qwen3_5-multimodal", "qwen3_5_moe-text", "qwen3_5_moe-multimodal", "qwen3_moe-text")
 
 
 @pytest.fixture(scope="module")
-def hybrids(tmp_path_factory, tokenizer) -> dict[str, object]:
-    root = tmp_path_factory.mktemp("hybrid")
-    return {layout: build_tiny_hybrid(root / layout, layout, tokenizer=tokenizer) for layout in LAYOUTS}
+def targets(tmp_path_factory, tokenizer) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_tiny_family(root / name, *name.split("-"), tokenizer=tokenizer) for name in TARGETS}
+
+
+@pytest.fixture(scope="module")
+def hybrids(targets) -> dict[str, object]:
+    return {layout: targets[f"qwen3_5-{layout}"] for layout in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +40,14 @@ def hybrid_prompts(prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hybrid_references(hybrids, hybrid_prompts) -> dict[str, list[list[int]]]:
-    return {layout: [hf_greedy(path, p, NEW) for p in hybrid_prompts] for layout, path in hybrids.items()}
+def target_references(targets, hybrid_prompts) -> dict[str, list[list[int]]]:
+    return {name: [hf_greedy(path, p, NEW) for p in hybrid_prompts] for name, path in targets.items()}
 
 
 @pytest.fixture(scope="module")
 def hybrid_drafter(hybrids, tmp_path_factory):
-    """A random DFlash-2 drafter tapping a linear-attention layer and the full-attention layer."""
+    """A random DFlash-2 drafter tapping a linear-attention layer and the full-attention layer (it fits every tiny
+    family: 4 layers of 64)."""
     return build_tiny_drafter(tmp_path_factory.mktemp("hybrid-drafter") / "d", hybrids["text"], block_size=16,
                               target_layer_ids=(1, 3))
 
@@ -58,18 +66,27 @@ def test_both_layouts_read_the_layer_types_and_the_text_weights(hybrids, caplog)
     assert raw["model_type"] == "qwen3_5" and "vision_config" in raw
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_moe_families_read_their_routing(targets):
+    moe = load_checkpoint(targets["qwen3_moe-text"]).config
+    assert (moe.experts.num_experts, moe.experts.top_k, moe.experts.norm_topk_prob) == (8, 2, True)
+    assert moe.experts.shared_intermediate_size == 0 and not moe.hybrid and moe.qk_norm
+    hybrid_moe = load_checkpoint(targets["qwen3_5_moe-multimodal"]).config
+    assert hybrid_moe.hybrid and hybrid_moe.experts.shared_intermediate_size == 48
+    assert all(hybrid_moe.sparse(i) for i in range(hybrid_moe.num_layers))
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("method", "k"), [("none", None), ("ngram", 1), ("ngram", 5), ("ngram", 15), ("dflash", 1),
                                            ("dflash", 5), ("dflash", 15)])
-def test_greedy_output_equals_the_target_alone(hybrids, hybrid_drafter, hybrid_prompts, hybrid_references, layout,
+def test_greedy_output_equals_the_target_alone(targets, hybrid_drafter, hybrid_prompts, target_references, target,
                                                method, k):
     """Three prompts of different lengths batched, prefilled 16 tokens per step (chunked), and each one alone."""
     drafter = hybrid_drafter if method == "dflash" else None
-    engine = Engine(hybrids[layout], drafter, method, max_batch=3, prefill_chunk=16, threads=1)
+    engine = Engine(targets[target], drafter, method, max_batch=3, prefill_chunk=16, threads=1)
     done = engine.complete([engine.request(str(i), p, NEW, k) for i, p in enumerate(hybrid_prompts)])
-    assert [list(d.token_ids) for d in done] == hybrid_references[layout]
+    assert [list(d.token_ids) for d in done] == target_references[target]
     alone = engine.complete([engine.request("alone", hybrid_prompts[1], NEW, k)])
-    assert list(alone[0].token_ids) == hybrid_references[layout][1]
+    assert list(alone[0].token_ids) == target_references[target][1]
     if k:
         assert sum(d.stats.drafted for d in done) > 0
 
@@ -142,3 +159,56 @@ def test_a_rollback_outside_the_last_forward_is_refused(hybrids, hybrid_prompts)
     runner.forward([Segment(slot, [5, 6, 7])])
     with pytest.raises(ValueError, match="linear-attention state holds positions 33..36 of its last forward, not 20"):
         runner.cache.set_length(slot, 20)
+
+
+def test_the_parameter_count_from_the_config_is_the_checkpoints(targets, tiny_models):
+    from blockspec.common.footprint import parameters
+
+    for path in [*targets.values(), *(d["target"] for d in tiny_models.values())]:
+        ck = load_checkpoint(path)
+        assert parameters(ck.config).total == sum(t.numel() for t in ck.weights.values()), path.name
+
+
+def test_info_prints_the_family_layers_and_bytes_per_slot(targets, capsys):
+    from blockspec.services.cli.main import main
+
+    assert main(["info", str(targets["qwen3_5_moe-multimodal"]), "--dtype", "float32", "--context", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "family: qwen3_5_moe; layers: 3 linear_attention, 1 full_attention" in out
+    assert "active per token (2 of 8 experts)" in out
+    cfg = load_checkpoint(targets["qwen3_5_moe-multimodal"], with_weights=False).config
+    kv = 2 * 1 * cfg.num_kv_heads * 256 * cfg.head_dim * 4  # one attention layer, fp32
+    recurrent = 2 * 3 * cfg.linear.num_v_heads * 16 * 16 * 4  # two buffers of three layers' states
+    assert f"| 256 | {kv / 2**10:,.1f} KiB | " in out and f" | {recurrent / 2**10:,.1f} KiB | " in out
+
+
+@pytest.fixture(scope="module")
+def peaked_hybrid(tmp_path_factory, tokenizer):
+    """A tiny Qwen3.5 hybrid whose LM head is scaled up: peaked next-token distributions (a near-uniform target would
+    hide a broken rule)."""
+    return build_tiny_family(tmp_path_factory.mktemp("peaked") / "h", "qwen3_5", tokenizer=tokenizer, lm_head_scale=40.0)
+
+
+@pytest.mark.parametrize(("method", "rule"), [
+    ("ngram", "rejection"), pytest.param("dflash", "rejection", marks=pytest.mark.slow),
+    pytest.param("ngram", "strict", marks=pytest.mark.slow)])
+def test_sampled_sequences_of_a_hybrid_follow_its_distribution(peaked_hybrid, hybrid_drafter, tokenizer, method, rule):
+    """Sampled 3-token continuations against transformers' exact distribution (chi-square, as
+    tests/services/test_sampling.py; 4,000 here, the hybrid's steps being slower). The prompt repeats a prefix after
+    the target's own greedy continuation of it, so n-gram drafts are often accepted and often not: the states roll
+    back both ways."""
+    from blockspec.common.sampling import SamplingParams
+    from tests.services.test_sampling import P_FAIL, chi_square_p, exact_cells, sample_sequences
+
+    n = 4000
+    prefix = tokenizer.encode("    def wrap(self, text):\n")
+    prompt = prefix + hf_greedy(peaked_hybrid, prefix, 6) + prefix
+    params = SamplingParams(temperature=1.0, rule=rule)
+    cells = exact_cells(peaked_hybrid, prompt, params, 3, n)
+    engine = Engine(peaked_hybrid, hybrid_drafter if method == "dflash" else None, method, max_batch=512,
+                    max_len=len(prompt) + 8, threads=1)
+    counts, acceptance = sample_sequences(engine, prompt, params, 3, 2, n)
+    p_value = chi_square_p(counts, cells, n)
+    assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
+    if method == "ngram":
+        assert 0.05 < acceptance < 0.95, f"acceptance {acceptance:.2f}: the rule would not be exercised both ways"

@@ -1,0 +1,64 @@
+"""What a target holds, from its config alone: parameters (all, and those a token reads in an MoE) and the bytes of
+one request slot at a context length and dtype. `blockspec info` prints them; the verifier's start-up memory check
+(`Verifier.static_bytes`) adds them up the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.models import ModelConfig
+from blockspec.common.state_cache import SlotStates
+
+SPECULATIVE_BLOCK = 16  # the widest verify a slot keeps rollback inputs for, in info's figures (k = 15)
+
+
+@dataclass(frozen=True)
+class Parameters:
+    total: int
+    active: int  # read per token: the routed experts' top_k of num_experts (all of them for a dense model)
+
+
+def parameters(cfg: ModelConfig) -> Parameters:
+    """Parameter counts implied by the config (what the checkpoint's tensors hold, biases and norms included)."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    total = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H  # embedding, LM head, final norm
+    active = total
+    for layer in range(cfg.num_layers):
+        mixer = 2 * H  # the two norms
+        if cfg.layer_type(layer) == "linear_attention":
+            lin = cfg.linear
+            mixer += H * (lin.conv_dim + lin.value_dim + 2 * lin.num_v_heads)  # in_proj_qkv, _z, _b, _a
+            mixer += lin.conv_dim * lin.conv_kernel + 2 * lin.num_v_heads + lin.v_head_dim  # conv, dt_bias, A_log, norm
+            mixer += lin.value_dim * H  # out_proj
+        else:
+            q_out = cfg.num_heads * hd * (2 if cfg.hybrid else 1)  # a hybrid's q_proj makes its gate too
+            kv_out = 2 * cfg.num_kv_heads * hd
+            mixer += H * (q_out + kv_out) + cfg.num_heads * hd * H
+            mixer += (q_out + kv_out) * cfg.qkv_bias + H * cfg.o_bias + 2 * hd * cfg.qk_norm
+        mlp = routed = 3 * H * cfg.intermediate_size + (2 * cfg.intermediate_size + H) * cfg.mlp_bias
+        if cfg.sparse(layer):
+            e = cfg.experts
+            expert = 3 * H * e.intermediate_size
+            shared = (3 * H * e.shared_intermediate_size + H) if e.shared_intermediate_size else 0
+            mlp = H * e.num_experts + e.num_experts * expert + shared
+            routed = H * e.num_experts + e.top_k * expert + shared
+        total += mixer + mlp
+        active += mixer + routed
+    return Parameters(total, active)
+
+
+def slot_bytes(cfg: ModelConfig, context: int, dtype: torch.dtype, tap_layers: int = 0,
+               block: int = SPECULATIVE_BLOCK) -> dict[str, int]:
+    """Bytes one request slot holds at `context` tokens: the attention layers' KV cache, the linear layers' conv and
+    recurrent states (two buffers each, see state_cache.py), and the speculative extras: the rollback inputs of a
+    verify of `block` tokens and the tap features a DFlash drafter reads (`tap_layers` x hidden per position)."""
+    states = SlotStates.nbytes(cfg, dtype, "replay", block)
+    return {
+        "kv": SlotKVCache.nbytes(len(cfg.attention_layers), 1, cfg.num_kv_heads, context, cfg.head_dim, dtype),
+        "conv": states["conv"],
+        "recurrent": states["recurrent"],
+        "speculative": states["speculative"] + context * tap_layers * cfg.hidden_size * dtype.itemsize,
+    }
