@@ -64,7 +64,7 @@ def drafter_config(target_dir: str | Path, cfg: DistillConfig) -> DFlashConfig:
         target_layer_ids=cfg.target_layer_ids or default_taps(t.num_layers), block_size=cfg.block_size,
         mask_token_id=target.tokenizer.mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
         conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
-        selector_top_k=cfg.selector_top_k,
+        selector_top_k=cfg.selector_top_k, short_blocks=True,  # greedy drafts of k + 1 slots: see docs/models.md
     )
 
 
@@ -139,8 +139,8 @@ def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: D
     positions = anchors[:, None] + torch.arange(B)  # [R, B]
     block_ids = torch.full_like(blocks, dc.mask_token_id)  # [R, B]: [anchor, MASK...]
     block_ids[:, 0] = blocks[:, 0]
-    ctx = DrafterContext(layer_kv, visible, (cos[positions][:, None], sin[positions][:, None]))
-    hidden = model(embedding[block_ids], ctx)[:, 1:]  # [R, B - 1, H]
+    ctx = DrafterContext(layer_kv, visible, (cos[positions][:, None], sin[positions][:, None]), dc, positions)
+    hidden = model(model.block_embeds(embedding, block_ids), ctx)[:, 1:]  # [R, B - 1, H]
     logits = model.draft_logits(hidden, lm_head)  # [R, B - 1, V]
     labels = blocks[:, 1:]  # [R, B - 1]
     weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / cfg.decay_gamma)  # slot k weight, k = 1..B-1

@@ -112,15 +112,16 @@ class CpuDrafter:
         and so does checking every parameter's version in the loop (its objects out of cache)."""
         versions = tuple(p._version for p in self._copied)
         if not versions or versions != self._prepared_for:
-            cfg, sel = self.cfg, self.model.candidate_selector
+            cfg, sel = self.cfg, getattr(self.model, "candidate_selector", None)
             self._copied = []
             block_w, (fc, *kv) = self._weights(), self._context_weights()
             context_args = (fc, self.model.hidden_norm.weight.detach(), kv)
             block_args = (block_w, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.conv_kernel_size if self.use_conv else 0, cfg.conv_group_size, cfg.rms_norm_eps)
-            walk_args = (cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
-                         sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
-                         sel.successor_codebook.detach(), sel.top_k)
+            walk_args = (() if sel is None else  # plain DFlash: no walk, `propose` is not called
+                         (cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
+                          sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
+                          sel.successor_codebook.detach(), sel.top_k))
             self._prepared = (block_w, context_args, block_args, walk_args)
             self._prepared_for = tuple(p._version for p in self._copied)
         return self._prepared

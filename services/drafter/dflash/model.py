@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.cpu_kernels import Linear, fused_linear, linear
-from blockspec.common.decoder import MLP, RMSNorm, apply_rope
+from blockspec.common.decoder import RMSNorm, apply_rope
+from blockspec.common.mlp import MLP
 from blockspec.services.drafter.dflash.config import DFlashConfig
 
 
@@ -53,10 +54,11 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -78,7 +80,7 @@ class DrafterAttention(nn.Module):
         v_blk = qkv[:, :, H + KV :].transpose(1, 2)  # [R, kv_heads, B, hd]
         k_ctx, v_ctx = ctx.layer_kv[ctx.layer]  # [R, kv_heads, C, hd]
         keys, values = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # [R, kv_heads, C + B, hd]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)  # [R, heads, B, hd]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.layer_mask(), enable_gqa=True)  # [R, heads, B, hd]
         return self.o_proj(out.transpose(1, 2).reshape(R, B, -1))
 
 
@@ -107,20 +109,48 @@ class DrafterLayer(nn.Module):
 
 
 class DrafterContext:
-    """What every layer's attention needs: context K/V per layer, block RoPE and the visibility mask."""
+    """What every layer's attention needs: context K/V per layer, block RoPE and the visibility masks."""
 
     def __init__(
         self,
         layer_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [R, kv_heads, C, hd] each
-        ctx_visible: torch.Tensor,  # [R, C] bool: context positions this block may see
+        ctx_visible: torch.Tensor,  # [R, C] bool: context positions this block may see (context key c: position c)
         block_cos_sin: tuple[torch.Tensor, torch.Tensor],  # [R, 1, B, hd] each
+        cfg: DFlashConfig | None = None,  # its layer types and causality; None: every layer plain
+        positions: torch.Tensor | None = None,  # [R, B] the block slots' positions (with cfg)
     ) -> None:
         self.layer_kv = layer_kv
         self.block_cos, self.block_sin = block_cos_sin
+        self.ctx_visible, self.cfg, self.positions = ctx_visible, cfg, positions
         R, B = ctx_visible.shape[0], self.block_cos.shape[2]
-        # Every block slot sees the visible context and the whole block (bidirectional): [R, 1, 1, C + B].
+        # Plain layers: every block slot sees the visible context and the whole block (bidirectional): [R, 1, 1, C + B].
         self.mask = torch.cat([ctx_visible, torch.ones(R, B, dtype=torch.bool, device=ctx_visible.device)], dim=1)[:, None, None, :]
+        self._masks: dict[tuple[bool, int | None], torch.Tensor] = {}
         self.layer = 0
+
+    def layer_mask(self) -> torch.Tensor:
+        """The current layer's mask: the plain one, or [R, 1, B, C + B] for a causal or sliding-window layer (slot
+        at position p sees keys at positions in (p - window, p + window), and with causality none after p)."""
+        cfg = self.cfg
+        if cfg is None or cfg.plain_attention:
+            return self.mask
+        causal = cfg.layer_causal(self.layer)
+        window = cfg.sliding_window if cfg.layer_type(self.layer) == "sliding_attention" else None
+        if not causal and window is None:
+            return self.mask
+        if (causal, window) not in self._masks:
+            q = self.positions[:, :, None]  # [R, B, 1]
+            ctx_pos = torch.arange(self.ctx_visible.shape[1], device=q.device)[None, None, :]  # [1, 1, C]
+            ctx = self.ctx_visible[:, None, :].expand(-1, q.shape[1], -1)  # [R, B, C]
+            block = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device)  # [B, B]
+            if causal:
+                block = block.tril()
+            if window is not None:
+                ctx = ctx & (q - ctx_pos < window)
+                slots = torch.arange(q.shape[1], device=q.device)
+                block = block & ((slots[:, None] - slots[None, :]).abs() < window)
+            self._masks[causal, window] = torch.cat([ctx, block.expand(q.shape[0], -1, -1)], dim=2)[:, None]
+        return self._masks[causal, window]
 
 
 class CandidateSelector(nn.Module):
@@ -181,6 +211,12 @@ class DFlashDrafter(nn.Module):
         if cfg.selector_rank:
             self.candidate_selector = CandidateSelector(cfg)
         self.draft_vocab: torch.Tensor | None = None  # token ids of the LM head rows it drafts from (None: all)
+
+    def block_embeds(self, embedding: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """The block's input: the target's embeddings of [anchor, MASK...] block_ids [R, B] -> [R, B, H], scaled
+        where the config says so."""
+        x = embedding[block_ids]
+        return x * self.cfg.input_embedding_scale if self.cfg.input_embedding_scale is not None else x
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Concatenated tap features [..., n_taps * H] -> fused context hidden states [..., H]."""

@@ -59,7 +59,9 @@ class DFlashProposer:
             self.vocab_ids = self.vocab_ids.to(self.device)
             self.lm_head = torch.nn.Parameter(lm_head.detach()[self.vocab_ids], requires_grad=False)
         bf16, int8 = (os.environ.get(env, "1") != "0" for env in (ENV_BF16, ENV_INT8))
-        fast = CpuDrafter(drafter, self.use_dynamic_conv, bf16, int8) if self.device.type == "cpu" else None
+        fast = (CpuDrafter(drafter, self.use_dynamic_conv, bf16, int8)
+                if self.device.type == "cpu" and cfg.plain_attention and cfg.input_embedding_scale in (None, 1.0)
+                else None)
         self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
         if self._cpu is not None:
             self._cpu.bind(self.cache, self._cos, self._sin, self.embedding, self.vocab_ids)
@@ -119,13 +121,13 @@ class DFlashProposer:
             return [Draft(()) for _ in inputs]
         ctx_lens = [len(i.token_ids) - 1 for i in live]  # the anchor sits at position ctx_len
         slot_ids, pending = self._pending([i.request_id for i in live], ctx_lens)
-        # Greedy, the block is [anchor, MASK x k] for the largest k asked: shorter than the block the drafter
-        # was trained on (block_size), which changes its drafts a little (tau within noise of the whole block's)
-        # and costs (k + 1) / block_size of it, a large share of a step at high concurrency. Sampled proposals
-        # keep the whole block: a shorter one moves their q more, and rejection sampling's tau falls with it.
+        # The block is the one the drafter was trained with, [anchor, MASK x (block_size - 1)], and each request
+        # takes its first k drafts: the reference's drafts for the same weights and context. A drafter marked
+        # short_blocks runs, greedy, only [anchor, MASK x k] for the largest k asked: other drafts, and
+        # (k + 1) / block_size of the cost. Sampled proposals keep the whole block (a shorter one moves their q).
         slots_used = max(i.k for i in live)
         greedy = all(i.sampling.greedy for i in live)
-        B = min(self.cfg.block_size, slots_used + 1) if greedy else self.cfg.block_size
+        B = min(self.cfg.block_size, slots_used + 1) if greedy and self.cfg.short_blocks else self.cfg.block_size
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
         if panels is not None:  # the whole proposal in one C++ call (no autograd state to enter: it runs after
@@ -147,14 +149,16 @@ class DFlashProposer:
         block_ids = torch.full((len(live), B), self.cfg.mask_token_id, device=dev)  # [R, B]: [anchor, MASK...]
         block_ids[:, 0] = anchors
         if cpu is not None:
-            hidden = cpu.block(self.embedding[block_ids], self.cache, slots, lens, self._cos, self._sin)  # [R, B, H]
+            hidden = cpu.block(self.model.block_embeds(self.embedding, block_ids), self.cache, slots, lens, self._cos,
+                               self._sin)  # [R, B, H]
         else:
             key_len = self.cache.key_span(max(ctx_lens))
             layer_kv = [self.cache.read(layer, slots, key_len) for layer in range(self.cfg.num_layers)]
             visible = torch.arange(key_len, device=dev)[None, :] < lens[:, None]  # [R, key_len]
             positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
-            ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]))
-            hidden = self.model(self.embedding[block_ids], ctx, self.use_dynamic_conv)  # [R, B, H]
+            ctx = DrafterContext(layer_kv, visible, (self._cos[positions][:, None], self._sin[positions][:, None]),
+                                 self.cfg, positions)
+            hidden = self.model(self.model.block_embeds(self.embedding, block_ids), ctx, self.use_dynamic_conv)  # [R, B, H]
         hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
         q_rows: list[list] = [[] for _ in live]
