@@ -4,7 +4,7 @@ GenerateRequest, the router's answers and errors as OpenAI's (the HTTP side: ope
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -15,7 +15,7 @@ UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions"}  # pydantic's union members
 # gRPC field names as the router's errors spell them -> the OpenAI parameter the client sent
 _PARAMS = {"text": "prompt", "token_ids": "prompt", "token_ids.ids": "prompt", "chat": "messages",
-           "chat.messages": "messages"}
+           "chat.messages": "messages", "chat.template_kwargs": "chat_template_kwargs"}
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}  # Finish.reason -> finish_reason
 _HTTP = {  # gRPC status -> (HTTP status line, OpenAI error type)
     grpc.StatusCode.INVALID_ARGUMENT: ("400 Bad Request", "invalid_request_error"),
@@ -53,6 +53,8 @@ def from_rpc_error(e: grpc.RpcError) -> ApiError:
     field, sep, rest = message.partition(": ")
     if sep and " " not in field:  # "field: what is wrong" (common/errors.InvalidArgument)
         param = _PARAMS.get(field, field.removeprefix("sampling."))
+        if field.startswith("chat.template_kwargs."):  # one of its variables: chat_template_kwargs.<name>
+            param = "chat_template_kwargs." + field.removeprefix("chat.template_kwargs.")
         message = f"{param}: {rest}"
     headers = tuple(("Retry-After", v) for k, v in (e.trailing_metadata() or ()) if k == "retry-after")
     return ApiError(status, kind, message, param, headers)
@@ -133,6 +135,7 @@ class ChatRequest(OpenAIRequest):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     response_format: dict | None = None
 
     def unserved(self) -> dict[str, str | None]:
@@ -191,6 +194,8 @@ def _messages(req: ChatRequest, message: api_pb2.GenerateRequest) -> None:
         message.chat.messages.add(role=m.role, content=content)
     if not req.messages:
         message.chat.SetInParent()  # an empty conversation: the router names it
+    if req.chat_template_kwargs:
+        message.chat.template_kwargs.update(req.chat_template_kwargs)
 
 
 def _sampling(req: OpenAIRequest, sp: api_pb2.SamplingParams) -> None:

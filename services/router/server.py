@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 import jinja2
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.trace import Status, StatusCode
@@ -119,8 +120,16 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
     return Request(msg.request_id or uuid.uuid4().hex, tuple(ids), max_tokens, k, sampling)
 
 
+# apply_chat_template's own arguments: a template variable of one of these names would change how it renders.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
 def chat_ids(chat: api_pb2.Chat, tokenizer) -> list[int]:
-    """A conversation's prompt: the target's chat template over its messages, the assistant's turn opened."""
+    """A conversation's prompt: the target's chat template over its messages (and `template_kwargs`, the variables a
+    template reads such as Qwen's `enable_thinking`), the assistant's turn opened."""
     if not chat.messages:
         raise InvalidArgument("chat.messages", "must not be empty")
     if not getattr(tokenizer, "chat_template", None):
@@ -130,8 +139,12 @@ def chat_ids(chat: api_pb2.Chat, tokenizer) -> list[int]:
         if not m.role:
             raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    kwargs = json_format.MessageToDict(chat.template_kwargs) if chat.HasField("template_kwargs") else {}
+    reserved = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise InvalidArgument(f"chat.template_kwargs.{reserved[0]}", "is set by the server, not a template variable")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except jinja2.TemplateError as e:  # the template's own checks (roles that must alternate, ...)
         raise InvalidArgument("chat.messages", f"the chat template refused them: {e}") from None
     except Exception as e:  # noqa: BLE001 - a template is code: what it raises over these messages is about them

@@ -236,8 +236,14 @@ def test_chat_completions_are_the_target_alones_reply_to_the_rendered_conversati
             s.client.chat.completions.create(**{**kw, "messages": [flat[1], flat[1]]})
         with pytest.raises(openai.BadRequestError) as tools:
             s.client.chat.completions.create(**kw, tools=[{"type": "function", "function": {"name": "f"}}])
+        no_thinking = s.client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        with pytest.raises(openai.BadRequestError) as reserved:
+            s.client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
     finally:
         s.close()
+    thinking_off = tok.apply_chat_template(flat, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert no_thinking.usage.prompt_tokens == len(tok.encode(thinking_off, add_special_tokens=False)) > len(rendered)
+    assert reserved.value.body["param"] == "chat_template_kwargs.add_generation_prompt"
     assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected
     assert whole.usage.prompt_tokens == len(rendered) and newer.choices[0].message.content == expected

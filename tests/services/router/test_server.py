@@ -425,6 +425,33 @@ def test_a_chat_prompt_is_the_targets_chat_template_rendered(chat_target, tiny_m
     assert empty.value.details() == "chat.messages: must not be empty"
 
 
+def test_chat_template_kwargs_reach_the_template(chat_target, tiny_models):
+    """template_kwargs are the template's variables (Qwen's enable_thinking); apply_chat_template's own arguments are
+    not, and are refused naming the variable."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_greedy
+
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    rendered = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  enable_thinking=False), add_special_tokens=False)
+    assert tok.decode(rendered).endswith("<|assistant|><think>\n\n</think>\n\n")
+    chat = api_pb2.Chat(messages=[api_pb2.ChatMessage(role="user", content="def add(a, b):")])
+    chat.template_kwargs.update({"enable_thinking": False})
+    r = RouterThread(Engine(chat_target, None, "ngram", max_batch=2))
+    try:
+        ids, _, finish = collect(r.stub.Generate(api_pb2.GenerateRequest(chat=chat, max_tokens=16), timeout=60))
+        chat.template_kwargs.update({"tokenize": True})
+        with pytest.raises(grpc.RpcError) as reserved:
+            collect(r.stub.Generate(api_pb2.GenerateRequest(chat=chat, max_tokens=4), timeout=60))
+    finally:
+        r.close()
+    assert finish.usage.prompt_tokens == len(rendered) and ids == hf_greedy(chat_target, rendered, 16)
+    assert reserved.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reserved.value.details() == "chat.template_kwargs.tokenize: is set by the server, not a template variable"
+
+
 def test_a_chat_prompt_without_a_template_is_refused(router):
     with pytest.raises(grpc.RpcError) as e:
         collect(router.stub.Generate(api_pb2.GenerateRequest(
