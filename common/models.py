@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 # `qwen3_5_text`, multimodal `qwen3_5` whose text model is read and its vision tower left out) interleave Gated DeltaNet
 # linear-attention layers with gated full-attention layers (`layer_types`).
 # The MoE variants (`qwen3_moe`; `qwen3_5_moe` and its text-only `qwen3_5_moe_text`) replace the MLP with routed
-# experts (and, in Qwen3.5, a gated shared expert).
+# experts (and, in Qwen3.5, a gated shared expert). Qwen3-Next (`qwen3_next`) has the Qwen3.5 MoE's layers with the
+# linear layers' q, k, v, z and b, a projections fused per key head (`unfuse_qwen3_next`).
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # their language model's config is `text_config`
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -166,17 +167,18 @@ def text_config(raw: dict) -> dict:
 
 def _experts(raw: dict, path: Path, model_type: str, num_layers: int) -> Experts | None:
     """The MoE fields of a qwen3_moe / qwen3_5_moe config (None for the others)."""
-    if model_type not in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"):
+    if model_type not in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
         return None
     where = str(path / "config.json")
     if "num_experts" not in raw and "num_local_experts" in raw:  # the name transformers 5 saves
         raw = {**raw, "num_experts": raw["num_local_experts"]}
     num_experts = int(_require(raw, "num_experts", path))
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen3_next"):  # routed where decoder_sparse_step / mlp_only_layers say
         step = int(raw.get("decoder_sparse_step", 1))
         only = set(raw.get("mlp_only_layers") or ())
         dense = tuple(i for i in range(num_layers) if i in only or num_experts == 0 or (i + 1) % step)
-        shared, norm = 0, bool(raw.get("norm_topk_prob", False))
+        norm = bool(raw.get("norm_topk_prob", model_type == "qwen3_next"))
+        shared = int(_require(raw, "shared_expert_intermediate_size", path)) if model_type == "qwen3_next" else 0
     else:  # Qwen3.5 MoE: every layer routed, weights renormalised, a gated shared expert
         if raw.get("mlp_only_layers"):
             raise ModelLoadError(where, "mlp_only_layers is not supported for qwen3_5_moe (every layer is routed)")
@@ -214,7 +216,7 @@ def _hybrid_fields(raw: dict, path: Path, num_layers: int, head_dim: int) -> dic
     if act != "silu":
         raise ModelLoadError(where, f"hidden_act {act!r} is not supported; supported: 'silu'")
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))  # transformers' default
     if raw.get("attn_output_gate", True) is not True:
         raise ModelLoadError(where, "attn_output_gate=false is not supported (Qwen3.5 attention gates its output)")
     linear = LinearAttention(
@@ -257,7 +259,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         vocab_size=int(_require(raw, "vocab_size", path)),
         hidden_size=hidden,
         intermediate_size=int(raw.get("intermediate_size") or 0) if model_type.startswith("qwen3_5_moe")
-        else int(_require(raw, "intermediate_size", path)),
+        or model_type == "qwen3_next" else int(_require(raw, "intermediate_size", path)),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -334,6 +336,28 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def unfuse_qwen3_next(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's linear layers keep q, k, v, z in one projection and b, a in another, grouped per key head
+    ([q_g, k_g, v_g, z_g] rows for key head g; [b_g, a_g]); the same maths as Qwen3.5's in_proj_qkv / _z / _b / _a,
+    which this rewrites them into (the rows reordered, nothing computed)."""
+    lin = cfg.linear
+    per = lin.num_v_heads // lin.num_k_heads  # value heads per key head
+    qkvz_split = (lin.k_head_dim, lin.k_head_dim, per * lin.v_head_dim, per * lin.v_head_dim)
+    for layer in cfg.linear_layers:
+        prefix = f"model.layers.{layer}.linear_attn."
+        qkvz = weights.pop(prefix + "in_proj_qkvz.weight", None)
+        ba = weights.pop(prefix + "in_proj_ba.weight", None)
+        if qkvz is None or ba is None:
+            continue  # left to the name check, which names what is missing
+        q, k, v, z = qkvz.view(lin.num_k_heads, sum(qkvz_split), -1).split(qkvz_split, dim=1)
+        b, a = ba.view(lin.num_k_heads, 2 * per, -1).split((per, per), dim=1)
+        flat = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a)]  # key-head-major rows
+        weights[prefix + "in_proj_qkv.weight"] = torch.cat(flat[:3])
+        weights[prefix + "in_proj_z.weight"], weights[prefix + "in_proj_b.weight"] = flat[3], flat[4]
+        weights[prefix + "in_proj_a.weight"] = flat[5]
+    return weights
+
+
 def load_tokenizer(path: Path) -> object:
     """The checkpoint's fast tokenizer; the directory must hold tokenizer.json."""
     missing = [f for f in TOKENIZER_FILES if not (path / f).is_file()]
@@ -354,6 +378,8 @@ def load_checkpoint(path: str | Path, with_weights: bool = True) -> Checkpoint:
         raise ModelLoadError(str(p / "tokenizer.json"), f"{len(tokenizer)} tokens (with the added ones) do not fit "
                                                         f"config.json's vocab_size {config.vocab_size}")
     weights = load_weights(p) if with_weights else {}
+    if config.family == "qwen3_next" and weights:
+        weights = unfuse_qwen3_next(weights, config)
     log.info("loaded %s checkpoint %s (%d tensors)", config.family, p, len(weights))
     return Checkpoint(path=p, config=config, weights=weights, tokenizer=tokenizer)
 

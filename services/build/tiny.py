@@ -125,7 +125,8 @@ def build_tiny_drafter(
 
 
 # The language models of the published checkpoints the tiny ones shrink (their config.json, or text_config):
-# Qwen3.5-27B (hybrid), Qwen3.6-35B-A3B (hybrid MoE, the layout of Qwen3.5-35B-A3B) and Qwen3-30B-A3B (MoE).
+# Qwen3.5-27B (hybrid), Qwen3.6-35B-A3B (hybrid MoE, the layout of Qwen3.5-35B-A3B), Qwen3-30B-A3B (MoE) and
+# Qwen3-Next-80B-A3B (hybrid MoE, fused linear-layer projections).
 _QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                  "mrope_section": [11, 11, 10], "mrope_interleaved": True}
 QWEN3_5_27B = {
@@ -153,7 +154,18 @@ QWEN3_30B_A3B = {
     "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
 }
-PUBLISHED = {"qwen3_5": QWEN3_5_27B, "qwen3_5_moe": QWEN3_6_35B_A3B, "qwen3_moe": QWEN3_30B_A3B}
+QWEN3_NEXT_80B_A3B = {
+    "model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151936,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+}
+PUBLISHED = {"qwen3_5": QWEN3_5_27B, "qwen3_5_moe": QWEN3_6_35B_A3B, "qwen3_moe": QWEN3_30B_A3B,
+             "qwen3_next": QWEN3_NEXT_80B_A3B}
 
 
 def tiny_family_config(family: str, tokenizer: object, num_layers: int = 4, hidden_size: int = 64,
@@ -196,7 +208,8 @@ def build_tiny_family(out: str | Path, family: str = "qwen3_5", layout: str = "t
                            "Qwen3_5ForConditionalGeneration"),
                "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
                                "Qwen3_5MoeForConditionalGeneration"),
-               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None, None)}
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None, None),
+               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", None, None)}
     text_cfg, text_model, mm_cfg, mm_model = (getattr(tf, c) if c else None for c in classes[family])
     tokenizer = tokenizer or tiny_tokenizer()
     text = tiny_family_config(family, tokenizer, **config)

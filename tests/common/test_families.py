@@ -20,7 +20,8 @@ from tests.conftest import hf_greedy
 
 NEW = 48  # tokens generated per prompt
 LAYOUTS = ("text", "multimodal")
-TARGETS = ("qwen3_5-text", "qwen3_5-multimodal", "qwen3_5_moe-text", "qwen3_5_moe-multimodal", "qwen3_moe-text")
+TARGETS = ("qwen3_5-text", "qwen3_5-multimodal", "qwen3_5_moe-text", "qwen3_5_moe-multimodal", "qwen3_moe-text",
+           "qwen3_next-text")
 
 
 @pytest.fixture(scope="module")
