@@ -63,5 +63,5 @@ def check_fits_target(cfg: DFlashConfig, target: ModelConfig, path: str) -> None
         problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocabulary of {target.vocab_size}")
-    if problems:
-        raise ModelLoadError(path, "drafter does not fit the target: " + "; ".join(problems))
+    if problems:  # named against the drafter's config.json, whose keys they are
+        raise ModelLoadError(str(Path(path) / "config.json"), "drafter does not fit the target: " + "; ".join(problems))

@@ -147,3 +147,18 @@ def test_absent_taps_and_block_size_take_the_references_defaults(published):
     cfg = DFlashConfig.from_hf({**raw, "num_target_layers": 36}, "x")  # two drafter layers over 36 target layers
     assert cfg.block_size == 16 and cfg.target_layer_ids == (1, 33)
     assert default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61) and default_target_layer_ids(36, 1) == (18,)
+
+
+def test_a_drafter_for_another_target_is_refused_naming_its_config_and_keys(published, tiny_models, tmp_path):
+    raw = json.loads((published["dflash2"] / "config.json").read_text())
+    raw["dflash_config"].update(mask_token_id=5000, target_layer_ids=[0, 7])
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    (out / "model.safetensors").symlink_to(published["dflash2"] / "model.safetensors")
+    with pytest.raises(ModelLoadError) as e:
+        Engine(tiny_models["qwen3"]["target"], out, "dflash", max_batch=1, threads=1)
+    message = str(e.value)
+    assert message.startswith(f"{out / 'config.json'}: drafter does not fit the target")
+    assert "target_layer_ids [7] outside the target's 2 layers" in message
+    assert "mask_token_id 5000 outside the target vocabulary of 320" in message
