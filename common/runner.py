@@ -47,12 +47,17 @@ class ForwardResult:
         return list(self.tap_rows.split(list(self.lengths))) if self.tap_rows is not None else []
 
 
+def decoder_class(cfg) -> type[Decoder] | type[HybridDecoder]:
+    """The decoder module a config needs: the hybrid one for Qwen3.5-style layer types."""
+    return HybridDecoder if cfg.hybrid else Decoder
+
+
 def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) -> Decoder | HybridDecoder:
     """A Decoder (a HybridDecoder for a hybrid model) holding the checkpoint's weights (HF names, `model.` prefix
     stripped). Built on the meta device and handed the checkpoint's tensors: no second copy (a 27B target would not
     fit twice)."""
     with torch.device("meta"):
-        model = (HybridDecoder if checkpoint.config.hybrid else Decoder)(checkpoint.config)
+        model = decoder_class(checkpoint.config)(checkpoint.config)
     weights = {k.removeprefix("model."): v for k, v in checkpoint.weights.items()}
     if checkpoint.config.tie_word_embeddings:
         weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight"))

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One command on a GPU machine (about 2 minutes on one H200): random-weight Qwen3-shaped targets of
-# 0.75B, 8.2B and 26.7B parameters (bf16) with matching DFlash drafters -> r(k+1), c_d, step-loop
-# overhead, CUDA IPC sharing between two processes, bf16 exactness of verify vs decode and of a
-# speculative stream vs plain decoding (default and invariant mode).
+# One command on a GPU machine: random-weight Qwen3-shaped targets of 0.75B, 8.2B and 26.7B parameters and a
+# Qwen3.5-27B-shaped hybrid (26.9B; bf16) with matching DFlash drafters -> r(k+1), c_d, step-loop overhead, CUDA IPC
+# sharing between two processes, bf16 exactness of verify vs decode and of a speculative stream vs plain decoding
+# (default and invariant mode). The three dense sizes took about 2 minutes on one H200; the hybrid is not timed yet.
 #
 # It runs under the GPU machine's own Python and CUDA build of torch: the pins in pyproject.toml name
 # the CPU build, and such machines are often offline. PYTHON picks the interpreter (default: the first
 # of .venv's and python3 whose torch sees a GPU, else .venv's). Where blockspec is not installed for
 # it, this checkout is put on its path as the package; besides torch it needs numpy, safetensors, tqdm
 # and opentelemetry-api.
-# SIZES (default 1b,8b,27b), OUT (default gpu-check-out) and DEVICE (default cuda) are passed on.
+# SIZES (default 1b,8b,27b,27b-hybrid), OUT (default gpu-check-out) and DEVICE (default cuda) are passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sees_gpu() { "$1" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
@@ -25,5 +25,5 @@ if ! "$PYTHON" -c "import blockspec.services.cli" 2>/dev/null; then
   for part in common protos services; do ln -s "$PWD/$part" "$shim/blockspec/$part"; done
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec "$PYTHON" -m blockspec.services.cli gpu-check --device "${DEVICE:-cuda}" --sizes "${SIZES:-1b,8b,27b}" \
+exec "$PYTHON" -m blockspec.services.cli gpu-check --device "${DEVICE:-cuda}" --sizes "${SIZES:-1b,8b,27b,27b-hybrid}" \
   --out "${OUT:-gpu-check-out}"

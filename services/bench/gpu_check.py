@@ -1,9 +1,10 @@
-"""`blockspec gpu-check`: random-weight Qwen3-shaped targets up to the reference size (~27B, bf16) and a
-matching DFlash drafter on one GPU: r(k+1), c_d, orchestration overhead, CUDA IPC sharing between two
-processes, greedy exactness of verify vs decode and of a speculative stream vs plain decoding (default
-and invariant mode), and what those streams cost per token. Prints a table.
+"""`blockspec gpu-check`: random-weight Qwen3-shaped targets up to the reference size (~27B, bf16), Qwen3.5 hybrids
+(`tiny-hybrid`, and `27b-hybrid` with Qwen3.5-27B's published shape) and a matching DFlash drafter on one GPU: r(k+1),
+c_d, orchestration overhead, CUDA IPC sharing between two processes, greedy exactness of verify vs decode and of a
+speculative stream vs plain decoding (default and invariant mode), and what those streams cost per token. Prints a
+table.
 
-`--device cpu --sizes tiny` runs the same code on the CPU in seconds (what the tests run)."""
+`--device cpu --sizes tiny,tiny-hybrid` runs the same code on the CPU in seconds (what the tests run)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,23 @@ SIZES = {
     "8b": (36, 4096, 32, 8, 12288, 151936),
     "27b": (64, 5120, 40, 8, 21504, 151936),
 }
-DRAFTER_LAYERS = {"tiny": 1, "1b": 1, "8b": 3, "27b": 5}
+# Qwen3.5 hybrids: the published Qwen3.5-27B language model (26.9B parameters, 48 Gated DeltaNet and 16 attention
+# layers), and the same shrunk (services/build/tiny.py).
+HYBRID_SIZES = ("tiny-hybrid", "27b-hybrid")
+SIZES = {**SIZES, **{size: None for size in HYBRID_SIZES}}
+DRAFTER_LAYERS = {"tiny": 1, "1b": 1, "8b": 3, "27b": 5, "tiny-hybrid": 1, "27b-hybrid": 5}
 KS = (1, 3, 5, 7, 15)
 STREAM_TOKENS = 48  # per stream of stream_check, after a 128-token prompt
 
 
 def hf_config(size: str) -> dict:
-    """The size's config.json as transformers writes it for Qwen3 (also what a transformers peer is built from)."""
+    """The size's config.json as transformers writes it for Qwen3 (a hybrid size: Qwen3.5's), also what a
+    transformers peer is built from."""
+    if size in HYBRID_SIZES:
+        from blockspec.services.build.tiny import QWEN3_5_27B, tiny_family_config, tiny_tokenizer
+
+        cfg = QWEN3_5_27B if size == "27b-hybrid" else tiny_family_config("qwen3_5", tiny_tokenizer())
+        return {**cfg, "max_position_embeddings": 4096, "eos_token_id": cfg["vocab_size"] - 1}
     layers, hidden, heads, kv, inter, vocab = SIZES[size]
     return {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
             "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
@@ -42,25 +53,28 @@ def hf_config(size: str) -> dict:
 
 
 def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
-    """A Qwen3-shaped checkpoint with random weights made directly on the device (no file, no host copy)."""
-    from blockspec.common.decoder import Decoder
+    """A checkpoint of the size's shape with random weights made directly on the device (no file, no host copy)."""
+    from blockspec.common.runner import decoder_class
 
     cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Decoder(cfg).state_dict().items()}
+        shapes = {k: v.shape for k, v in decoder_class(cfg)(cfg).state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(0)
-    weights = {k: (torch.ones(s, dtype=dtype, device=device) if k.endswith("norm.weight") else
+    # Norms at their identity: weight 1, or 0 where a hybrid's norm scales by 1 + weight.
+    identity = {k: 0.0 if cfg.hybrid and not k.endswith("linear_attn.norm.weight") else 1.0 for k in shapes
+                if k.endswith("norm.weight")}
+    weights = {k: (torch.full(s, identity[k], dtype=dtype, device=device) if k in identity else
                    torch.randn(s, dtype=dtype, device=device, generator=gen) * 0.02) for k, s in shapes.items()}
     return Checkpoint(path=Path(f"<random {size}>"), config=cfg, weights=weights, tokenizer=None)
 
 
 def weights_bytes(size: str, dtype: torch.dtype) -> int:
     """The bytes of the size's target and drafter weights in dtype (counted on the meta device: nothing allocated)."""
-    from blockspec.common.decoder import Decoder
+    from blockspec.common.footprint import parameters
 
     cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
+    params = parameters(cfg).total
     with torch.device("meta"):
-        params = sum(p.numel() for p in Decoder(cfg).parameters())
         params += sum(p.numel() for p in random_drafter(size, cfg, "meta", dtype).parameters())
     return params * dtype.itemsize
 
@@ -109,7 +123,7 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     from blockspec.services.bench.costs import cost_ratios
 
     target = random_target(size, device, dtype)
-    context = min(context, 256) if size == "tiny" else context
+    context = min(context, 256) if size.startswith("tiny") else context
     params = sum(w.numel() for w in target.weights.values()) / 1e9
     prompt = torch.randint(0, target.config.vocab_size - 1, (context,),
                            generator=torch.Generator().manual_seed(1)).tolist()
@@ -144,7 +158,7 @@ def random_drafter(size: str, cfg, device: str, dtype: torch.dtype):
                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
                         num_target_layers=cfg.num_layers, target_layer_ids=taps, block_size=16,
                         mask_token_id=0, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, conv_kernel_size=2,
-                        conv_group_size=16, selector_rank=256 if size != "tiny" else 8, selector_top_k=16)
+                        conv_group_size=16, selector_rank=8 if size.startswith("tiny") else 256, selector_top_k=16)
     return DFlashDrafter(dcfg).to(device, dtype).eval().requires_grad_(False)
 
 

@@ -56,7 +56,8 @@ def add_perf_commands(sub) -> None:
     add_device_args(bn)
     bn.set_defaults(func=cmd_bench)
     gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
-    gc.add_argument("--sizes", default="1b,8b,27b", help="comma list of tiny, 1b, 8b, 27b (the reference shape)")
+    gc.add_argument("--sizes", default="1b,8b,27b,27b-hybrid",
+                    help="comma list of tiny, 1b, 8b, 27b (the reference shape), tiny-hybrid, 27b-hybrid (Qwen3.5-27B)")
     gc.add_argument("--device", default="cuda")
     gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
     gc.set_defaults(func=cmd_gpu_check)

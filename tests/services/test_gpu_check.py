@@ -15,15 +15,25 @@ import torch
 from blockspec.services.cli.main import main
 
 
-def test_gpu_check_runs_on_cpu_with_the_tiny_shape(tmp_path, capsys):
-    assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny", "--out", str(tmp_path)]) == 0
+def test_gpu_check_runs_on_cpu_with_the_tiny_shapes(tmp_path, capsys):
+    assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| tiny |" in out and "shm: child read sum" in out and "-> ok" in out
-    report = json.loads((tmp_path / "gpu_check.json").read_text())[0]
-    assert set(report["r"]) == {"1", "3", "5", "7", "15"} and all(v > 0 for v in report["c_d"].values())
-    assert report["exact_invariant"] == 0  # fp32 CPU, invariant width: bitwise equal logits
-    assert report["stream_invariant"] == report["stream_tokens"] == 48  # speculative stream = plain decoding's
-    assert report["stream_plain_ms"] > 0 and report["stream_spec_ms"] > 0
+    assert "| tiny |" in out and "| tiny-hybrid |" in out and "shm: child read sum" in out and "-> ok" in out
+    for report in json.loads((tmp_path / "gpu_check.json").read_text()):
+        assert set(report["r"]) == {"1", "3", "5", "7", "15"} and all(v > 0 for v in report["c_d"].values())
+        assert report["exact_invariant"] == 0  # fp32 CPU, invariant width: bitwise equal logits
+        assert report["stream_invariant"] == report["stream_tokens"] == 48  # speculative stream = plain decoding's
+        assert report["stream_plain_ms"] > 0 and report["stream_spec_ms"] > 0
+
+
+def test_the_hybrid_reference_shape_is_qwen3_5_27b():
+    from blockspec.common.footprint import parameters
+    from blockspec.common.models import parse_config
+    from blockspec.services.bench import gpu_check
+
+    cfg = parse_config(gpu_check.hf_config("27b-hybrid"), Path("."))
+    assert cfg.linear_layers == tuple(i for i in range(64) if (i + 1) % 4) and cfg.rope_dim == 64
+    assert round(parameters(cfg).total / 1e9, 1) == 26.9
 
 
 def test_gpu_check_script_puts_the_checkout_on_the_path_where_blockspec_is_not_installed(tmp_path):
@@ -58,7 +68,7 @@ def test_sizes_whose_weights_pass_the_free_memory_are_refused_before_anything_is
     monkeypatch.setattr(gpu_check, "check_size", lambda *a: pytest.fail("a size was built"))
     assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny,8b"]) == 2
     assert capsys.readouterr().err.strip() == ("blockspec: error: --sizes: 8b needs 33.2 GiB for its weights in "
-                                               "torch.float32 on cpu, which has 8.0 GiB free: choose from tiny, 1b")
+                                               "torch.float32 on cpu, which has 8.0 GiB free: choose from tiny, 1b, tiny-hybrid")
 
 
 @pytest.mark.gpu
