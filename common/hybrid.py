@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.cpu_kernels import Linear, cached_attention
-from blockspec.common.decoder import AttentionBatch, mlp_of
+from blockspec.common.decoder import AttentionBatch, Decoder, mlp_of
 from blockspec.common.models import ModelConfig
 from blockspec.common.state_cache import StateStep, delta_rule_steps, l2_normalise
 
@@ -163,19 +163,12 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridDecoder(nn.Module):
-    """Token ids in, final hidden states (and tapped layer outputs) out; `logits` applies the LM head. The same
-    interface as `decoder.Decoder`; the forward needs the batch's `states` (a `StateStep`)."""
+class HybridDecoder(Decoder):
+    """`decoder.Decoder` with hybrid layers and zero-centred norms, run in torch (the C++ decode path is for dense
+    layers); the forward needs the batch's `states` (a `StateStep`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+    layer_class = HybridLayer
+    norm_class = ZeroCentredRMSNorm
 
     def forward(self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = (),
                 tap_dest: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -190,5 +183,5 @@ class HybridDecoder(nn.Module):
         step.finish()
         return self.norm(x), taps
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def _row_weights(self) -> None:
+        return None  # no C++ decode: `logits` takes the LM head in torch
