@@ -27,8 +27,10 @@ class SlotKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        spare_slots: int = 0,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        # spare_slots: rows past the last slot that no request gets; a captured step writes its padding rows there
+        shape = (num_layers, num_slots + spare_slots, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len

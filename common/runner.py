@@ -39,6 +39,9 @@ class ForwardResult:
     tap_rows: torch.Tensor | None = None
     store: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     lengths: tuple[int, ...] = ()  # each segment's token count
+    # Per segment, where the backend decided on the device (`cuda_runner`): the drafts a greedy verify of the segment
+    # ([anchor, d1..]) accepts and the target's argmax of each returned row.
+    greedy: list[tuple[int, list[int]]] | None = None
 
     @property
     def taps(self) -> list[torch.Tensor]:
@@ -80,6 +83,29 @@ def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) ->
     if checkpoint.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # one tensor, as the checkpoint has it
     return model.eval().requires_grad_(False)
+
+
+BACKENDS = ("auto", "eager", "graphs")
+
+
+def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, query_width: int | None = None,
+                tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                backend: str = "auto") -> Runner:
+    """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a dense
+    model on CUDA, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
+    `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model)."""
+    from blockspec.common.cuda_runner import CudaRunner, unsupported
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    reason = unsupported(checkpoint.config)
+    if backend == "graphs" or (backend == "auto" and torch.device(device).type == "cuda" and reason is None):
+        if query_width:
+            log.info("the CUDA runner is batch-invariant at every width: query_width %d is not needed", query_width)
+        return CudaRunner(checkpoint, num_slots, max_len, tap_layers, dtype, device)
+    if backend == "auto" and torch.device(device).type == "cuda":
+        log.info("%s: the eager runner on %s (the CUDA runner does not take %s)", checkpoint.path, device, reason)
+    return Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device)
 
 
 class Runner:
@@ -125,6 +151,14 @@ class Runner:
     @property
     def embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight  # [vocab, hidden]
+
+    def make_tap_buffer(self) -> torch.Tensor | None:
+        """A buffer for the tap features of every slot and position, [slots, max_len, n_taps * hidden]; None without
+        tap layers."""
+        width = len(self.tap_layers) * self.config.hidden_size
+        if not width:
+            return None
+        return torch.zeros(self.cache.num_slots, self.max_len, width, dtype=self.embedding.dtype, device=self.device)
 
     @property
     def lm_head(self) -> torch.Tensor:

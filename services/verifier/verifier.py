@@ -14,7 +14,7 @@ from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
 from blockspec.common.distributions import DraftDist, log_probs, process
 from blockspec.common.footprint import slot_bytes
 from blockspec.common.models import Checkpoint
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.runner import Segment, make_runner
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.common.threads import ThreadGovernor
 from blockspec.common.timing import interleaved
@@ -56,13 +56,15 @@ class Verifier:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         threads: ThreadGovernor | None = None,
+        backend: str = "auto",
     ) -> None:
         self.threads = threads  # polled before each forward: the CPU threads follow the machine's other load
-        self.runner = Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device)
-        width = len(self.runner.tap_layers) * checkpoint.config.hidden_size
-        # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden].
-        self.tap_buffer = torch.zeros(num_slots, self.runner.max_len, width, dtype=dtype, device=device) if width else None
-        self._tap_rows = list(self.tap_buffer.unbind(0)) if width else []  # `features`: one view per slot, made once
+        self.runner = make_runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, backend)
+        # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden] (a CUDA
+        # runner's has a spare slot after them, where its padding rows go).
+        self.tap_buffer = self.runner.make_tap_buffer()
+        # `features`: one view per slot, made once
+        self._tap_rows = list(self.tap_buffer.unbind(0)) if self.tap_buffer is not None else []
         self.tokenizer = checkpoint.tokenizer
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
@@ -182,11 +184,13 @@ class Verifier:
                 room -= n
                 remaining -= n
             out = self._forward(segments)
+            segments_of = {rid: i for i, (rid, _) in enumerate(ends)}
             for (rid, end), logits in zip(ends, out.logits):
                 state = self._requests[rid]
                 if end == len(state.token_ids):
                     pending.remove(rid)
-                    results.append(self._commit(rid, self._decide(state, logits[-1:], (), None)))
+                    greedy = out.greedy[segments_of[rid]] if out.greedy else None
+                    results.append(self._commit(rid, self._decide(state, logits[-1:], (), None, greedy)))
         return results
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
@@ -196,18 +200,23 @@ class Verifier:
         segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) for s, i in zip(states, inputs)]
         out = self._forward(segments)
         results = []
-        for inp, state, logits in zip(inputs, states, out.logits):
-            acc = self._decide(state, logits, inp.draft_ids, inp.q)  # logits [k + 1, vocab]
+        for i, (inp, state, logits) in enumerate(zip(inputs, states, out.logits)):
+            acc = self._decide(state, logits, inp.draft_ids, inp.q, out.greedy[i] if out.greedy else None)
             # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
             self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
             results.append(self._commit(inp.request_id, acc))
         return results
 
     @staticmethod
-    def _decide(state: _State, logits: torch.Tensor, draft_ids: Sequence[int], q: DraftDist | None) -> Acceptance:
-        """The request's rule over logits [k + 1, vocab]; row i samples the token at committed_len + i."""
+    def _decide(state: _State, logits: torch.Tensor, draft_ids: Sequence[int], q: DraftDist | None,
+                greedy: tuple[int, list[int]] | None = None) -> Acceptance:
+        """The request's rule over logits [k + 1, vocab]; row i samples the token at committed_len + i. greedy: what
+        the forward decided on the device for plain greedy (accepted drafts, argmax per row), where it did."""
         sp = state.sampling
         if sp.plain_greedy:
+            if greedy is not None:
+                accepted, target_ids = greedy
+                return Acceptance(accepted, tuple(target_ids[: accepted + 1]))
             return greedy_accept(draft_ids, cpu_kernels.argmax_rows(logits))
         # Processors, warpers and the acceptance rules run on the host (a GPU target's logits come over).
         processed = process(logits.cpu(), state.token_ids, state.prompt_len, draft_ids, sp)

@@ -1,0 +1,342 @@
+"""Batch-invariant operators of the CUDA backend: a row's result depends on that row alone.
+
+Two torch custom operators, so that a captured or compiled step sees each as one opaque node:
+
+* `blockspec::linear(x, w)` = x @ w.T. On CUDA a Triton GEMM whose tiles (BLOCK_M x BLOCK_N x BLOCK_K) and split of K
+  are fixed by the weight's shape and the device, never by the row count: every row is reduced in the same order
+  whether it is decoded alone, verified in a block of 16 or batched with 15 other requests. The split partials are
+  added in a fixed order (split 0 first).
+* `blockspec::cache_attention(q, k_cache, v_cache, slots, positions, scale)`: each query row attends to keys
+  [0, position] of its slot, read in place from the static cache [slots, kv_heads, max_len, head_dim] (no gather, no
+  mask tensor). Keys are split into fixed chunks of CHUNK positions (flash-decoding with a split fixed per position,
+  not per batch), each chunk's partial softmax combined in chunk order.
+
+Elsewhere (the CPU) each operator is its torch reference: F.linear, and SDPA over the gathered slots with a causal
+mask. `TRITON_INTERPRET=1` runs the Triton kernels on CPU tensors (tests/common/test_gpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 256  # keys per attention split: positions [c * CHUNK, (c + 1) * CHUNK) are one partial softmax
+BLOCK_M = 64  # GEMM rows per tile, whatever the row count (a decode's 1 row is a padded tile)
+ATTN_BLOCK_N = 64  # keys per attention tile
+
+
+# --- the torch references (CPU, and what the kernels are tested against) -------------------------------------------
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, H, D], caches [S, KV, L, D], slots [B], positions [B, T] -> [B, T, H, D]."""
+    keys, values = k_cache[slots], v_cache[slots]  # [B, KV, L, D]
+    mask = (torch.arange(k_cache.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)  # [B, H, T, D]
+    return out.transpose(1, 2)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' arithmetic: normalise in fp32, scale in the model dtype."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout: x [..., heads, D], cos / sin [..., 1, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
+                           eps: float) -> torch.Tensor:
+    """qkv [B, T, heads + 2 kv_heads, D] -> the q and k heads [B, T, heads + kv_heads, D], each RMS-normed with its
+    weight (where the weights are not empty) and rotated at its position (cos / sin tables [max_len, D])."""
+    q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
+    if q_weight.numel():
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D]
+    return torch.cat((rotate(q, c, s), rotate(k, c, s)), dim=2)
+
+
+# --- the operators --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("blockspec::linear", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T -> [..., N] in x's dtype."""
+    return linear_reference(x, w)
+
+
+@linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@linear.register_kernel("cuda")
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return triton_linear(x, w)
+
+
+@torch.library.custom_op("blockspec::cache_attention", mutates_args=())
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    positions: torch.Tensor, scale: float) -> torch.Tensor:
+    return attention_reference(q, k_cache, v_cache, slots, positions, scale)
+
+
+@cache_attention.register_fake
+def _(q, k_cache, v_cache, slots, positions, scale):
+    return torch.empty_like(q)
+
+
+@cache_attention.register_kernel("cuda")
+def _(q, k_cache, v_cache, slots, positions, scale):
+    return triton_attention(q, k_cache, v_cache, slots, positions, scale)
+
+
+@torch.library.custom_op("blockspec::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm in one pass."""
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    return triton_add_rms_norm(x, residual, weight, eps)
+
+
+@torch.library.custom_op("blockspec::qk_norm_rope", mutates_args=())
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    return qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps)
+
+
+@qk_norm_rope.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps):
+    return qkv.new_empty((*qkv.shape[:2], heads + kv_heads, qkv.shape[3]))
+
+
+@qk_norm_rope.register_kernel("cuda")
+def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps):
+    return triton_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps)
+
+
+# --- the Triton kernels (imported on first use: the CPU path never needs Triton) --------------------------------------
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemm(x, w, out, M, N, K, stride_xm, stride_wn, stride_sm,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_STEPS: tl.constexpr):
+        # out[split, m, n] = sum over this split's K range of x[m, k] * w[n, k], in fp32, BK at a time in order.
+        pm, pn, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k0 = ps * K_STEPS * BK
+        for step in range(K_STEPS):
+            k = k0 + step * BK + rk
+            a = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+            b = tl.load(w + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+        tl.store(out + ps * stride_sm + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def attend(q, kc, vc, slots, positions, m_out, l_out, acc_out, scale, T, H, KV, L, n_chunks,
+               sq_b, sq_t, sq_h, sk_s, sk_h, sk_l,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr):
+        # One query row (b, t), one KV head, one chunk of CH keys: the partial softmax of the G query heads that
+        # share the KV head over the chunk's keys up to the row's position.
+        row, kv, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, t = row // T, row % T
+        pos = tl.load(positions + row)
+        slot = tl.load(slots + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        heads = kv * G + g
+        qv = tl.load(q + b * sq_b + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=g[:, None] < G, other=0.0)
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        s_sum = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        start = c * CH
+        end = tl.minimum(start + CH, pos + 1)
+        base = slot * sk_s + kv * sk_h
+        for n0 in range(CH // BN):  # a fixed trip count; the blocks past the row's position are masked out
+            n = start + n0 * BN + tl.arange(0, BN)
+            live = n < end
+            kt = tl.load(kc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
+            vt = tl.load(vc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
+            s = tl.dot(qv, tl.trans(kt)) * scale
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf - 0) = 0, not NaN
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+        o = (row * H + heads) * n_chunks + c
+        tl.store(m_out + o, m, mask=g < G)
+        tl.store(l_out + o, s_sum, mask=g < G)
+        tl.store(acc_out + o[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+
+    @triton.jit
+    def combine(m_in, l_in, acc_in, out, n_chunks, CP: tl.constexpr, D: tl.constexpr):
+        # One (row, head): the chunks' partials merged, in chunk order, into the output row.
+        rh = tl.program_id(0)
+        c = tl.arange(0, CP)
+        d = tl.arange(0, D)
+        live = c < n_chunks
+        m = tl.load(m_in + rh * n_chunks + c, mask=live, other=float("-inf"))
+        l_part = tl.load(l_in + rh * n_chunks + c, mask=live, other=0.0)
+        a = tl.load(acc_in + (rh * n_chunks + c)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        top = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        total = tl.sum(l_part * w, 0)
+        o = tl.sum(a * w[:, None], 0) / total
+        tl.store(out + rh * D + d, o.to(out.dtype.element_ty))
+
+    @triton.jit
+    def add_norm(x, res, w, y, summed, eps, HID: tl.constexpr, BH: tl.constexpr):
+        # One row: summed = x + res (in the model dtype), y = w * (summed * rsqrt(mean(summed^2) + eps)).
+        row = tl.program_id(0)
+        i = tl.arange(0, BH)
+        live = i < HID
+        s = tl.load(x + row * HID + i, mask=live, other=0.0) + tl.load(res + row * HID + i, mask=live, other=0.0)
+        tl.store(summed + row * HID + i, s, mask=live)
+        h = s.to(tl.float32)
+        r = tl.rsqrt(tl.sum(h * h, 0) / HID + eps)
+        weight = tl.load(w + i, mask=live, other=0.0)
+        tl.store(y + row * HID + i, weight * (h * r).to(weight.dtype), mask=live)
+
+    @triton.jit
+    def norm_rope(qkv, qw, kw, cos, sin, positions, out, eps, H, KV,
+                  D: tl.constexpr, NORM: tl.constexpr):
+        # One (row, head) of the q and k heads: RMS norm with the head's weight, then the rotation at its position.
+        row, head = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, D)
+        half = D // 2
+        src = qkv + (row * (H + 2 * KV) + head) * D
+        x = tl.load(src + d).to(tl.float32)
+        partner = tl.load(src + (d + half) % D).to(tl.float32)  # the other half, for rotate-half
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            is_q = head < H
+            w = tl.where(is_q, tl.load(qw + d, mask=is_q, other=0.0), tl.load(kw + d, mask=head >= H, other=0.0))
+            wp = tl.where(is_q, tl.load(qw + (d + half) % D, mask=is_q, other=0.0),
+                          tl.load(kw + (d + half) % D, mask=head >= H, other=0.0))
+            x = (w * (x * r).to(w.dtype)).to(tl.float32)
+            partner = (wp * (partner * r).to(wp.dtype)).to(tl.float32)
+        pos = tl.load(positions + row)
+        c = tl.load(cos + pos * D + d).to(tl.float32)
+        s = tl.load(sin + pos * D + d).to(tl.float32)
+        rotated = tl.where(d < half, -partner, partner)
+        tl.store(out + (row * (H + KV) + head) * D + d, (x * c + rotated * s).to(out.dtype.element_ty))
+
+    return triton, gemm, attend, combine, add_norm, norm_rope
+
+
+def gemm_config(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, split of K) for a weight [n, k] on a device of `sms` multiprocessors: a function of the weight
+    and the device only. K is split until the tiles of one row block fill about two waves of the device, in whole
+    BLOCK_K steps."""
+    block_n, block_k = (64, 128) if k % 128 == 0 else (64, 32)
+    tiles = -(-n // block_n)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and k % (2 * split * block_k) == 0:
+        split *= 2
+    return block_n, block_k, split
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    triton, gemm, *_ = _kernels()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    (m, k), n = x2.shape, w.shape[0]
+    block_n, block_k, split = gemm_config(n, k, _sms(x.device))
+    parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    gemm[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)](
+        x2, w, parts, m, n, k, x2.stride(0), w.stride(0), parts.stride(0),
+        BM=BLOCK_M, BN=block_n, BK=block_k, K_STEPS=-(-k // (split * block_k)))
+    out = parts[0]
+    for i in range(1, split):  # a fixed order of addition
+        out = out + parts[i]
+    return out.to(x.dtype).reshape(*shape[:-1], n)
+
+
+def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+    triton, _, attend, combine, *_ = _kernels()
+    B, T, H, D = q.shape
+    _, KV, L, _ = k_cache.shape
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
+        raise ValueError("cache_attention needs the caches alike and the last dimension of q and the caches dense")
+    G = H // KV
+    n_chunks = -(-L // CHUNK)
+    rows = B * T
+    m = torch.empty((rows, H, n_chunks), dtype=torch.float32, device=q.device)
+    s = torch.empty_like(m)
+    acc = torch.empty((rows, H, n_chunks, D), dtype=torch.float32, device=q.device)
+    positions = positions.reshape(-1).contiguous()
+    attend[(rows, KV, n_chunks)](
+        q, k_cache, v_cache, slots.contiguous(), positions, m, s, acc, scale, T, H, KV, L, n_chunks,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, CH=CHUNK, BN=ATTN_BLOCK_N)
+    out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    combine[(rows * H,)](m, s, acc, out, n_chunks, CP=max(2, triton.next_power_of_2(n_chunks)), D=D)
+    return out
+
+
+def attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    triton, *_, add_norm, _ = _kernels()
+    hidden = x.shape[-1]
+    x, residual = x.contiguous(), residual.contiguous()
+    y, summed = torch.empty_like(x), torch.empty_like(x)
+    add_norm[(x.numel() // hidden,)](x, residual, weight, y, summed, eps, HID=hidden,
+                                     BH=triton.next_power_of_2(hidden))
+    return y, summed
+
+
+def triton_qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
+                        eps: float) -> torch.Tensor:
+    *_, norm_rope = _kernels()
+    B, T, _, D = qkv.shape
+    qkv = qkv.contiguous()
+    out = qkv.new_empty((B, T, heads + kv_heads, D))
+    norm = bool(q_weight.numel())
+    qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unread without the norm
+    norm_rope[(B * T, heads + kv_heads)](qkv, qw, kw, cos.contiguous(), sin.contiguous(),
+                                         positions.reshape(-1).contiguous(), out, eps, heads, kv_heads, D=D, NORM=norm)
+    return out

@@ -1,0 +1,209 @@
+"""The CUDA backend (common/cuda_runner.py) where the CPU can check it: the captured step's arithmetic against
+transformers, greedy streams through it equal to the target alone, bucket selection and the spare slot, the step
+compiling as one graph, and the batch-invariant Triton kernels in Triton's interpreter. Capture itself needs CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.common.cuda_runner import WIDTHS, CudaRunner, batch_sizes, bucket
+from blockspec.common.models import load_checkpoint
+from blockspec.common.runner import Runner, Segment, make_runner
+from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_family
+from blockspec.services.router.step_loop import FinishEvent
+from blockspec.services.serving.engine import Engine
+
+VARIANTS = [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("qwen3", {"tie_word_embeddings": True})]
+
+
+@pytest.fixture(scope="module")
+def variant_dirs(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("cuda-runner")
+    return [build_tiny_checkpoint(root / f"{fam}-{i}", fam, seed=i, tokenizer=tokenizer, **extra)
+            for i, (fam, extra) in enumerate(VARIANTS)]
+
+
+def cpu_runner(path: Path, num_slots: int = 3, max_len: int = 256, tap_layers=()) -> CudaRunner:
+    return CudaRunner(load_checkpoint(path), num_slots, max_len, tap_layers, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("index", range(len(VARIANTS)), ids=[f"{f}{'-tied' if e else ''}" for f, e in VARIANTS])
+def test_logits_and_taps_match_transformers(index, variant_dirs):
+    """Ragged prefill chunks (eager), decodes and verifies (bucketed) in batched calls: logits and tap features equal
+    transformers' to fp32 rounding, and the greedy decision is the argmax of the returned rows."""
+    from transformers import AutoModelForCausalLM
+
+    path = variant_dirs[index]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = cpu_runner(path, tap_layers=(0, 1))
+    ids = torch.randint(0, hf.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(index))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    slots = [runner.cache.allocate() for _ in range(3)]
+    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
+    got = [[] for _ in range(3)]
+    for step in range(3):
+        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)],
+                             runner.tap_buffer)
+        for b, logits in enumerate(out.logits):
+            got[b].append(logits)
+            assert out.greedy[b][1] == logits.argmax(-1).tolist()
+    assert runner.graphs() == [] and list(runner._buckets) == [(3, 8)]  # step 2 bucketed (uncaptured on the CPU)
+    assert max(float((torch.cat(got[b]) - ref.logits[b]).abs().max()) for b in range(3)) < 1e-4
+    hidden = hf.config.hidden_size
+    for layer in range(min(2, hf.config.num_hidden_layers - 1)):  # hidden_states[i + 1]: layer i's output (not the last)
+        taps = runner.tap_buffer[slots, :40, layer * hidden : (layer + 1) * hidden]
+        assert float((taps - ref.hidden_states[layer + 1]).abs().max()) < 1e-5
+
+
+def test_greedy_decision_counts_accepted_drafts(variant_dirs):
+    """The decision made on the device: the drafts a greedy verify keeps stop at the first that differs from the
+    target's argmax, whatever follows."""
+    runner = cpu_runner(variant_dirs[2], num_slots=1)
+    slot = runner.cache.allocate()
+    runner.forward([Segment(slot, list(range(5, 25)), last_only=True)])
+    start = runner.cache.lengths[slot]
+    chain = [7]  # the anchor, then the target's own tokens after it, one decode at a time
+    for _ in range(4):
+        chain.append(runner.forward([Segment(slot, chain[-1:])]).greedy[0][1][-1])
+    for agree in range(4):
+        runner.cache.set_length(slot, start)
+        drafts = chain[1 : 1 + agree] + [(chain[1 + agree] + 1) % 300] + chain[2 + agree : 4]
+        accepted, ids = runner.forward([Segment(slot, [7, *drafts[:3]])]).greedy[0]
+        assert accepted == min(agree, 3) and ids[: accepted + 1] == chain[1 : accepted + 2]
+    runner.cache.set_length(slot, start)
+    assert runner.forward([Segment(slot, chain[:4])]).greedy[0] == (3, chain[1:5])
+
+
+@pytest.mark.parametrize("method,k", [("dflash", 3), ("dflash", 7), ("draft_model", 1), ("draft_model", 5)])
+def test_streams_equal_the_target_alone(method, k, tiny_models, dflash_drafters, prompts, references):
+    """Speculative decoding through the CUDA runner's step (batched, ragged, chunked prefill) equals transformers
+    greedy decoding of the target alone."""
+    drafter = dflash_drafters["qwen3-random"] if method == "dflash" else tiny_models["qwen3"]["other"]
+    engine = Engine(tiny_models["qwen3"]["target"], drafter, method, max_batch=len(prompts), backend="graphs",
+                    prefill_chunk=64)
+    assert isinstance(engine.verifier.runner, CudaRunner)
+    requests = [engine.request(f"r{i}", p, 128, k) for i, p in enumerate(prompts)]
+    done = {e.request_id: e for e in engine.generate(requests) if isinstance(e, FinishEvent)}
+    assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == references["qwen3"]
+
+
+def test_buckets_and_the_spare_slot(variant_dirs):
+    assert batch_sizes(1) == (1,) and batch_sizes(6) == (1, 2, 4, 6) and batch_sizes(16) == (1, 2, 4, 8, 16)
+    assert bucket(3, WIDTHS) == 4 and bucket(16, WIDTHS) == 16 and bucket(17, WIDTHS) is None
+    runner = cpu_runner(variant_dirs[2], num_slots=6, max_len=64)
+    assert runner.bucket_of(1, 1) == (1, 1) and runner.bucket_of(3, 6) == (4, 8) and runner.bucket_of(7, 2) is None
+    assert runner.cache.num_slots == 6 and runner.cache.k.shape[1] == 7  # slot 6 is the spare
+    a, b = runner.cache.allocate(), runner.cache.allocate()
+    runner.forward([Segment(a, [1, 2, 3]), Segment(b, [4])])  # bucket (2, 4): padding rows write the spare slot
+    untouched = [s for s in range(6) if s not in (a, b)]
+    assert not runner.cache.k[:, untouched].any()
+    assert runner.cache.k[:, 6].any()
+    assert runner.cache.lengths[a] == 3 and runner.cache.lengths[b] == 1
+    assert not runner.cache.k[:, b, :, 1:].any()  # b wrote its one real position only
+
+
+def test_make_runner_picks_the_backend(variant_dirs, tmp_path):
+    ck = load_checkpoint(variant_dirs[2])
+    assert type(make_runner(ck, 1, 64)) is Runner  # auto on the CPU
+    assert type(make_runner(ck, 1, 64, backend="graphs")) is CudaRunner
+    hybrid = load_checkpoint(build_tiny_family(tmp_path / "hybrid", "qwen3_5"))
+    with pytest.raises(ValueError, match="hybrid"):
+        make_runner(hybrid, 1, 64, backend="graphs")
+    with pytest.raises(ValueError, match="backend 'fast'"):
+        make_runner(ck, 1, 64, backend="fast")
+
+
+def test_the_step_compiles_as_one_graph(variant_dirs):
+    """torch.compile(fullgraph=True) of the step that CUDA captures: a graph break fails. The compiled step computes
+    what the eager one does."""
+    runner = cpu_runner(variant_dirs[2], num_slots=2, max_len=64, tap_layers=(0, 1))
+    bucket_ = runner._bucket((2, 4))
+    torch._dynamo.reset()
+    compiled = torch.compile(runner.step, fullgraph=True, backend="aot_eager", dynamic=False)
+    with torch.inference_mode():
+        logits, decided = compiled(*bucket_.args())
+        ref_logits, ref_decided = runner.step(*bucket_.args())
+    assert torch.equal(logits, ref_logits) and torch.equal(decided, ref_decided)
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from blockspec.common import gpu_kernels as gk
+
+    torch.manual_seed(0)
+    # GEMM: the reference's values, and a row alone equal bit for bit to the same row among 13 (split K included)
+    for n, k in ((96, 256), (64, 1024)):
+        x, w = torch.randn(13, k), torch.randn(n, k)
+        y = gk.triton_linear(x, w)
+        assert (y - x @ w.T).abs().max() < 1e-3, "gemm"
+        assert torch.equal(gk.triton_linear(x[5:6], w)[0], y[5]), "gemm rows"
+    # attention over two slots of a cache, queries at ragged positions across chunks
+    kc, vc = torch.randn(3, 2, 512, 16), torch.randn(3, 2, 512, 16)
+    q = torch.randn(2, 3, 6, 16)
+    slots, pos = torch.tensor([2, 0]), torch.tensor([[5, 6, 7], [300, 301, 302]])
+    o = gk.triton_attention(q, kc, vc, slots, pos, 0.25)
+    assert (o - gk.attention_reference(q, kc, vc, slots, pos, 0.25)).abs().max() < 1e-5, "attention"
+    assert torch.equal(gk.triton_attention(q[1:, 1:2], kc, vc, slots[1:], pos[1:, 1:2], 0.25)[0, 0], o[1, 1]), "rows"
+    # add + RMSNorm, and q/k norm with rotary (and rotary alone)
+    x, r, w = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(48)
+    y, s = gk.triton_add_rms_norm(x, r, w, 1e-6)
+    y0, s0 = gk.add_rms_norm(x, r, w, 1e-6)
+    assert (y - y0).abs().max() < 1e-5 and torch.equal(s, s0), "norm"
+    qkv, cos, sin = torch.randn(2, 3, 8, 16), torch.randn(64, 16), torch.randn(64, 16)
+    pos = torch.randint(0, 64, (2, 3))
+    for qw, kw in ((torch.randn(16), torch.randn(16)), (torch.empty(0), torch.empty(0))):
+        a = gk.triton_qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6)
+        assert (a - gk.qk_norm_rope_reference(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6)).abs().max() < 1e-5, "qk"
+    print("ok")
+""")
+
+
+def test_triton_kernels_in_the_interpreter():
+    """The Triton kernels run in Triton's interpreter on CPU tensors: their values against the torch references, and a
+    row computed alone equal bit for bit to the same row in a batch."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton: the test extra has it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: graph capture and the Triton kernels")
+def test_captured_steps_are_token_identical_in_mixed_batches(variant_dirs):
+    """On the GPU in bf16: each request's greedy tokens through captured steps, batched with others at other widths,
+    equal its plain decoding alone (one request, width 1)."""
+    ck = load_checkpoint(variant_dirs[2])
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(4)]
+
+    def plain(prompt: list[int], n: int) -> list[int]:
+        runner = CudaRunner(ck, 1, 256, dtype=torch.bfloat16, device="cuda")
+        slot = runner.cache.allocate()
+        out = [runner.forward([Segment(slot, prompt, last_only=True)]).greedy[0][1][-1]]
+        while len(out) < n:
+            out.append(runner.forward([Segment(slot, out[-1:])]).greedy[0][1][-1])
+        return out
+
+    alone = [plain(p, 24) for p in prompts]
+    runner = CudaRunner(ck, 4, 256, dtype=torch.bfloat16, device="cuda")
+    slots = [runner.cache.allocate() for _ in prompts]
+    got = [[g[1][-1]] for g in runner.forward([Segment(s, p, last_only=True) for s, p in zip(slots, prompts)]).greedy]
+    step = 0
+    while min(len(g) for g in got) < 24:  # request i drafts its own future tokens, (i + step) % 8 of them
+        segs = []
+        for i, (s, g) in enumerate(zip(slots, got)):
+            k = (i + step) % 8
+            segs.append(Segment(s, [g[-1], *alone[i][len(g) : len(g) + k]]))
+        for (s, seg, g), (accepted, ids) in zip(zip(slots, segs, got), runner.forward(segs).greedy):
+            g.extend(ids[: accepted + 1])
+            runner.cache.set_length(s, runner.cache.lengths[s] - (len(seg.token_ids) - 1 - accepted))
+        step += 1
+    assert [g[:24] for g in got] == alone
+    assert runner.graphs()
