@@ -19,6 +19,7 @@ Dense families (Llama, Qwen2, Qwen3). Hybrid and MoE targets run on `runner.Runn
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -70,7 +71,7 @@ class StaticStep(nn.Module):
         cfg = self.cfg = model.cfg
         self.cache, self.tap_layers, self.tap_dest = cache, tap_layers, tap_dest
         self.linear = gk.linear if numerics == "invariant" else torch.ops.aten.linear.default
-        self.add_norm = gk.add_rms_norm if numerics == "invariant" else gk.add_rms_norm.__wrapped__
+        self.add_norm = gk.add_rms_norm if numerics == "invariant" else gk.add_rms_norm_reference
         self.scale = gk.attention_scale(cfg.head_dim)
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
         self.cos, self.sin = (t.to(device, dtype) for t in rope_table(cfg, max_len))
@@ -138,6 +139,11 @@ def merge(checkpoint: Checkpoint, model: Decoder, layer: int, module: nn.Module,
     """The weights of module's projections `names` as one [sum of outputs, in] tensor; each projection's parameter
     (and the checkpoint's tensor of it) becomes a view of it, so the merged weight is not held twice."""
     parts = [getattr(module, name).weight for name in names]
+    base = parts[0]._base
+    if base is not None and base.shape[0] == sum(p.shape[0] for p in parts) and all(
+            p._base is base and p.data_ptr() == base[offset:].data_ptr()
+            for p, offset in zip(parts, itertools.accumulate([0, *(p.shape[0] for p in parts[:-1])]))):
+        return base  # merged by a runner before this one over the same checkpoint
     merged = torch.cat(parts)
     offset = 0
     prefix = next((f"{p}layers.{layer}." for p in ("model.", "") if f"{p}layers.{layer}.input_layernorm.weight"

@@ -50,6 +50,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the rotate-half layout: x [..., heads, D], cos / sin [..., 1, D]."""
     half = x.shape[-1] // 2
@@ -106,8 +112,7 @@ def _(q, k_cache, v_cache, slots, positions, scale):
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm in one pass."""
-    summed = x + residual
-    return rms_norm_reference(summed, weight, eps), summed
+    return add_rms_norm_reference(x, residual, weight, eps)
 
 
 @add_rms_norm.register_fake

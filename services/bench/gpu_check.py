@@ -1,8 +1,11 @@
 """`blockspec gpu-check`: random-weight Qwen3-shaped targets up to the reference size (~27B, bf16), Qwen3.5 hybrids
-(`tiny-hybrid`, and `27b-hybrid` with Qwen3.5-27B's published shape) and a matching DFlash drafter on one GPU: r(k+1),
-c_d, orchestration overhead, CUDA IPC sharing between two processes, greedy exactness of verify vs decode and of a
-speculative stream vs plain decoding (default and invariant mode), and what those streams cost per token. Prints a
-table.
+(`tiny-hybrid`, and `27b-hybrid` with Qwen3.5-27B's published shape) and a matching DFlash drafter on one GPU. Per
+size one row: decode, verify-8 and verify-16 ms against the memory-bandwidth floor (bytes a decode reads over a large
+device-to-device copy's bandwidth, measured in the same run), kernels per decode, the drafter's cost c_d, the step
+loop's overhead, plain and speculative tokens/s at concurrency 1 and 8 with a drafter of fixed acceptance (tau 3.6,
+so the speedup does not hang on random weights) beside transformers' static-cache `generate` (compiled on the GPU),
+the default mode's exactness against plain decoding alone (at concurrency 1 and in batches of 8), and what the
+batch-invariant numerics cost against torch's products. Then CUDA IPC sharing between two processes.
 
 `--device cpu --sizes tiny,tiny-hybrid` runs the same code on the CPU in seconds (what the tests run)."""
 
@@ -15,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from blockspec.common.cuda_runner import unsupported
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import Checkpoint, parse_config
-from blockspec.common.runner import Runner
 
 # name -> (layers, hidden, heads, kv heads, intermediate, vocab), untied LM head: 0.75B, 8.2B and 26.7B
 # parameters. "27b" has the reference target's size (~54 GB bf16); its drafter 2.2B.
@@ -33,7 +36,6 @@ HYBRID_SIZES = ("tiny-hybrid", "27b-hybrid")
 SIZES = {**SIZES, **{size: None for size in HYBRID_SIZES}}
 DRAFTER_LAYERS = {"tiny": 1, "1b": 1, "8b": 3, "27b": 5, "tiny-hybrid": 1, "27b-hybrid": 5}
 KS = (1, 3, 5, 7, 15)
-STREAM_TOKENS = 48  # per stream of stream_check, after a 128-token prompt
 
 
 def hf_config(size: str) -> dict:
@@ -104,22 +106,32 @@ def check_fits(sizes: list[str], device: str, dtype: torch.dtype) -> None:
 class SizeReport:
     size: str
     params_b: float
+    backend: str  # the verifier's runner: "graphs" (cuda_runner, captured) or "eager"
     decode_ms: float
+    verify8_ms: float
+    verify16_ms: float
+    floor_ms: float  # bytes a decode reads (weights, KV / states at the context) over the measured copy bandwidth
+    kernels_per_decode: int | None  # GPU kernels of one decode step (None off the GPU)
     r: dict[int, float]  # r(k + 1)
     c_d: dict[int, float]  # drafter proposal / one target decode
     overhead_ms: float  # step loop time per step beyond the drafter and verifier calls
-    exact_default: int  # argmax mismatches verify vs decode, default mode
-    exact_invariant: int  # invariant mode
-    max_diff_default: float
-    positions: int
-    stream_default: int  # tokens of a k=5 step-loop stream equal to plain decoding's before they part
-    stream_invariant: int  # the same in invariant mode (query width 16)
-    stream_tokens: int
-    stream_plain_ms: float  # per token of those streams, default mode (see stream_check)
-    stream_spec_ms: float
+    tau: float  # tokens per step of the fixed-acceptance runs (measured)
+    tokens_per_s: dict[str, float]  # "plain-1", "spec-1", "plain-8", "spec-8", "peer-1" (transformers)
+    exact: dict[str, int]  # tokens equal to plain decoding alone before the first difference: "spec-1", "plain-8", ...
+    exact_of: int  # tokens per request compared
+    numerics_ms: dict[str, float]  # decode ms of the CUDA runner: "invariant-1", "fast-1", "invariant-16", "fast-16"
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.decode_ms / self.floor_ms
 
 
-def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20) -> SizeReport:
+THROUGHPUT_TOKENS = 64  # per request of the throughput and exactness runs, after a 128-token prompt
+SPEC_K = 7  # draft tokens per step of those runs: a verify of 8
+
+
+def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20,
+               bandwidth: float | None = None, backend: str = "auto") -> SizeReport:
     from blockspec.services.bench.costs import cost_ratios
 
     target = random_target(size, device, dtype)
@@ -128,24 +140,191 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     prompt = torch.randint(0, target.config.vocab_size - 1, (context,),
                            generator=torch.Generator().manual_seed(1)).tolist()
     drafter = random_drafter(size, target.config, device, dtype)
-    verifier, proposer = roles(target, drafter, None, context + 64, dtype, device)
+    if backend == "graphs" and unsupported(target.config):  # a hybrid: the eager runner
+        backend = "auto"
+    verifier, proposer = roles(target, drafter, None, context + 64, dtype, device, slots=8, backend=backend)
+    backend = "graphs" if type(verifier.runner).__name__ == "CudaRunner" else "eager"
     verifier.add("x", prompt)
     verifier.prefill(["x"])
     decode, r, c_d = cost_ratios(verifier, proposer, "x", KS, repeats, device)
+    kernels = kernels_per_decode(verifier, "x", device)
     verifier.release("x")
     proposer.release("x")
     overhead = loop_overhead(verifier, proposer, prompt, repeats, device)
-    mismatches, max_diff, positions = verify_vs_decode_flips(target, prompt, context, dtype, device)
-    default = stream_check(verifier, proposer, prompt[:128], 5, STREAM_TOKENS, device)
-    del verifier, proposer
-    verifier, proposer = roles(target, drafter, 16, context + 64, dtype, device)
-    invariant = stream_check(verifier, proposer, prompt[:128], 5, STREAM_TOKENS, device)
-    del verifier, proposer
-    del drafter, target
+    del proposer, drafter
+    tau, tps, exact = throughput(verifier, prompt, device)
+    del verifier
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return SizeReport(size, round(params, 3), decode * 1e3, r, c_d, overhead, mismatches[False], mismatches[True],
-                      max_diff, positions, default[0], invariant[0], STREAM_TOKENS, default[1], default[2])
+    numerics = numerics_cost(target, prompt[:256], dtype, device) if backend == "graphs" else {}
+    tps["peer-1"] = peer_tokens_per_s(size, target, prompt[:128], device, dtype)
+    floor = decode_bytes(target.config, context, dtype) / (bandwidth or copy_bandwidth(device)) * 1e3
+    del target
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return SizeReport(size, round(params, 3), backend, decode * 1e3, decode * r[7] * 1e3, decode * r[15] * 1e3, floor,
+                      kernels, r, c_d, overhead, tau, tps, exact, THROUGHPUT_TOKENS, numerics)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read plus written), the best of five."""
+    from blockspec.common.timing import timed
+
+    size = (1 << 30) if device.startswith("cuda") else (1 << 27)
+    src = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src), 1, device, warm_up=i == 0) for i in range(5))
+    return 2 * size / best
+
+
+def decode_bytes(cfg, context: int, dtype: torch.dtype) -> int:
+    """What one decode step reads: every weight but the embedding table (one row of it), and the slot's KV cache or
+    states at the context."""
+    from blockspec.common.footprint import parameters, slot_bytes
+
+    weights = parameters(cfg).active - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    per_slot = slot_bytes(cfg, context, dtype)
+    return weights * dtype.itemsize + per_slot["kv"] + per_slot["conv"] + per_slot["recurrent"]
+
+
+def kernels_per_decode(verifier, request_id: str, device: str) -> int | None:
+    """GPU kernels launched by one decode step, counted by the profiler (a captured step run uncaptured: the graph
+    holds the same kernels). None off the GPU."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    from blockspec.services.verifier.verifier import rolled_back_verify
+
+    runner, decode = verifier.runner, rolled_back_verify(verifier, [request_id], 1)
+    captures = getattr(runner, "capture", None)
+    if captures is not None:
+        runner.capture = False
+    try:
+        decode()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            decode()
+            torch.cuda.synchronize()
+    finally:
+        if captures is not None:
+            runner.capture = captures
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def throughput(verifier, prompt: list[int], device: str) -> tuple[float, dict[str, float], dict[str, int]]:
+    """Plain and speculative decoding through the step loop, at concurrency 1 (each request alone) and 8 (together),
+    with the fixed-acceptance drafter (tau 3.6, k = SPEC_K) over each request's plain-alone tokens: (measured tau,
+    tokens/s, tokens of each run equal to plain decoding alone before they part, summed over requests; 8 requests of
+    THROUGHPUT_TOKENS)."""
+    from blockspec.services.drafter.proposers.replay import FixedAcceptanceProposer
+    from blockspec.services.router.step_loop import FinishEvent, Request, StepLoop
+
+    vocab = verifier.runner.config.vocab_size
+    prompts = {f"p{i}": tuple(prompt[i * 7 : i * 7 + 128]) for i in range(8)}
+
+    def run(requests: list[Request], drafter) -> tuple[dict[str, list[int]], float, int]:
+        loop = StepLoop(verifier, drafter, max_batch=8)
+        started = time.perf_counter()
+        done = [e for e in loop.run(requests) if isinstance(e, FinishEvent)]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        return ({e.request_id: list(e.token_ids) for e in done}, seconds, sum(e.stats.steps for e in done))
+
+    nothing = FixedAcceptanceProposer({}, SPEC_K, vocab)
+    alone, seconds = {}, 0.0
+    for rid, p in prompts.items():  # plain decoding alone: the reference, and plain-1's time
+        tokens, s, _ = run([Request(rid, p, THROUGHPUT_TOKENS, 0)], nothing)
+        alone.update(tokens)
+        seconds += s
+    tps = {"plain-1": 8 * THROUGHPUT_TOKENS / seconds}
+    streams = {rid: [*prompts[rid], *tokens] for rid, tokens in alone.items()}
+    exact, total_tokens, total_steps = {}, 0, 0
+
+    def same(got: dict[str, list[int]]) -> int:
+        return sum(next((i for i, (a, b) in enumerate(zip(got[r], alone[r])) if a != b), len(alone[r])) for r in alone)
+
+    got, seconds = {}, 0.0
+    for rid, p in prompts.items():
+        tokens, s, steps = run([Request(rid, p, THROUGHPUT_TOKENS, SPEC_K)],
+                               FixedAcceptanceProposer(streams, SPEC_K, vocab))
+        got.update(tokens)
+        seconds, total_tokens, total_steps = seconds + s, total_tokens + THROUGHPUT_TOKENS, total_steps + steps
+    tps["spec-1"], exact["spec-1"] = 8 * THROUGHPUT_TOKENS / seconds, same(got)
+    for name, k in (("plain-8", 0), ("spec-8", SPEC_K)):
+        got, seconds, steps = run([Request(rid, p, THROUGHPUT_TOKENS, k) for rid, p in prompts.items()],
+                                  FixedAcceptanceProposer(streams, SPEC_K, vocab))
+        tps[name], exact[name] = 8 * THROUGHPUT_TOKENS / seconds, same(got)
+    return total_tokens / max(total_steps, 1), tps, exact
+
+
+def numerics_cost(target: Checkpoint, prompt: list[int], dtype: torch.dtype, device: str) -> dict[str, float]:
+    """Decode ms of the CUDA runner with batch-invariant numerics (the default) and with torch's products ("fast"),
+    one request and 16 at once."""
+    from blockspec.common.cuda_runner import CudaRunner
+    from blockspec.common.runner import Segment
+    from blockspec.common.timing import interleaved
+
+    out = {}
+    runners = {n: CudaRunner(target, 16, len(prompt) + 8, (), dtype, device, numerics=n) for n in ("invariant", "fast")}
+    for runner in runners.values():
+        slots = [runner.cache.allocate() for _ in range(16)]
+        runner.forward([Segment(s, prompt, last_only=True) for s in slots])
+
+    def decode(runner, batch: int):
+        def run() -> None:
+            for s in range(batch):
+                runner.cache.set_length(s, len(prompt))
+            runner.forward([Segment(s, [5]) for s in range(batch)])
+        return run
+
+    seconds = interleaved({(n, b): decode(r, b) for n, r in runners.items() for b in (1, 16)}, 10, device)
+    for (n, b), sec in seconds.items():
+        out[f"{n}-{b}"] = sec * 1e3
+    return out
+
+
+def peer_tokens_per_s(size: str, target: Checkpoint, prompt: list[int], device: str,
+                      dtype: torch.dtype) -> float | None:
+    """transformers `generate` of the same weights (shared, not copied) with its static cache, compiled on the GPU:
+    tokens/s of THROUGHPUT_TOKENS greedy tokens after a warm-up run. None for a family transformers lacks here."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    try:
+        config = AutoConfig.for_model(**hf_config(size))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError):
+        return None
+    state = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in target.weights.items()}
+    state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    expected = model.state_dict()
+    model.load_state_dict({k: state[k] for k in expected if k in state}, strict=False, assign=True)
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    for parent in [m for m in model.modules() if hasattr(m, "rotary_emb")]:  # its tables: made again on the device
+        with torch.device(device):
+            parent.rotary_emb = type(parent.rotary_emb)(config=getattr(config, "text_config", config))
+    if any(b.is_meta for b in model.buffers()):
+        return None
+    model.eval()
+    if device.startswith("cuda"):
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([prompt], device=device)
+    settings = {"max_new_tokens": THROUGHPUT_TOKENS, "min_new_tokens": THROUGHPUT_TOKENS, "do_sample": False,
+                "cache_implementation": "static"}
+    with torch.inference_mode():
+        model.generate(ids, **settings)  # compiles
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, **settings)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    return THROUGHPUT_TOKENS / (time.perf_counter() - started)
 
 
 def random_drafter(size: str, cfg, device: str, dtype: torch.dtype):
@@ -162,14 +341,15 @@ def random_drafter(size: str, cfg, device: str, dtype: torch.dtype):
     return DFlashDrafter(dcfg).to(device, dtype).eval().requires_grad_(False)
 
 
-def roles(target: Checkpoint, drafter, query_width: int | None, max_len: int, dtype: torch.dtype, device: str):
-    """The verifier and the dflash proposer over it (two slots; query_width 16 = invariant mode)."""
+def roles(target: Checkpoint, drafter, query_width: int | None, max_len: int, dtype: torch.dtype, device: str,
+          slots: int = 2, backend: str = "auto"):
+    """The verifier (the device's default runner) and the dflash proposer over it."""
     from blockspec.services.drafter.proposers.dflash import DFlashProposer
     from blockspec.services.verifier.verifier import Verifier
 
-    verifier = Verifier(target, num_slots=2, max_len=max_len, query_width=query_width,
-                        tap_layers=drafter.cfg.target_layer_ids, dtype=dtype, device=device)
-    proposer = DFlashProposer(drafter, verifier.runner.embedding, verifier.runner.lm_head, verifier.features, 2,
+    verifier = Verifier(target, num_slots=slots, max_len=max_len, query_width=query_width,
+                        tap_layers=drafter.cfg.target_layer_ids, dtype=dtype, device=device, backend=backend)
+    proposer = DFlashProposer(drafter, verifier.runner.embedding, verifier.runner.lm_head, verifier.features, slots,
                               verifier.max_len)
     return verifier, proposer
 
@@ -191,48 +371,6 @@ def loop_overhead(verifier, proposer, prompt: list[int], repeats: int, device: s
     overhead = ((time.perf_counter() - started) - inner) / max(steps, 1) * 1e3
     list(loop.run([]))  # finish the request: its slot is free again
     return overhead
-
-
-def verify_vs_decode_flips(target: Checkpoint, prompt: list[int], context: int, dtype: torch.dtype, device: str):
-    """Greedy exactness of the math: argmax flips between verify and decode logits along the prompt, in
-    default and invariant width ({invariant: flips}, max |diff| default, positions per mode)."""
-    from blockspec.services.verifier.invariance import verify_vs_decode
-
-    mismatches, max_diff, positions = {}, 0.0, 0
-    for invariant in (False, True):
-        runner = Runner(target, 1, context + 64, 16 if invariant else None, dtype=dtype, device=device)
-        bad = 0
-        for cut in range(16, min(context, 256), 48):
-            v, d = verify_vs_decode(runner, prompt[:cut], prompt[cut : cut + 8])
-            bad += int((v.argmax(-1) != d.argmax(-1)).sum())
-            positions += 8 if not invariant else 0
-            if not invariant:
-                max_diff = max(max_diff, float((v - d).abs().max()))
-        mismatches[invariant] = bad
-        del runner
-    return mismatches, max_diff, positions
-
-
-def stream_check(verifier, proposer, prompt: list[int], k: int, tokens: int, device: str) -> tuple[int, float, float]:
-    """Greedy exactness end to end, and what the streams cost: (how many tokens of a speculative stream (k)
-    through the step loop equal plain decoding's (k=0) on the same roles before the two part, plain ms
-    per token, speculative ms per token; each stream's prefill included). These decode as serving does,
-    the keys growing by one every step; the random drafter's drafts are nearly all rejected, so the
-    speculative figure is the price of drafting at acceptance ~0."""
-    from blockspec.services.router.step_loop import Request, StepLoop, TokenEvent
-
-    streams, cost = [], []
-    for width in (0, k):
-        loop = StepLoop(verifier, proposer, max_batch=2)
-        started = time.perf_counter()
-        events = list(loop.run([Request(f"s{width}", tuple(prompt), tokens, width)]))
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        cost.append((time.perf_counter() - started) / tokens * 1e3)
-        streams.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
-    plain, spec = streams
-    same = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    return same, cost[0], cost[1]
 
 
 def check_ipc(device: str) -> str:
@@ -261,29 +399,44 @@ def _child_sum(handle) -> float:
 
 
 def table(reports: list[SizeReport]) -> str:
-    lines = ["| size | params (B) | decode ms | " + " | ".join(f"r({k + 1})" for k in KS) + " | c_d k=5 | c_d k=15 | "
-             "loop overhead ms | argmax flips default | invariant | max diff default | k=5 stream = plain, default "
-             "| invariant | stream ms/token plain | k=5 |", "|---" * (13 + len(KS)) + "|"]
+    """One row per size: the step's costs against its floor, the drafter and the loop, throughput at the fixed
+    acceptance beside plain decoding and transformers, and the exactness counts of the default mode."""
+    cols = ["size", "params (B)", "runner", "decode ms", "verify-8 ms", "verify-16 ms", "floor ms", "decode / floor",
+            "kernels / decode", "c_d k=7", "c_d k=15", "loop overhead ms", "tau", "plain tok/s c=1", "spec tok/s c=1",
+            "speedup c=1", "plain tok/s c=8", "spec tok/s c=8", "speedup c=8", "transformers tok/s c=1",
+            "= plain alone: spec c=1", "plain c=8", "spec c=8", "invariant / fast decode c=1", "c=16"]
+    lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+
+    def num(x, fmt=".2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
     for r in reports:
-        lines.append(f"| {r.size} | {r.params_b} | {r.decode_ms:.2f} | " + " | ".join(f"{r.r[k]:.2f}" for k in KS)
-                     + f" | {r.c_d.get(5, float('nan')):.2f} | {r.c_d.get(15, float('nan')):.2f} | {r.overhead_ms:.2f} | "
-                     f"{r.exact_default}/{r.positions} | {r.exact_invariant}/{r.positions} | {r.max_diff_default:.2e} | "
-                     f"{r.stream_default}/{r.stream_tokens} | {r.stream_invariant}/{r.stream_tokens} | {r.stream_plain_ms:.2f} | "
-                     f"{r.stream_spec_ms:.2f} |")
+        t, n, e = r.tokens_per_s, r.numerics_ms, r.exact
+        total = 8 * r.exact_of
+        cells = [r.size, r.params_b, r.backend, num(r.decode_ms), num(r.verify8_ms), num(r.verify16_ms),
+                 num(r.floor_ms), num(r.floor_ratio), num(r.kernels_per_decode, "d"), num(r.c_d.get(7)),
+                 num(r.c_d.get(15)), num(r.overhead_ms), num(r.tau), num(t["plain-1"], ".1f"), num(t["spec-1"], ".1f"),
+                 num(t["spec-1"] / t["plain-1"]), num(t["plain-8"], ".1f"), num(t["spec-8"], ".1f"),
+                 num(t["spec-8"] / t["plain-8"]), num(t.get("peer-1"), ".1f"),
+                 f"{e['spec-1']}/{total}", f"{e['plain-8']}/{total}", f"{e['spec-8']}/{total}",
+                 num(n["invariant-1"] / n["fast-1"]) if n else "-", num(n["invariant-16"] / n["fast-16"]) if n else "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
-def main(sizes: list[str], device: str, out: Path | None) -> int:
+def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto") -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     check_fits(sizes, device, dtype)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     reports = []
+    bandwidth = copy_bandwidth(device)
     for size in sizes:  # the files are rewritten after each size: a run cut short keeps what it measured
         started = time.perf_counter()
-        reports.append(check_size(size, device, dtype))
+        reports.append(check_size(size, device, dtype, bandwidth=bandwidth, backend=backend))
         print(f"{size}: done in {time.perf_counter() - started:.0f} s", flush=True)
         _write(out, f"Device: {name}, dtype {dtype}.\n\n{table(reports)}\n", reports)
-    text = f"Device: {name}, dtype {dtype}.\n\n{table(reports)}\n\nSharing between processes: {check_ipc(device)}\n"
+    text = (f"Device: {name}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s.\n\n{table(reports)}\n\n"
+            f"Sharing between processes: {check_ipc(device)}\n")
     print(text)
     _write(out, text, reports)
     return 0

@@ -55,11 +55,13 @@ def add_perf_commands(sub) -> None:
                     "(the prompts cycled), c in flight: mostly steady state, not one wave's ramp and tail")
     add_device_args(bn)
     bn.set_defaults(func=cmd_bench)
-    gc = sub.add_parser("gpu-check", help="r(k+1), c_d, overhead, CUDA IPC and bf16 exactness on random targets")
+    gc = sub.add_parser("gpu-check", help="step costs against the floor, throughput, exactness on random targets")
     gc.add_argument("--sizes", default="1b,8b,27b,27b-hybrid",
                     help="comma list of tiny, 1b, 8b, 27b (the reference shape), tiny-hybrid, 27b-hybrid (Qwen3.5-27B)")
     gc.add_argument("--device", default="cuda")
     gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
+    gc.add_argument("--backend", default="auto", choices=("auto", "eager", "graphs"),
+                    help="the verifier's runner (auto: the captured CUDA runner for dense targets on CUDA)")
     gc.set_defaults(func=cmd_gpu_check)
 
 
@@ -175,4 +177,4 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     if not sizes or unknown:
         raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
     resolve_device(args.device)
-    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None)
+    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend)

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common import cpu_kernels
+from blockspec.common.backends import make_runner
 from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
 from blockspec.common.distributions import DraftDist, log_probs, process
 from blockspec.common.footprint import slot_bytes
 from blockspec.common.models import Checkpoint
-from blockspec.common.runner import Segment, make_runner
+from blockspec.common.runner import Segment
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.common.threads import ThreadGovernor
 from blockspec.common.timing import interleaved

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockspec.common.backends import make_runner
 from blockspec.common.cuda_runner import WIDTHS, CudaRunner, batch_sizes, bucket
 from blockspec.common.models import load_checkpoint
-from blockspec.common.runner import Runner, Segment, make_runner
+from blockspec.common.runner import Runner, Segment
 from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_family
 from blockspec.services.router.step_loop import FinishEvent
 from blockspec.services.serving.engine import Engine
@@ -171,7 +172,8 @@ def test_triton_kernels_in_the_interpreter():
     row computed alone equal bit for bit to the same row in a batch."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton: the test extra has it)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 

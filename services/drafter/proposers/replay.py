@@ -32,3 +32,42 @@ class ReplayProposer:
 
     def release(self, request_id: str) -> None:
         self.live.release(request_id)
+
+
+class FixedAcceptanceProposer:
+    """Drafts a known continuation (each request's tokens from plain decoding, prompt included) with a set
+    acceptance: the i-th new context of a request gets k tokens of its continuation, the one at index
+    `schedule[i % len(schedule)]` changed, so a greedy verify accepts exactly that many (tau = mean(schedule) + 1
+    where k is above them). It costs nothing: what the step loop and the target cost at that acceptance, whatever
+    the weights (gpu-check's speculative throughput). A repeated context gets its first draft again."""
+
+    method = "replay"
+
+    def __init__(self, streams: dict[str, Sequence[int]], max_k: int, vocab_size: int,
+                 schedule: Sequence[int] = (2, 3, 3, 2, 3)) -> None:
+        self.streams, self.max_k, self.vocab_size, self.schedule = streams, max_k, vocab_size, tuple(schedule)
+        self._steps: dict[str, int] = {}
+        self._drafts: dict[tuple[str, int], Draft] = {}
+
+    @property
+    def tau(self) -> float:
+        return sum(self.schedule) / len(self.schedule) + 1
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
+        out = []
+        for i in inputs:
+            key = (i.request_id, len(i.token_ids))
+            if key not in self._drafts:
+                step = self._steps.get(i.request_id, 0)
+                self._steps[i.request_id] = step + 1
+                tokens = list(self.streams[i.request_id][len(i.token_ids) : len(i.token_ids) + i.k])
+                wrong = self.schedule[step % len(self.schedule)]
+                if wrong < len(tokens):
+                    tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
+                self._drafts[key] = Draft(tuple(tokens))
+            out.append(self._drafts[key])
+        return out
+
+    def release(self, request_id: str) -> None:
+        self._steps.pop(request_id, None)
+        self._drafts = {key: d for key, d in self._drafts.items() if key[0] != request_id}

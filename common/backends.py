@@ -1,0 +1,36 @@
+"""The runner backends behind one interface (`forward(segments, tap_dest)` -> `runner.ForwardResult`): `runner.Runner`
+for the CPU (its C++ kernels) and for models the CUDA runner does not take, `cuda_runner.CudaRunner` for dense models
+on CUDA (captured steps, batch-invariant numerics)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from blockspec.common.cuda_runner import CudaRunner, unsupported
+from blockspec.common.models import Checkpoint
+from blockspec.common.runner import Runner
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "eager", "graphs")
+
+
+def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, query_width: int | None = None,
+                tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                backend: str = "auto") -> Runner | CudaRunner:
+    """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a dense
+    model on CUDA, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
+    `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    reason = unsupported(checkpoint.config)
+    if backend == "graphs" or (backend == "auto" and torch.device(device).type == "cuda" and reason is None):
+        if query_width:
+            log.info("the CUDA runner is batch-invariant at every width: query_width %d is not needed", query_width)
+        return CudaRunner(checkpoint, num_slots, max_len, tap_layers, dtype, device)
+    if backend == "auto" and torch.device(device).type == "cuda":
+        log.info("%s: the eager runner on %s (the CUDA runner does not take %s)", checkpoint.path, device, reason)
+    return Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device)
