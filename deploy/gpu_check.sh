@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: random-weight Qwen3-shaped targets of 0.75B, 8.2B and 26.7B parameters and a
-# Qwen3.5-27B-shaped hybrid (26.9B; bf16) with matching DFlash drafters -> r(k+1), c_d, step-loop overhead, CUDA IPC
-# sharing between two processes, bf16 exactness of verify vs decode and of a speculative stream vs plain decoding
-# (default and invariant mode). The three dense sizes took about 2 minutes on one H200; the hybrid is not timed yet.
+# Qwen3.5-27B-shaped hybrid (26.9B; bf16) with matching DFlash drafters -> one table: decode / verify-8 / verify-16 ms
+# against the measured memory-bandwidth floor, kernels per decode, c_d, step-loop overhead, plain vs speculative
+# tokens/s at concurrency 1 and 8 with a fixed-acceptance drafter (tau 3.6) beside transformers' compiled static-cache
+# generate, exactness against plain decoding alone, invariant vs fast numerics; then CUDA IPC between two processes
+# (docs/gpu.md). Its budget is 8 minutes on one H100 or H200; this version has not run on one yet.
 #
 # It runs under the GPU machine's own Python and CUDA build of torch: the pins in pyproject.toml name
 # the CPU build, and such machines are often offline. PYTHON picks the interpreter (default: the first
