@@ -158,8 +158,43 @@ def merge(checkpoint: Checkpoint, model: Decoder, layer: int, module: nn.Module,
     return merged
 
 
+class Graphs:
+    """CUDA graphs captured on first use, one per key, sharing one memory pool. `run(key, fn, args)` replays the key's
+    graph (capturing fn(*args) first: two warm-up calls on a side stream, where kernels compile and the allocator
+    settles, then the capture) and returns the outputs it recorded: static tensors, valid until the next replay.
+    capture False calls fn(*args) instead (the CPU)."""
+
+    def __init__(self, device: torch.device, capture: bool) -> None:
+        self.device, self.capture = device, capture
+        self._graphs: dict = {}
+        self._pool = None
+
+    def keys(self) -> list:
+        return sorted(self._graphs)
+
+    def run(self, key, fn, args: tuple):
+        if not self.capture:
+            return fn(*args)
+        if key not in self._graphs:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn(*args)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = fn(*args)
+            self._graphs[key] = (graph, outputs)
+        graph, outputs = self._graphs[key]
+        graph.replay()
+        return outputs
+
+
 class _Bucket:
-    """A bucket's static buffers, its graph and the pinned host copies of its inputs and decisions."""
+    """A bucket's static buffers and the pinned host copies of its inputs and decisions."""
 
     def __init__(self, batch: int, width: int, spare: int, device: torch.device) -> None:
         self.batch, self.width = batch, width
@@ -169,8 +204,6 @@ class _Bucket:
         self.host = torch.zeros((5, batch, width), dtype=torch.long, pin_memory=pin)
         self.decided = torch.zeros((batch, width + 1), dtype=torch.long, pin_memory=pin)
         self.inputs.copy_(inputs_of((), [], (batch, width), spare, 1 << 30))  # all padding: warm-up writes spare
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
         tokens, positions, write_slots, real, slots = self.inputs.unbind(0)
@@ -207,11 +240,10 @@ class CudaRunner:
                                        device=self.device) if width else None)
         self.step = StaticStep(self.model, checkpoint, self.cache, self.tap_layers, self.tap_buffer, numerics,
                                self.max_len)
-        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.graphs = Graphs(self.device, self.device.type == "cuda" if capture is None else capture)
         self.batch_sizes = batch_sizes(num_slots)
         self.spare = num_slots
         self._buckets: dict[tuple[int, int], _Bucket] = {}
-        self._pool = None
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -231,32 +263,10 @@ class CudaRunner:
         b, w = bucket(batch, self.batch_sizes), bucket(width, WIDTHS)
         return None if b is None or w is None else (b, w)
 
-    def graphs(self) -> list[tuple[int, int]]:
-        """The buckets captured so far."""
-        return sorted(k for k, b in self._buckets.items() if b.graph is not None)
-
     def _bucket(self, key: tuple[int, int]) -> _Bucket:
         if key not in self._buckets:
             self._buckets[key] = _Bucket(*key, self.spare, self.device)
         return self._buckets[key]
-
-    def _run(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.capture:
-            return self.step(*bucket.args())
-        if bucket.graph is None:  # warm up on a side stream (kernels compile, allocator settles), then capture
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.step(*bucket.args())
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            bucket.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.graph, pool=self._pool):
-                bucket.outputs = self.step(*bucket.args())
-        bucket.graph.replay()
-        return bucket.outputs
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
@@ -276,7 +286,7 @@ class CudaRunner:
             bucket = self._bucket(key)
             bucket.host.copy_(inputs_of(segments, starts, key, self.spare, self.max_len))
             bucket.inputs.copy_(bucket.host, non_blocking=True)
-            logits, decided = self._run(bucket)
+            logits, decided = self.graphs.run(key, self.step, bucket.args())
             host = bucket.decided
             host.copy_(decided, non_blocking=True)
         else:  # eager at the forward's own shape; of a prefill (every segment last_only) the last rows' logits only

@@ -196,10 +196,10 @@ def kernels_per_decode(verifier, request_id: str, device: str) -> int | None:
 
     from blockspec.services.verifier.verifier import rolled_back_verify
 
-    runner, decode = verifier.runner, rolled_back_verify(verifier, [request_id], 1)
-    captures = getattr(runner, "capture", None)
-    if captures is not None:
-        runner.capture = False
+    graphs, decode = getattr(verifier.runner, "graphs", None), rolled_back_verify(verifier, [request_id], 1)
+    captures = graphs.capture if graphs is not None else None
+    if graphs is not None:
+        graphs.capture = False
     try:
         decode()
         torch.cuda.synchronize()
@@ -207,8 +207,8 @@ def kernels_per_decode(verifier, request_id: str, device: str) -> int | None:
             decode()
             torch.cuda.synchronize()
     finally:
-        if captures is not None:
-            runner.capture = captures
+        if graphs is not None:
+            graphs.capture = captures
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
 
 

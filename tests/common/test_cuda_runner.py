@@ -56,7 +56,7 @@ def test_logits_and_taps_match_transformers(index, variant_dirs):
         for b, logits in enumerate(out.logits):
             got[b].append(logits)
             assert out.greedy[b][1] == logits.argmax(-1).tolist()
-    assert runner.graphs() == [] and list(runner._buckets) == [(3, 8)]  # step 2 bucketed (uncaptured on the CPU)
+    assert runner.graphs.keys() == [] and list(runner._buckets) == [(3, 8)]  # step 2 bucketed (uncaptured on the CPU)
     assert max(float((torch.cat(got[b]) - ref.logits[b]).abs().max()) for b in range(3)) < 1e-4
     hidden = hf.config.hidden_size
     for layer in range(min(2, hf.config.num_hidden_layers - 1)):  # hidden_states[i + 1]: layer i's output (not the last)
@@ -208,4 +208,4 @@ def test_captured_steps_are_token_identical_in_mixed_batches(variant_dirs):
             runner.cache.set_length(s, runner.cache.lengths[s] - (len(seg.token_ids) - 1 - accepted))
         step += 1
     assert [g[:24] for g in got] == alone
-    assert runner.graphs()
+    assert runner.graphs.keys()

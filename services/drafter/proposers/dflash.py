@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 FeatureSource = Callable[[str], torch.Tensor]
 
 
+def static_blocks(device: torch.device) -> bool:
+    """Whether greedy proposals run as captured blocks (dflash/captured.py): on CUDA."""
+    return device.type == "cuda"
+
+
 class DFlashProposer:
     method = "dflash"
 
@@ -49,8 +54,9 @@ class DFlashProposer:
         self.device = embedding.device
         if self.device.type == "cpu":
             cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
+        static = static_blocks(self.device)
         self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, embedding.dtype,
-                                 self.device)
+                                 self.device, spare_slots=int(static))
         self._cos, self._sin = (t.to(self.device, embedding.dtype) for t in rope_table(cfg, max_len + cfg.block_size))
         self._slots: dict[str, int] = {}
         # A draft vocabulary (dflash/draft_vocab.py): the drafter scores only those rows of the LM head, a copy.
@@ -65,10 +71,18 @@ class DFlashProposer:
         self._cpu = fast if fast is not None and fast.usable and self.cache.k.dtype == torch.float32 else None
         if self._cpu is not None:
             self._cpu.bind(self.cache, self._cos, self._sin, self.embedding, self.vocab_ids)
+        self._blocks = None
+        if static:
+            from blockspec.services.drafter.dflash.captured import CapturedBlocks
+
+            self._blocks = CapturedBlocks(self, num_slots, capture=self.device.type == "cuda")
 
     @property
     def kernel(self) -> str:
-        """Where a greedy proposal runs, for reports: the C++ path with its weights, or the torch module."""
+        """Where a greedy proposal runs, for reports: captured blocks, the C++ path with its weights, or the torch
+        module."""
+        if self._blocks is not None:
+            return "captured blocks" if self._blocks.graphs.capture else "static blocks"
         return f"C++ ({self._cpu.weights})" if self._cpu is not None else "the torch module"
 
     def release(self, request_id: str) -> None:
@@ -101,14 +115,13 @@ class DFlashProposer:
         if cpu is not None:
             rows = torch.cat([torch.full((end - start,), slot) for slot, start, end, _ in pending])  # [N]: slot of each
             cpu.context(torch.cat(pieces), self.cache, rows, positions, self._cos, self._sin)
-        else:
+        else:  # every layer's K/V of the pending rows, stored by (slot, position) in one write per tensor
             cos, sin = self._cos[positions][None, None], self._sin[positions][None, None]  # [1, 1, N, hd] each
             layer_kv = self.model.context_kv(self.model.context(torch.cat(pieces))[None], cos, sin)
-            offset = 0
-            for slot, start, end, _ in pending:
-                for layer, (k, v) in enumerate(layer_kv):  # k, v [1, kv_heads, total rows, hd]
-                    self.cache.write(layer, slot, start, k[0, :, offset : offset + end - start], v[0, :, offset : offset + end - start])
-                offset += end - start
+            rows = torch.cat([torch.full((end - start,), slot) for slot, start, end, _ in pending]).to(self.device)
+            for layer, (k, v) in enumerate(layer_kv):  # k, v [1, kv_heads, N, hd]
+                self.cache.k[layer][rows, :, positions] = k[0].transpose(0, 1)
+                self.cache.v[layer][rows, :, positions] = v[0].transpose(0, 1)
         self._advance(pending)
 
     def _advance(self, pending: Sequence[tuple]) -> None:
@@ -128,6 +141,11 @@ class DFlashProposer:
         slots_used = max(i.k for i in live)
         greedy = all(i.sampling.greedy for i in live)
         B = min(self.cfg.block_size, slots_used + 1) if greedy and self.cfg.short_blocks else self.cfg.block_size
+        if greedy and self._blocks is not None and self._blocks.fits(len(live)):
+            with torch.inference_mode():
+                self._extend(pending, None)
+                rows = self._blocks.propose([i.token_ids[-1] for i in live], slot_ids, ctx_lens, B)
+            return self._drafts(inputs, live, rows, None)
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
         if panels is not None:  # the whole proposal in one C++ call (no autograd state to enter: it runs after
@@ -165,14 +183,20 @@ class DFlashProposer:
         pick = None if greedy else self._sampler(live, q_rows)
         if self.use_path_selector and pick is None and cpu is not None:
             tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
-        elif self.use_path_selector:
-            tokens = self.model.candidate_selector.walk(hidden, logits, anchors, pick, self.vocab_ids)  # [R, k]
-        else:  # per-slot choice among the slot's own top tokens
-            unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, k, m]
-            candidates = candidates if self.vocab_ids is None else self.vocab_ids[candidates]
-            tokens = torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
-                                  pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1) for t in range(slots_used)], 1)
+        else:
+            tokens = self.greedy_tokens(hidden, logits, anchors, pick)
         return self._drafts(inputs, live, tokens.tolist(), q_rows)  # one tolist for the batch
+
+    def greedy_tokens(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, pick=None) -> torch.Tensor:
+        """The draft tokens [R, S] from the draft slots' hidden [R, S, H] and logits [R, S, V]: the path selector's
+        walk from the anchors, or each slot's choice among its own top tokens; pick (a sampler) or the best score."""
+        if self.use_path_selector:
+            return self.model.candidate_selector.walk(hidden, logits, anchors, pick, self.vocab_ids)
+        unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, S, m]
+        candidates = candidates if self.vocab_ids is None else self.vocab_ids[candidates]
+        return torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
+                            pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1)
+                            for t in range(logits.shape[1])], 1)
 
     @staticmethod
     def _drafts(inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], rows: list[list[int]],
