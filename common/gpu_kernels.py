@@ -44,16 +44,34 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.transpose(1, 2)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' arithmetic: normalise in fp32, scale in the model dtype."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """transformers' arithmetic: normalise in fp32, scale in the model dtype; zero_centred (the Qwen3.5 hybrids): scale
+    by 1 + weight in fp32, then cast."""
     h = x.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype) if zero_centred else weight * h.to(x.dtype)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x + residual
-    return rms_norm_reference(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps, zero_centred), summed
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A Gated DeltaNet's output norm: RMSNorm (plain weight) of x, then times SiLU(gate) in fp32, cast back."""
+    return (rms_norm_reference(x, weight, eps).float() * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_delta_rule_reference(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               g: torch.Tensor, beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens from state [B, Hv, dk, dv] (fp32): q, k [B, T, Hv, dk] as the convolution
+    left them (l2-normalised here, q also scaled), v [B, T, Hv, dv], g (log decay) and beta [B, T, Hv]. Returns the
+    outputs [B, T, Hv, dv] and the final state (`state_cache.delta_rule_steps`)."""
+    from blockspec.common.state_cache import delta_rule_steps, l2_normalise
+
+    return delta_rule_steps(state, l2_normalise(k.float()), v.float(), g.float(), beta.float(),
+                            l2_normalise(q.float()) * scale)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,15 +81,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
-                           eps: float) -> torch.Tensor:
-    """qkv [B, T, heads + 2 kv_heads, D] -> the q and k heads [B, T, heads + kv_heads, D], each RMS-normed with its
-    weight (where the weights are not empty) and rotated at its position (cos / sin tables [max_len, D])."""
+                           sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                           zero_centred: bool = False) -> torch.Tensor:
+    """qkv [B, T, heads + kv_heads (+ more), D] -> the q and k heads [B, T, heads + kv_heads, D], each RMS-normed with
+    its weight (where the weights are not empty) and rotated at its position on its first R features (cos / sin
+    tables [max_len, R]; the rest pass)."""
     q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
     if q_weight.numel():
-        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
-    c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, D]
-    return torch.cat((rotate(q, c, s), rotate(k, c, s)), dim=2)
+        q, k = (rms_norm_reference(q, q_weight, eps, zero_centred), rms_norm_reference(k, k_weight, eps, zero_centred))
+    c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, R]
+    qk, rot = torch.cat((q, k), dim=2), c.shape[-1]
+    return torch.cat((rotate(qk[..., :rot], c, s), qk[..., rot:]), dim=-1)
 
 
 # --- the operators --------------------------------------------------------------------------------------------------
@@ -109,36 +129,72 @@ def _(q, k_cache, v_cache, slots, positions, scale):
 
 
 @torch.library.custom_op("blockspec::add_rms_norm", mutates_args=())
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm in one pass."""
-    return add_rms_norm_reference(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps, zero_centred)
 
 
 @add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, zero_centred=False):
     return torch.empty_like(x), torch.empty_like(x)
 
 
 @add_rms_norm.register_kernel("cuda")
-def _(x, residual, weight, eps):
-    return triton_add_rms_norm(x, residual, weight, eps)
+def _(x, residual, weight, eps, zero_centred=False):
+    return triton_add_rms_norm(x, residual, weight, eps, zero_centred)
 
 
 @torch.library.custom_op("blockspec::qk_norm_rope", mutates_args=())
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
-    return qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps)
+                 sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                 zero_centred: bool = False) -> torch.Tensor:
+    return qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred)
 
 
 @qk_norm_rope.register_fake
-def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps):
+def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred=False):
     return qkv.new_empty((*qkv.shape[:2], heads + kv_heads, qkv.shape[3]))
 
 
 @qk_norm_rope.register_kernel("cuda")
-def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps):
-    return triton_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps)
+def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred=False):
+    return triton_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred)
+
+
+@torch.library.custom_op("blockspec::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., D] (a Gated DeltaNet's heads) -> rms_norm(x) * silu(gate)."""
+    return gated_rms_norm_reference(x, gate, weight, eps)
+
+
+@gated_rms_norm.register_fake
+def _(x, gate, weight, eps):
+    return torch.empty_like(x)
+
+
+@gated_rms_norm.register_kernel("cuda")
+def _(x, gate, weight, eps):
+    return triton_gated_rms_norm(x, gate, weight, eps)
+
+
+@torch.library.custom_op("blockspec::gated_delta_rule", mutates_args=())
+def gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence of a Gated DeltaNet layer over a block of tokens, one token after another in a fixed order:
+    `gated_delta_rule_reference`. On CUDA one program per (request, value head, 64 value columns) keeps its part of
+    the state on chip for the whole block, l2-normalising q and k as it goes."""
+    return gated_delta_rule_reference(state, q, k, v, g, beta, scale)
+
+
+@gated_delta_rule.register_fake
+def _(state, q, k, v, g, beta, scale):
+    return v.new_empty(v.shape, dtype=torch.float32), torch.empty_like(state)
+
+
+@gated_delta_rule.register_kernel("cuda")
+def _(state, q, k, v, g, beta, scale):
+    return triton_gated_delta_rule(state, q, k, v, g, beta, scale)
 
 
 # --- the Triton kernels (imported on first use: the CPU path never needs Triton) --------------------------------------
@@ -221,8 +277,9 @@ def _kernels():
         tl.store(out + rh * D + d, o.to(out.dtype.element_ty))
 
     @triton.jit
-    def add_norm(x, res, w, y, summed, eps, HID: tl.constexpr, BH: tl.constexpr):
-        # One row: summed = x + res (in the model dtype), y = w * (summed * rsqrt(mean(summed^2) + eps)).
+    def add_norm(x, res, w, y, summed, eps, HID: tl.constexpr, BH: tl.constexpr, ZC: tl.constexpr):
+        # One row: summed = x + res (in the model dtype), y = w * (summed * rsqrt(mean(summed^2) + eps)) (ZC: the
+        # normalised row times 1 + w in fp32).
         row = tl.program_id(0)
         i = tl.arange(0, BH)
         live = i < HID
@@ -231,33 +288,77 @@ def _kernels():
         h = s.to(tl.float32)
         r = tl.rsqrt(tl.sum(h * h, 0) / HID + eps)
         weight = tl.load(w + i, mask=live, other=0.0)
-        tl.store(y + row * HID + i, weight * (h * r).to(weight.dtype), mask=live)
+        if ZC:
+            tl.store(y + row * HID + i, (h * r * (1.0 + weight.to(tl.float32))).to(weight.dtype), mask=live)
+        else:
+            tl.store(y + row * HID + i, weight * (h * r).to(weight.dtype), mask=live)
 
     @triton.jit
-    def norm_rope(qkv, qw, kw, cos, sin, positions, out, eps, H, KV,
-                  D: tl.constexpr, NORM: tl.constexpr):
-        # One (row, head) of the q and k heads: RMS norm with the head's weight, then the rotation at its position.
+    def norm_rope(qkv, qw, kw, cos, sin, positions, out, eps, H, KV, STRIDE,
+                  D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, ZC: tl.constexpr):
+        # One (row, head) of the q and k heads (STRIDE heads a row in qkv): RMS norm with the head's weight, then the
+        # rotation at its position of the first ROT features.
         row, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D)
-        half = D // 2
-        src = qkv + (row * (H + 2 * KV) + head) * D
+        half = ROT // 2
+        other = tl.where(d < ROT, (d + half) % ROT, d)  # the rotate-half partner of each rotated feature
+        src = qkv + (row * STRIDE + head) * D
         x = tl.load(src + d).to(tl.float32)
-        partner = tl.load(src + (d + half) % D).to(tl.float32)  # the other half, for rotate-half
+        partner = tl.load(src + other).to(tl.float32)
         if NORM:
             r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
             is_q = head < H
             w = tl.where(is_q, tl.load(qw + d, mask=is_q, other=0.0), tl.load(kw + d, mask=head >= H, other=0.0))
-            wp = tl.where(is_q, tl.load(qw + (d + half) % D, mask=is_q, other=0.0),
-                          tl.load(kw + (d + half) % D, mask=head >= H, other=0.0))
-            x = (w * (x * r).to(w.dtype)).to(tl.float32)
-            partner = (wp * (partner * r).to(wp.dtype)).to(tl.float32)
+            wp = tl.where(is_q, tl.load(qw + other, mask=is_q, other=0.0),
+                          tl.load(kw + other, mask=head >= H, other=0.0))
+            if ZC:
+                x = (x * r * (1.0 + w.to(tl.float32))).to(w.dtype).to(tl.float32)
+                partner = (partner * r * (1.0 + wp.to(tl.float32))).to(wp.dtype).to(tl.float32)
+            else:
+                x = (w * (x * r).to(w.dtype)).to(tl.float32)
+                partner = (wp * (partner * r).to(wp.dtype)).to(tl.float32)
         pos = tl.load(positions + row)
-        c = tl.load(cos + pos * D + d).to(tl.float32)
-        s = tl.load(sin + pos * D + d).to(tl.float32)
+        rotating = d < ROT
+        c = tl.load(cos + pos * ROT + d, mask=rotating, other=1.0).to(tl.float32)
+        s = tl.load(sin + pos * ROT + d, mask=rotating, other=0.0).to(tl.float32)
         rotated = tl.where(d < half, -partner, partner)
         tl.store(out + (row * (H + KV) + head) * D + d, (x * c + rotated * s).to(out.dtype.element_ty))
 
-    return triton, gemm, attend, combine, add_norm, norm_rope
+    @triton.jit
+    def gated_norm(x, gate, w, out, eps, D: tl.constexpr):
+        # One head of one row: rms_norm(x) * silu(gate).
+        row = tl.program_id(0)
+        d = tl.arange(0, D)
+        h = tl.load(x + row * D + d).to(tl.float32)
+        weight = tl.load(w + d)
+        y = (weight * (h * tl.rsqrt(tl.sum(h * h, 0) / D + eps)).to(weight.dtype)).to(tl.float32)
+        z = tl.load(gate + row * D + d).to(tl.float32)
+        tl.store(out + row * D + d, (y * (z / (1.0 + tl.exp(-z)))).to(out.dtype.element_ty))
+
+    @triton.jit
+    def delta_rule(state, q, k, v, g, beta, out, new_state, scale, HV,
+                   T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+        # One request, one value head, BV value columns: the state block [DK, BV] stays on chip over the T tokens.
+        b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        dk = tl.arange(0, DK)
+        dv = j * BV + tl.arange(0, BV)
+        base = (b * HV + h) * DK * DV
+        s = tl.load(state + base + dk[:, None] * DV + dv[None, :])
+        for t in range(T):
+            row = (b * T + t) * HV + h
+            kt = tl.load(k + row * DK + dk).to(tl.float32)
+            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+            qt = tl.load(q + row * DK + dk).to(tl.float32)
+            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * scale
+            vt = tl.load(v + row * DV + dv).to(tl.float32)
+            s = s * tl.exp(tl.load(g + row).to(tl.float32))
+            delta = (vt - tl.sum(s * kt[:, None], 0)) * tl.load(beta + row).to(tl.float32)
+            s = s + kt[:, None] * delta[None, :]
+            tl.store(out + row * DV + dv, tl.sum(s * qt[:, None], 0))
+        tl.store(new_state + base + dk[:, None] * DV + dv[None, :], s)
+
+    return triton, gemm, attend, combine, add_norm, norm_rope, gated_norm, delta_rule
+
 
 
 def gemm_config(n: int, k: int, sms: int) -> tuple[int, int, int]:
@@ -322,26 +423,59 @@ def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    triton, *_, add_norm, _ = _kernels()
+def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    triton, _, _, _, add_norm, *_ = _kernels()
     hidden = x.shape[-1]
     x, residual = x.contiguous(), residual.contiguous()
     y, summed = torch.empty_like(x), torch.empty_like(x)
     add_norm[(x.numel() // hidden,)](x, residual, weight, y, summed, eps, HID=hidden,
-                                     BH=triton.next_power_of_2(hidden))
+                                     BH=triton.next_power_of_2(hidden), ZC=zero_centred)
     return y, summed
 
 
 def triton_qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
-                        eps: float) -> torch.Tensor:
-    *_, norm_rope = _kernels()
-    B, T, _, D = qkv.shape
+                        sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                        zero_centred: bool = False) -> torch.Tensor:
+    _, _, _, _, _, norm_rope, _, _ = _kernels()
+    B, T, stride, D = qkv.shape
     qkv = qkv.contiguous()
     out = qkv.new_empty((B, T, heads + kv_heads, D))
     norm = bool(q_weight.numel())
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unread without the norm
     norm_rope[(B * T, heads + kv_heads)](qkv, qw, kw, cos.contiguous(), sin.contiguous(),
-                                         positions.reshape(-1).contiguous(), out, eps, heads, kv_heads, D=D, NORM=norm)
+                                         positions.reshape(-1).contiguous(), out, eps, heads, kv_heads, stride, D=D,
+                                         ROT=cos.shape[-1], NORM=norm, ZC=zero_centred)
     return out
+
+
+def triton_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    *_, gated_norm, _ = _kernels()
+    D = x.shape[-1]
+    x, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(x)
+    gated_norm[(x.numel() // D,)](x, gate, weight, out, eps, D=D)
+    return out
+
+
+DELTA_BLOCK = 16  # tokens per delta-rule program: a longer block runs as consecutive calls
+
+
+def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    *_, delta_rule = _kernels()
+    B, T, HV, DK = k.shape
+    DV = v.shape[-1]
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty((B, T, HV, DV), dtype=torch.float32, device=v.device)
+    block_v = min(64, DV)
+    for t0 in range(0, T, DELTA_BLOCK):  # the state of one call is the next one's: the same order as one call
+        t1 = min(T, t0 + DELTA_BLOCK)
+        new_state = torch.empty_like(state)
+        piece = [x[:, t0:t1].contiguous() for x in (q, k, v, g, beta)]
+        chunk_out = torch.empty((B, t1 - t0, HV, DV), dtype=torch.float32, device=v.device)
+        delta_rule[(B, HV, DV // block_v)](state.contiguous(), *piece, chunk_out, new_state, scale, HV, T=t1 - t0,
+                                           DK=DK, DV=DV, BV=block_v)
+        out[:, t0:t1] = chunk_out
+        state = new_state
+    return out, state

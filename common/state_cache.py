@@ -80,6 +80,9 @@ class SlotStates:
                                      dtype=torch.float32, device=device)
         self.current = [0] * num_slots  # which buffer holds the slot's state
         self._blocks: dict[int, _Block] = {}
+        # replay(state [1, Hv, dk, dv], k, v, g, beta [1, j, ...]) -> the state after those tokens: the recurrence
+        # that wrote the kept tokens (the CUDA runner keeps its own kernel's inputs and sets its own)
+        self.replay = lambda state, k, v, g, beta: delta_rule_steps(state, k, v, g, beta)[1]
 
     @staticmethod
     def nbytes(cfg: ModelConfig, dtype: torch.dtype, rollback: str = "replay", block: int = 16) -> dict[str, int]:
@@ -123,9 +126,19 @@ class SlotStates:
                 self.recurrent[layer, slot, cur] = rec[0][j - 1]
             else:
                 k, v, g, beta = (t[None, :j] for t in rec)
-                self.recurrent[layer, slot, cur] = delta_rule_steps(self.recurrent[layer, slot, prev][None],
-                                                                    k, v, g, beta)[1][0]
+                self.recurrent[layer, slot, cur] = self.replay(self.recurrent[layer, slot, prev][None], k, v, g,
+                                                               beta)[0]
         block.at = length
+
+    def keep(self, slot: int, start: int, n: int, conv_in: list[torch.Tensor],
+             recurrence: list[tuple[torch.Tensor, ...]]) -> None:
+        """A forward of n tokens at `start` wrote the slot's other buffers: swap, and keep what a rollback within it
+        replays (per layer its conv inputs [n, conv_dim] and recurrence inputs [n, ...]; nothing past max_block)."""
+        self.current[slot] = 1 - self.current[slot]
+        if n > self.max_block:  # a long prefill chunk: nothing kept (no step rolls one back)
+            self._blocks[slot] = _Block(start + n, 0, start + n, [], [])
+        else:
+            self._blocks[slot] = _Block(start, n, start + n, conv_in, recurrence)
 
 
 class StateStep:
@@ -159,14 +172,9 @@ class StateStep:
         self._recurrence.append(recurrence)
 
     def finish(self) -> None:
-        states = self.states
         for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)):
-            states.current[slot] = 1 - states.current[slot]
-            if n > states.max_block:  # a long prefill chunk: nothing kept (no step rolls one back)
-                states._blocks[slot] = _Block(start + n, 0, start + n, [], [])
-                continue
-            states._blocks[slot] = _Block(start, n, start + n, [c[b, :n] for c in self._conv_in],
-                                          [tuple(t[b, :n] for t in rec) for rec in self._recurrence])
+            self.states.keep(slot, start, n, [c[b, :n] for c in self._conv_in],
+                             [tuple(t[b, :n] for t in rec) for rec in self._recurrence])
 
 
 class HybridKVCache(SlotKVCache):
@@ -174,9 +182,10 @@ class HybridKVCache(SlotKVCache):
     both (allocate zeroes the states, a shorter length rolls them back within the last forward)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", rollback: str = "replay") -> None:
-        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
-        self.states = SlotStates(cfg, num_slots, dtype, device, rollback)
+                 device: torch.device | str = "cpu", rollback: str = "replay", spare_slots: int = 0) -> None:
+        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device,
+                         spare_slots)
+        self.states = SlotStates(cfg, num_slots + spare_slots, dtype, device, rollback)
 
     def allocate(self) -> int:
         slot = super().allocate()

@@ -116,8 +116,10 @@ def test_make_runner_picks_the_backend(variant_dirs, tmp_path):
     assert type(make_runner(ck, 1, 64)) is Runner  # auto on the CPU
     assert type(make_runner(ck, 1, 64, backend="graphs")) is CudaRunner
     hybrid = load_checkpoint(build_tiny_family(tmp_path / "hybrid", "qwen3_5"))
-    with pytest.raises(ValueError, match="hybrid"):
-        make_runner(hybrid, 1, 64, backend="graphs")
+    assert type(make_runner(hybrid, 1, 64, backend="graphs")) is CudaRunner
+    moe = load_checkpoint(build_tiny_family(tmp_path / "moe", "qwen3_moe"))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_runner(moe, 1, 64, backend="graphs")
     with pytest.raises(ValueError, match="backend 'fast'"):
         make_runner(ck, 1, 64, backend="fast")
 
@@ -130,8 +132,8 @@ def test_the_step_compiles_as_one_graph(variant_dirs):
     torch._dynamo.reset()
     compiled = torch.compile(runner.step, fullgraph=True, backend="aot_eager", dynamic=False)
     with torch.inference_mode():
-        logits, decided = compiled(*bucket_.args())
-        ref_logits, ref_decided = runner.step(*bucket_.args())
+        logits, decided, _ = compiled(*bucket_.args())
+        ref_logits, ref_decided, _ = runner.step(*bucket_.args())
     assert torch.equal(logits, ref_logits) and torch.equal(decided, ref_decided)
 
 
@@ -153,16 +155,31 @@ KERNEL_CHECK = textwrap.dedent("""
     o = gk.triton_attention(q, kc, vc, slots, pos, 0.25)
     assert (o - gk.attention_reference(q, kc, vc, slots, pos, 0.25)).abs().max() < 1e-5, "attention"
     assert torch.equal(gk.triton_attention(q[1:, 1:2], kc, vc, slots[1:], pos[1:, 1:2], 0.25)[0, 0], o[1, 1]), "rows"
-    # add + RMSNorm, and q/k norm with rotary (and rotary alone)
-    x, r, w = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(48)
-    y, s = gk.triton_add_rms_norm(x, r, w, 1e-6)
-    y0, s0 = gk.add_rms_norm(x, r, w, 1e-6)
-    assert (y - y0).abs().max() < 1e-5 and torch.equal(s, s0), "norm"
-    qkv, cos, sin = torch.randn(2, 3, 8, 16), torch.randn(64, 16), torch.randn(64, 16)
-    pos = torch.randint(0, 64, (2, 3))
-    for qw, kw in ((torch.randn(16), torch.randn(16)), (torch.empty(0), torch.empty(0))):
-        a = gk.triton_qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6)
-        assert (a - gk.qk_norm_rope_reference(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6)).abs().max() < 1e-5, "qk"
+    # add + RMSNorm (plain and zero-centred), q/k norm with rotary (full and partial, and rotary alone)
+    x, r, w = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
+    for zc in (False, True):
+        y, s = gk.triton_add_rms_norm(x, r, w, 1e-6, zc)
+        y0, s0 = gk.add_rms_norm_reference(x, r, w, 1e-6, zc)
+        assert (y - y0).abs().max() < 1e-5 and torch.equal(s, s0), "norm"
+    qkv, pos = torch.randn(2, 3, 8, 16), torch.randint(0, 64, (2, 3))
+    for rot in (16, 8):
+        cos, sin = torch.randn(64, rot), torch.randn(64, rot)
+        for qw, kw, zc in ((torch.randn(16), torch.randn(16), False), (torch.randn(16), torch.randn(16), True),
+                           (torch.empty(0), torch.empty(0), False)):
+            a = gk.triton_qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
+            b = gk.qk_norm_rope_reference(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
+            assert (a - b).abs().max() < 1e-5, "qk"
+    # a Gated DeltaNet's output norm, and its recurrence over 21 tokens (two blocks), a row alone equal to the batch's
+    x, z = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4, 16)
+    assert (gk.triton_gated_rms_norm(x, z, w[:16], 1e-6) - gk.gated_rms_norm_reference(x, z, w[:16], 1e-6)).abs().max() < 1e-5
+    B, T, HV, DK, DV = 2, 21, 3, 16, 32
+    state, q, k = torch.randn(B, HV, DK, DV), torch.randn(B, T, HV, DK), torch.randn(B, T, HV, DK)
+    v, g, beta = torch.randn(B, T, HV, DV), -torch.rand(B, T, HV), torch.rand(B, T, HV)
+    o, s = gk.triton_gated_delta_rule(state, q, k, v, g, beta, 0.25)
+    o0, s0 = gk.gated_delta_rule_reference(state, q, k, v, g, beta, 0.25)
+    assert (o - o0).abs().max() < 1e-4 and (s - s0).abs().max() < 1e-4, "delta rule"
+    o1, _ = gk.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
+    assert torch.equal(o1[0], o[1, :5]), "delta rule rows"
     print("ok")
 """)
 
@@ -209,3 +226,31 @@ def test_captured_steps_are_token_identical_in_mixed_batches(variant_dirs):
         step += 1
     assert [g[:24] for g in got] == alone
     assert runner.graphs.keys()
+
+
+def test_hybrid_logits_and_rollback_match_transformers(tmp_path, tokenizer):
+    """A Qwen3.5 hybrid through the hybrid step: ragged batched forwards equal transformers' logits, and after a verify
+    of 6 tokens rolled back to 3 the next decode's logits are those of the 3 committed tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_family(tmp_path / "hybrid", "qwen3_5", tokenizer=tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    runner = cpu_runner(path, tap_layers=(1, 3))
+    slots = [runner.cache.allocate() for _ in range(3)]
+    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
+    got = [[] for _ in range(3)]
+    for step in range(3):
+        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)],
+                             runner.tap_buffer)
+        for b, logits in enumerate(out.logits):
+            got[b].append(logits)
+    assert max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3)) < 1e-4
+    single = cpu_runner(path, num_slots=1)
+    slot, seq = single.cache.allocate(), ids[0].tolist()
+    single.forward([Segment(slot, seq[:20], last_only=True)])
+    single.forward([Segment(slot, seq[20:26])])  # a verify of 6
+    single.cache.set_length(slot, 23)  # 3 of them kept
+    assert float((single.forward([Segment(slot, seq[23:24])]).logits[0][0] - ref[0, 23]).abs().max()) < 1e-4

@@ -213,3 +213,18 @@ def test_sampled_sequences_of_a_hybrid_follow_its_distribution(peaked_hybrid, hy
     assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
     if method == "ngram":
         assert 0.05 < acceptance < 0.95, f"acceptance {acceptance:.2f}: the rule would not be exercised both ways"
+
+
+@pytest.mark.parametrize(("method", "k"), [("dflash", 5), ("dflash", 15), ("ngram", 5)])
+def test_the_cuda_runners_hybrid_step_equals_the_target_alone(targets, hybrid_drafter, hybrid_prompts,
+                                                               target_references, method, k):
+    """The CUDA runner's hybrid step (`cuda_steps.HybridStaticStep`, uncaptured on the CPU): states read and written
+    through device indices, rollbacks replayed with its own recurrence, chunked prefill - the same tokens."""
+    from blockspec.common.cuda_runner import CudaRunner
+
+    engine = Engine(targets["qwen3_5-text"], hybrid_drafter if method == "dflash" else None, method, max_batch=3,
+                    prefill_chunk=16, threads=1, backend="graphs")
+    assert isinstance(engine.verifier.runner, CudaRunner)
+    done = engine.complete([engine.request(str(i), p, NEW, k) for i, p in enumerate(hybrid_prompts)])
+    assert [list(d.token_ids) for d in done] == target_references["qwen3_5-text"]
+    assert sum(d.stats.accepted for d in done) > 0 or method == "dflash"
