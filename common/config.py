@@ -127,7 +127,11 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
         "target and drafter (the drafter reads the target's tensors)"))
     invariant: bool = Field(False, description=(
-        "decode with the verify query width, so that bf16 output stays token-identical (docs/exactness.md)"))
+        "decode with the verify query width, so that bf16 output stays token-identical on the eager runner "
+        "(docs/exactness.md)"))
+    runner: Literal["auto", "eager", "graphs"] = Field("auto", description=(
+        "the target's runner: auto (the CUDA runner's captured steps for dense and hybrid targets on CUDA, the eager "
+        "runner elsewhere), eager, or graphs (docs/gpu.md)"))
 
     @field_validator("device")
     @classmethod

@@ -52,6 +52,8 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--max-batch", type=bounded(1, MAX_BATCH), default=16, help="requests stepped together (default 16)")
     gen.add_argument("--max-model-len", type=bounded(MIN_MODEL_LEN), help="KV cache length per request (default: model context, <= 4096)")
     gen.add_argument("--invariant", action="store_true", help="decode with the verify query width (docs/exactness.md)")
+    gen.add_argument("--runner", choices=("auto", "eager", "graphs"), default="auto",
+                     help="the target's runner (auto: the CUDA runner's captured steps where it applies; docs/gpu.md)")
     gen.add_argument("--no-dynamic-conv", action="store_true", help="dflash ablation: identity convolutions")
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
     gen.add_argument("--threads", type=threads, help="CPU threads (default: one per core that other processes leave "
@@ -224,7 +226,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
                         adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
                         prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype,
-                        threads=args.threads)
+                        threads=args.threads, backend=args.runner)
         # Validate every prompt before anything is generated or written.
         validate_stops(args.stop or [], "--stop")
         sampling = _sampling(args)

@@ -66,14 +66,15 @@ def role_service(args) -> VerifierService | DrafterService:
     device, dtype = resolve_device(args.device, args.dtype)
     if args.role == "verifier":
         return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,
-                                args.invariant, args.gpu_memory_fraction)
+                                args.invariant, args.gpu_memory_fraction, args.runner)
     return DrafterService(args.method, args.drafter, args.target, args.max_batch, context_len(args.target, args.max_model_len),
                           not args.no_dynamic_conv, not args.no_path_selector, device, dtype, args.gpu_memory_fraction)
 
 
 def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None,
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     invariant: bool = False, gpu_fraction: float | None = None) -> VerifierService:
+                     invariant: bool = False, gpu_fraction: float | None = None,
+                     runner: str = "auto") -> VerifierService:
     """The verifier role; on a GPU with a memory share (`gpu_fraction`), refused before it allocates if its
     weights, KV cache and tap buffer do not fit the share."""
     dflash_cfg = None
@@ -86,7 +87,7 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
     need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype)
     claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
     verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,
-                        tap_layers=tap_layers, dtype=dtype, device=device)
+                        tap_layers=tap_layers, dtype=dtype, device=device, backend=runner)
     return VerifierService(verifier, str(target))
 
 

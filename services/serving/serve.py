@@ -96,6 +96,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
                     "the target's embedding, LM head and tap features in place)", spec.draft_model_dtype, m.dtype)
     verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
     verifier += ["--invariant"] if m.invariant else []
+    verifier += ["--runner", m.runner] if m.runner != "auto" else []
     shares = (role_fractions(m.gpu_memory_utilization, method != "none", replicas_per_gpu)
               if m.device.startswith("cuda") else None)
     verifier += ["--gpu-memory-fraction", str(shares[0])] if shares else []

@@ -50,6 +50,25 @@ def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny
     assert runner.query_width == 8 and runner.model.embed_tokens.weight.dtype == torch.bfloat16  # k <= 7: 8 rows
 
 
+def test_model_runner_picks_the_verifier_roles_runner(tiny_models, dflash_drafters):
+    """model.runner reaches the verifier role only; `graphs` builds the CUDA runner (its code, uncaptured on the CPU),
+    `auto` the eager one on the CPU, and a value outside the three is refused naming the key."""
+    from blockspec.common.cuda_runner import CudaRunner
+    from blockspec.common.runner import Runner
+    from blockspec.services.serving.launch import role_service
+
+    p = plan(config(tiny_models, dflash_drafters, runner="graphs"))
+    argv = list(p.verifier_argv)
+    assert argv[argv.index("--runner") + 1] == "graphs"
+    assert "--runner" not in p.drafter_argv
+    assert isinstance(role_service(parse_role_args(list(p.verifier_argv))).verifier.runner, CudaRunner)
+    p = plan(config(tiny_models, dflash_drafters))
+    assert "--runner" not in p.verifier_argv
+    assert type(role_service(parse_role_args(list(p.verifier_argv))).verifier.runner) is Runner
+    with pytest.raises(InvalidArgument, match="model.runner"):
+        config(tiny_models, dflash_drafters, runner="fast")
+
+
 def test_longer_lookup_drafts_are_refused_in_invariant_mode_and_with_adaptive_k(tiny_models, dflash_drafters):
     cfg = config(tiny_models, dflash_drafters, invariant=True,
                  spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16})
