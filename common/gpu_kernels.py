@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +208,8 @@ def _kernels():
     @triton.jit
     def gemm(x, w, out, M, N, K, stride_xm, stride_wn, stride_sm,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_STEPS: tl.constexpr):
-        # out[split, m, n] = sum over this split's K range of x[m, k] * w[n, k], in fp32, BK at a time in order.
+        # out[split, m, n] = sum over this split's K range of x[m, k] * w[n, k], in fp32, BK at a time in order; stored
+        # in out's type (the output itself where K is not split).
         pm, pn, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pm * BM + tl.arange(0, BM)
         rn = pn * BN + tl.arange(0, BN)
@@ -219,7 +221,18 @@ def _kernels():
             a = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
             b = tl.load(w + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
             acc += tl.dot(a, tl.trans(b))
-        tl.store(out + ps * stride_sm + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(out + ps * stride_sm + rm[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def sum_splits(parts, out, size, S: tl.constexpr, BLOCK: tl.constexpr):
+        # out = parts[0] + parts[1] + ... in that order, cast to out's type.
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < size
+        total = tl.load(parts + i, mask=live, other=0.0)
+        for s in range(1, S):
+            total += tl.load(parts + s * size + i, mask=live, other=0.0)
+        tl.store(out + i, total.to(out.dtype.element_ty), mask=live)
 
     @triton.jit
     def attend(q, kc, vc, slots, positions, m_out, l_out, acc_out, scale, T, H, KV, L, n_chunks,
@@ -357,7 +370,8 @@ def _kernels():
             tl.store(out + row * DV + dv, tl.sum(s * qt[:, None], 0))
         tl.store(new_state + base + dk[:, None] * DV + dv[None, :], s)
 
-    return triton, gemm, attend, combine, add_norm, norm_rope, gated_norm, delta_rule
+    return SimpleNamespace(triton=triton, gemm=gemm, sum_splits=sum_splits, attend=attend, combine=combine,
+                           add_norm=add_norm, norm_rope=norm_rope, gated_norm=gated_norm, delta_rule=delta_rule)
 
 
 
@@ -379,26 +393,26 @@ def _sms(device: torch.device) -> int:
 
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    triton, gemm, *_ = _kernels()
+    kn = _kernels()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     (m, k), n = x2.shape, w.shape[0]
     block_n, block_k, split = gemm_config(n, k, _sms(x.device))
-    parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    gemm[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), split)](
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    parts = out[None] if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    kn.gemm[(kn.triton.cdiv(m, BLOCK_M), kn.triton.cdiv(n, block_n), split)](
         x2, w, parts, m, n, k, x2.stride(0), w.stride(0), parts.stride(0),
         BM=BLOCK_M, BN=block_n, BK=block_k, K_STEPS=-(-k // (split * block_k)))
-    out = parts[0]
-    for i in range(1, split):  # a fixed order of addition
-        out = out + parts[i]
-    return out.to(x.dtype).reshape(*shape[:-1], n)
+    if split > 1:  # the partials added in split order, in one pass
+        kn.sum_splits[(kn.triton.cdiv(m * n, 1024),)](parts, out, m * n, S=split, BLOCK=1024)
+    return out.reshape(*shape[:-1], n)
 
 
 def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, scale: float) -> torch.Tensor:
-    triton, _, attend, combine, *_ = _kernels()
+    kn = _kernels()
     B, T, H, D = q.shape
     _, KV, L, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
@@ -410,12 +424,12 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     s = torch.empty_like(m)
     acc = torch.empty((rows, H, n_chunks, D), dtype=torch.float32, device=q.device)
     positions = positions.reshape(-1).contiguous()
-    attend[(rows, KV, n_chunks)](
+    kn.attend[(rows, KV, n_chunks)](
         q, k_cache, v_cache, slots.contiguous(), positions, m, s, acc, scale, T, H, KV, L, n_chunks,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, CH=CHUNK, BN=ATTN_BLOCK_N)
+        G=G, GP=max(16, kn.triton.next_power_of_2(G)), D=D, CH=CHUNK, BN=ATTN_BLOCK_N)
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
-    combine[(rows * H,)](m, s, acc, out, n_chunks, CP=max(2, triton.next_power_of_2(n_chunks)), D=D)
+    kn.combine[(rows * H,)](m, s, acc, out, n_chunks, CP=max(2, kn.triton.next_power_of_2(n_chunks)), D=D)
     return out
 
 
@@ -425,36 +439,36 @@ def attention_scale(head_dim: int) -> float:
 
 def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    triton, _, _, _, add_norm, *_ = _kernels()
+    kn = _kernels()
     hidden = x.shape[-1]
     x, residual = x.contiguous(), residual.contiguous()
     y, summed = torch.empty_like(x), torch.empty_like(x)
-    add_norm[(x.numel() // hidden,)](x, residual, weight, y, summed, eps, HID=hidden,
-                                     BH=triton.next_power_of_2(hidden), ZC=zero_centred)
+    kn.add_norm[(x.numel() // hidden,)](x, residual, weight, y, summed, eps, HID=hidden,
+                                        BH=kn.triton.next_power_of_2(hidden), ZC=zero_centred)
     return y, summed
 
 
 def triton_qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
                         zero_centred: bool = False) -> torch.Tensor:
-    _, _, _, _, _, norm_rope, _, _ = _kernels()
+    kn = _kernels()
     B, T, stride, D = qkv.shape
     qkv = qkv.contiguous()
     out = qkv.new_empty((B, T, heads + kv_heads, D))
     norm = bool(q_weight.numel())
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unread without the norm
-    norm_rope[(B * T, heads + kv_heads)](qkv, qw, kw, cos.contiguous(), sin.contiguous(),
+    kn.norm_rope[(B * T, heads + kv_heads)](qkv, qw, kw, cos.contiguous(), sin.contiguous(),
                                          positions.reshape(-1).contiguous(), out, eps, heads, kv_heads, stride, D=D,
                                          ROT=cos.shape[-1], NORM=norm, ZC=zero_centred)
     return out
 
 
 def triton_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    *_, gated_norm, _ = _kernels()
+    kn = _kernels()
     D = x.shape[-1]
     x, gate = x.contiguous(), gate.contiguous()
     out = torch.empty_like(x)
-    gated_norm[(x.numel() // D,)](x, gate, weight, out, eps, D=D)
+    kn.gated_norm[(x.numel() // D,)](x, gate, weight, out, eps, D=D)
     return out
 
 
@@ -463,7 +477,7 @@ DELTA_BLOCK = 16  # tokens per delta-rule program: a longer block runs as consec
 
 def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    *_, delta_rule = _kernels()
+    kn = _kernels()
     B, T, HV, DK = k.shape
     DV = v.shape[-1]
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -474,7 +488,7 @@ def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         new_state = torch.empty_like(state)
         piece = [x[:, t0:t1].contiguous() for x in (q, k, v, g, beta)]
         chunk_out = torch.empty((B, t1 - t0, HV, DV), dtype=torch.float32, device=v.device)
-        delta_rule[(B, HV, DV // block_v)](state.contiguous(), *piece, chunk_out, new_state, scale, HV, T=t1 - t0,
+        kn.delta_rule[(B, HV, DV // block_v)](state.contiguous(), *piece, chunk_out, new_state, scale, HV, T=t1 - t0,
                                            DK=DK, DV=DV, BV=block_v)
         out[:, t0:t1] = chunk_out
         state = new_state
