@@ -21,8 +21,8 @@ BACKENDS = ("auto", "eager", "graphs")
 def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, query_width: int | None = None,
                 tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 backend: str = "auto") -> Runner | CudaRunner:
-    """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a dense
-    model on CUDA, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
+    """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a model on
+    CUDA that it takes, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
     `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")

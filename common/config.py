@@ -130,8 +130,8 @@ class ModelSection(_Section):
         "decode with the verify query width, so that bf16 output stays token-identical on the eager runner "
         "(docs/exactness.md)"))
     runner: Literal["auto", "eager", "graphs"] = Field("auto", description=(
-        "the target's runner: auto (the CUDA runner's captured steps for dense and hybrid targets on CUDA, the eager "
-        "runner elsewhere), eager, or graphs (docs/gpu.md)"))
+        "the target's runner: auto (the CUDA runner's captured steps on CUDA, the eager runner elsewhere), eager, or "
+        "graphs (docs/gpu.md)"))
 
     @field_validator("device")
     @classmethod

@@ -14,8 +14,9 @@ Numerics: "invariant" (the default) computes every product, norm and attention w
 alone, verified in a block or batched with other requests: speculative output is token-identical to plain decoding.
 "fast" uses torch's products (cuBLAS picks its kernel by the row count) and is not token-identical.
 
-Dense families (Llama, Qwen2, Qwen3) and the Qwen3.5 hybrids (`cuda_steps.HybridStaticStep`: each forward writes
-a slot's other state buffers and keeps what a rollback within it replays). MoE targets run on `runner.Runner`.
+Every family: dense (Llama, Qwen2, Qwen3), their mixtures of experts (`gpu_kernels.moe`), and the Qwen3.5 / 3.6
+hybrids and Qwen3-Next (`cuda_steps.HybridStaticStep`: each forward writes a slot's other state buffers and keeps what
+a rollback within it replays).
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ def batch_sizes(num_slots: int) -> tuple[int, ...]:
 
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why the CUDA backend does not run this model, or None."""
-    if cfg.experts is not None:
-        return "mixture-of-experts layers"
     dims = {"head_dim": cfg.head_dim}
     if cfg.hybrid:
         dims.update(linear_key_head_dim=cfg.linear.k_head_dim, linear_value_head_dim=cfg.linear.v_head_dim)

@@ -44,14 +44,14 @@ class StaticStep(nn.Module):
         self.embed = model.embed_tokens.weight
         self.layers = []
         for i, layer in enumerate(model.layers):
-            att, mlp = layer.self_attn, layer.mlp
+            att = layer.self_attn
             qkv = merge(checkpoint, model, i, att, ("q_proj", "k_proj", "v_proj"))
-            gate_up = merge(checkpoint, model, i, mlp, ("gate_proj", "up_proj"))
             bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]) if cfg.qkv_bias else None
             empty = self.embed.new_empty(0)
             self.layers.append((layer.input_layernorm.weight, qkv, bias,
                                 att.q_norm.weight if cfg.qk_norm else empty, att.k_norm.weight if cfg.qk_norm else empty,
-                                att.o_proj, layer.post_attention_layernorm.weight, gate_up, mlp))
+                                att.o_proj, layer.post_attention_layernorm.weight,
+                                mlp_spec(checkpoint, model, i, layer.mlp)))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
     def _proj(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +73,7 @@ class StaticStep(nn.Module):
         h, residual = self.add_norm(x, torch.zeros_like(x), self.layers[0][0], eps)
         taps = []
         n = len(self.layers)
-        for i, (_, qkv_w, qkv_b, q_norm, k_norm, o_proj, post_norm, gate_up, mlp) in enumerate(self.layers):
+        for i, (_, qkv_w, qkv_b, q_norm, k_norm, o_proj, post_norm, mlp) in enumerate(self.layers):
             qkv = self._proj(h, qkv_w, qkv_b).view(B, T, H + 2 * KV, D)
             qk = gk.qk_norm_rope(qkv, q_norm, k_norm, self.cos, self.sin, positions, H, KV, eps)  # [B, T, H + KV, D]
             kc, vc = self.cache.k[i], self.cache.v[i]  # [slots, KV, max_len, D]
@@ -82,10 +82,8 @@ class StaticStep(nn.Module):
             att = gk.cache_attention(qk[:, :, :H], kc, vc, slots, positions, self.scale)  # [B, T, H, D]
             h, residual = self.add_norm(self._proj(att.reshape(B, T, H * D), o_proj.weight, o_proj.bias), residual,
                                         post_norm, eps)
-            gu = self._proj(h, gate_up, None if not cfg.mlp_bias else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
-            gate, up = gu.chunk(2, dim=-1)
-            down = self._proj(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-            h, residual = self.add_norm(down, residual, self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps)
+            h, residual = self.add_norm(run_mlp(self, h, mlp), residual,
+                                        self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps)
             if i in self.tap_layers:
                 taps.append(residual)  # the layer's output
         if taps and self.tap_dest is not None:
@@ -97,23 +95,96 @@ def merge(checkpoint: Checkpoint, model: Decoder, layer: int, module: nn.Module,
     """The weights of module's projections `names` as one [sum of outputs, in] tensor; each projection's parameter
     (and the checkpoint's tensor of it) becomes a view of it, so the merged weight is not held twice."""
     parts = [getattr(module, name).weight for name in names]
-    base = parts[0]._base
-    if base is not None and base.shape[0] == sum(p.shape[0] for p in parts) and all(
-            p._base is base and p.data_ptr() == base[offset:].data_ptr()
-            for p, offset in zip(parts, itertools.accumulate([0, *(p.shape[0] for p in parts[:-1])]))):
-        return base  # merged by a runner before this one over the same checkpoint
+    merged = span(parts, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+    if merged is not None:
+        return merged  # merged by a runner before this one over the same checkpoint
     merged = torch.cat(parts)
     offset = 0
-    prefix = next((f"{p}layers.{layer}." for p in ("model.", "") if f"{p}layers.{layer}.input_layernorm.weight"
-                   in checkpoint.weights), None)
     for name, part in zip(names, parts):
-        view = merged[offset : offset + part.shape[0]]
-        getattr(module, name).weight = nn.Parameter(view, requires_grad=False)
-        if prefix is not None:
-            for key in [k for k in checkpoint.weights if k.startswith(prefix) and k.endswith(f".{name}.weight")]:
-                checkpoint.weights[key] = view
+        adopt(checkpoint, model, module, name, merged[offset : offset + part.shape[0]])
         offset += part.shape[0]
     return merged
+
+
+def span(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The tensors as one contiguous tensor of `shape`, where they lie back to back in one storage in this order (as
+    `merge` and `stack_experts` leave them); None where they do not."""
+    storage = parts[0].untyped_storage().data_ptr()
+    at = parts[0].data_ptr()
+    for p in parts:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != storage or p.data_ptr() != at:
+            return None
+        at += p.numel() * p.element_size()
+    strides = tuple(itertools.accumulate(reversed(shape[1:]), lambda a, b: a * b, initial=1))[::-1]
+    return torch.as_strided(parts[0], shape, strides)
+
+
+def adopt(checkpoint: Checkpoint, model: nn.Module, module: nn.Module, name: str, view: torch.Tensor) -> None:
+    """module.<name>.weight (and the checkpoint's tensor under that name) becomes `view`."""
+    path = next(n for n, m in model.named_modules() if m is module)
+    getattr(module, name).weight = nn.Parameter(view, requires_grad=False)
+    for key in (f"{path}.{name}.weight", f"model.{path}.{name}.weight"):
+        if key in checkpoint.weights:
+            checkpoint.weights[key] = view
+
+
+def stack_experts(checkpoint: Checkpoint, model: nn.Module, moe: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture's routed experts as gate_up [E, 2 I, H] (gate rows first) and down [E, H, I]; each expert's
+    parameters become views of them (as `merge`)."""
+    experts = list(moe.experts)
+    first, last_down = experts[0].gate_proj.weight, experts[0].down_proj.weight
+    gate_up = span([w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)],
+                   (len(experts), 2 * first.shape[0], first.shape[1]))
+    down = span([e.down_proj.weight for e in experts], (len(experts), *last_down.shape))
+    if gate_up is not None and down is not None:
+        return gate_up, down  # stacked by a runner before this one
+    gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
+    down = torch.stack([e.down_proj.weight for e in experts])
+    width = first.shape[0]
+    for j, e in enumerate(experts):
+        adopt(checkpoint, model, e, "gate_proj", gate_up[j, :width])
+        adopt(checkpoint, model, e, "up_proj", gate_up[j, width:])
+        adopt(checkpoint, model, e, "down_proj", down[j])
+    return gate_up, down
+
+
+def mlp_spec(checkpoint: Checkpoint, model: nn.Module, layer: int, mlp: nn.Module) -> tuple:
+    """What `run_mlp` needs of a layer's MLP: ("dense", gate_up, its bias, down, its bias) or ("moe", router, gate_up,
+    down, the shared expert's (gate_up, down, gate) or None, top_k, whether the top_k weights are renormalised)."""
+    if hasattr(mlp, "experts"):
+        gate_up, down = stack_experts(checkpoint, model, mlp)
+        shared = None
+        if hasattr(mlp, "shared_expert"):
+            se = mlp.shared_expert
+            shared = (merge(checkpoint, model, layer, se, ("gate_proj", "up_proj")), se.down_proj.weight,
+                      mlp.shared_expert_gate.weight)
+        return ("moe", mlp.gate.weight, gate_up, down, shared, mlp.top_k, mlp.norm_topk_prob)
+    bias = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
+    return ("dense", merge(checkpoint, model, layer, mlp, ("gate_proj", "up_proj")), bias, mlp.down_proj.weight,
+            mlp.down_proj.bias)
+
+
+def run_mlp(step, h: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """A layer's MLP over h [B, T, H] with the step's products: the SiLU-gated MLP, or the routed experts (softmax over
+    the router's logits in fp32, top_k, renormalised in rank order; `gpu_kernels.moe`) plus a gated shared expert."""
+    if spec[0] == "dense":
+        _, gate_up, gate_up_bias, down, down_bias = spec
+        gate, up = step._proj(h, gate_up, gate_up_bias).chunk(2, dim=-1)
+        return step._proj(F.silu(gate) * up, down, down_bias)
+    _, router, gate_up, down, shared, top_k, renormalise = spec
+    x = h.reshape(-1, h.shape[-1])
+    weights, ids = torch.topk(torch.softmax(step.linear(x, router).float(), dim=-1), top_k, dim=-1)
+    if renormalise:
+        total = weights[:, 0]
+        for j in range(1, top_k):
+            total = total + weights[:, j]
+        weights = weights / total[:, None]
+    out = gk.moe(x, weights.to(x.dtype), ids, gate_up, down)
+    if shared is not None:
+        s_gate_up, s_down, s_gate = shared
+        gate, up = step.linear(x, s_gate_up).chunk(2, dim=-1)
+        out = out + torch.sigmoid(step.linear(x, s_gate)) * step.linear(F.silu(gate) * up, s_down)
+    return out.view(h.shape)
 
 
 class HybridStaticStep(nn.Module):
@@ -130,8 +201,6 @@ class HybridStaticStep(nn.Module):
         self.cos, self.sin = (t.to(self.embed.device, self.embed.dtype) for t in rope_table(cfg, max_len))
         self.layers = []
         for i, layer in enumerate(model.layers):
-            mlp = layer.mlp
-            gate_up = merge(checkpoint, model, i, mlp, ("gate_proj", "up_proj"))
             if layer.linear:
                 la = layer.linear_attn
                 proj = merge(checkpoint, model, i, la, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
@@ -142,9 +211,13 @@ class HybridStaticStep(nn.Module):
                 mixer = ("attention", cfg.attention_layers.index(i),
                          merge(checkpoint, model, i, att, ("q_proj", "k_proj", "v_proj")), att.q_norm.weight,
                          att.k_norm.weight, att.o_proj.weight)
-            self.layers.append((layer.input_layernorm.weight, mixer, layer.post_attention_layernorm.weight, gate_up,
-                                mlp.down_proj.weight))
+            self.layers.append((layer.input_layernorm.weight, mixer, layer.post_attention_layernorm.weight,
+                                mlp_spec(checkpoint, model, i, layer.mlp)))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
+
+    def _proj(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.linear(x, weight)
+        return y if bias is None else y + bias
 
     def _attention(self, h, mixer, positions, slots, write_slots):
         cfg = self.cfg
@@ -203,14 +276,13 @@ class HybridStaticStep(nn.Module):
         h, residual = self.add_norm(x, torch.zeros_like(x), self.layers[0][0], eps, True)
         taps, kept = [], []
         n = len(self.layers)
-        for i, (_, mixer, post_norm, gate_up, down) in enumerate(self.layers):
+        for i, (_, mixer, post_norm, mlp) in enumerate(self.layers):
             if mixer[0] == "linear":
                 out = self._linear_attention(h, mixer, slots, real, reads, kept)
             else:
                 out = self._attention(h, mixer, positions, slots, write_slots)
             h, residual = self.add_norm(out, residual, post_norm, eps, True)
-            gate, up = self.linear(h, gate_up).chunk(2, dim=-1)
-            h, residual = self.add_norm(self.linear(F.silu(gate) * up, down), residual,
+            h, residual = self.add_norm(run_mlp(self, h, mlp), residual,
                                         self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps, True)
             if i in self.tap_layers:
                 taps.append(residual)

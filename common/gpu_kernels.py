@@ -11,6 +11,11 @@ Two torch custom operators, so that a captured or compiled step sees each as one
   mask tensor). Keys are split into fixed chunks of CHUNK positions (flash-decoding with a split fixed per position,
   not per batch), each chunk's partial softmax combined in chunk order.
 
+* `blockspec::moe(x, weights, ids, gate_up, down)`: a mixture of experts' routed MLPs. The (token, expert) pairs are
+  grouped by expert into blocks of MOE_BLOCK rows (each expert's group padded to whole blocks: a layout of static size,
+  built on the device), each block's products run with that expert's weights in the GEMM's fixed order, and every
+  token adds its top_k outputs in rank order.
+
 Elsewhere (the CPU) each operator is its torch reference: F.linear, and SDPA over the gathered slots with a causal
 mask. `TRITON_INTERPRET=1` runs the Triton kernels on CPU tensors (tests/common/test_gpu_kernels.py).
 """
@@ -93,6 +98,19 @@ def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: 
     c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, R]
     qk, rot = torch.cat((q, k), dim=2), c.shape[-1]
     return torch.cat((rotate(qk[..., :rot], c, s), qk[..., rot:]), dim=-1)
+
+
+def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """x [N, H]; weights, ids [N, top_k] (routing weight in x's dtype, expert id); gate_up [E, 2 I, H] (gate rows
+    first), down [E, H, I] -> [N, H]: sum over rank j of weights[:, j] * down_e(silu(gate_e x) * up_e x), in rank order."""
+    out = None
+    for j in range(ids.shape[1]):
+        gu = torch.bmm(gate_up[ids[:, j]], x[:, :, None])[..., 0]  # [N, 2 I]
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch.bmm(down[ids[:, j]], (F.silu(gate) * up)[:, :, None])[..., 0] * weights[:, j, None]  # [N, H]
+        out = y if out is None else out + y
+    return out
 
 
 # --- the operators --------------------------------------------------------------------------------------------------
@@ -196,6 +214,22 @@ def _(state, q, k, v, g, beta, scale):
 @gated_delta_rule.register_kernel("cuda")
 def _(state, q, k, v, g, beta, scale):
     return triton_gated_delta_rule(state, q, k, v, g, beta, scale)
+
+
+@torch.library.custom_op("blockspec::moe", mutates_args=())
+def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor) -> torch.Tensor:
+    return moe_reference(x, weights, ids, gate_up, down)
+
+
+@moe.register_fake
+def _(x, weights, ids, gate_up, down):
+    return torch.empty_like(x)
+
+
+@moe.register_kernel("cuda")
+def _(x, weights, ids, gate_up, down):
+    return triton_moe(x, weights, ids, gate_up, down)
 
 
 # --- the Triton kernels (imported on first use: the CPU path never needs Triton) --------------------------------------
@@ -370,7 +404,30 @@ def _kernels():
             tl.store(out + row * DV + dv, tl.sum(s * qt[:, None], 0))
         tl.store(new_state + base + dk[:, None] * DV + dv[None, :], s)
 
-    return SimpleNamespace(triton=triton, gemm=gemm, sum_splits=sum_splits, attend=attend, combine=combine,
+    @triton.jit
+    def grouped_gemm(x, w, rows, block_expert, out, N, K, E, rows_per_x, stride_we, stride_wn,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_STEPS: tl.constexpr):
+        # One block of BM rows of one expert (rows: the x row of each, -1 for padding), BN outputs:
+        # out[r, n] = sum_k x[rows[r] // rows_per_x, k] * w[expert, n, k], BK at a time in order.
+        pb, pn = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert + pb)
+        r = pb * BM + tl.arange(0, BM)
+        src = tl.load(rows + r)
+        live_r = (src >= 0) & (e < E)
+        src_row = tl.where(src >= 0, src // rows_per_x, 0)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        we = w + tl.minimum(e, E - 1).to(tl.int64) * stride_we
+        for step in range(K_STEPS):
+            k = step * BK + rk
+            a = tl.load(x + src_row[:, None] * K + k[None, :], mask=live_r[:, None] & (k[None, :] < K), other=0.0)
+            b = tl.load(we + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K) & (e < E),
+                        other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+        tl.store(out + r[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty), mask=(rn[None, :] < N))
+
+    return SimpleNamespace(triton=triton, grouped_gemm=grouped_gemm, gemm=gemm, sum_splits=sum_splits, attend=attend, combine=combine,
                            add_norm=add_norm, norm_rope=norm_rope, gated_norm=gated_norm, delta_rule=delta_rule)
 
 
@@ -493,3 +550,63 @@ def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         out[:, t0:t1] = chunk_out
         state = new_state
     return out, state
+
+
+MOE_BLOCK = 16  # rows of one expert per grouped-GEMM block, whatever the token count
+
+
+def moe_layout(ids: torch.Tensor, experts: int,
+               block: int = MOE_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, rank) pairs of ids [N, top_k] grouped by expert, each group padded to whole blocks, in a layout of
+    static size (N top_k + experts (block - 1), rounded up to a block): (rows [size]: the pair index p = token top_k +
+    rank at each position, -1 for padding; block_expert [size / block]: each block's expert, `experts` for an unused
+    block; at [N top_k]: each pair's position). Device operations only: no count is read back."""
+    pairs = ids.numel()
+    flat = ids.reshape(-1)
+    size = -(-(pairs + experts * (block - 1)) // block) * block
+    order = torch.sort(flat, stable=True).indices  # pair indices grouped by expert, each group in pair order
+    counts = torch.bincount(flat, minlength=experts)  # [E]
+    padded = (counts + block - 1) // block * block
+    start = torch.cumsum(padded, 0) - padded  # each expert's first position in the layout
+    first = torch.cumsum(counts, 0) - counts  # each expert's first index in `order`
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - first[expert_of]
+    rows = torch.full((size,), -1, dtype=torch.long, device=ids.device)
+    rows[start[expert_of] + rank] = order
+    ends = torch.cumsum(padded, 0)  # [E]: the layout position after each expert's group
+    block_starts = torch.arange(0, size, block, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_starts, right=True)  # E where the block is past every group
+    at = torch.empty(pairs, dtype=torch.long, device=ids.device)
+    at[order] = start[expert_of] + rank
+    return rows, block_expert, at
+
+
+def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    kn = _kernels()
+    N, H = x.shape
+    E, two_i, _ = gate_up.shape
+    top_k = ids.shape[1]
+    rows, block_expert, at = moe_layout(ids, E)
+    size = rows.shape[0]
+    x = x.contiguous()
+
+    def grouped(inp: torch.Tensor, w: torch.Tensor, rows_per_x: int, src: torch.Tensor) -> torch.Tensor:
+        n_out, k = w.shape[1], w.shape[2]
+        out = torch.empty((size, n_out), dtype=inp.dtype, device=inp.device)
+        block_k = 128 if k % 128 == 0 else 32
+        kn.grouped_gemm[(size // MOE_BLOCK, kn.triton.cdiv(n_out, 64))](
+            inp, w, src, block_expert, out, n_out, k, E, rows_per_x, w.stride(0), w.stride(1),
+            BM=MOE_BLOCK, BN=64, BK=block_k, K_STEPS=-(-k // block_k))
+        return out
+
+    gu = grouped(x, gate_up, top_k, rows)  # [size, 2 I]: row r is pair rows[r]'s token through its expert
+    gate, up = gu.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).contiguous()  # [size, I]
+    positions = torch.arange(size, device=x.device)
+    y = grouped(act, down, 1, torch.where(rows >= 0, positions, -1))  # [size, H]
+    y = y[at].view(N, top_k, H)  # back in (token, rank) order
+    out = y[:, 0] * weights[:, 0, None]
+    for j in range(1, top_k):  # the ranks in order
+        out = out + y[:, j] * weights[:, j, None]
+    return out

@@ -143,7 +143,7 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     prompt = torch.randint(0, target.config.vocab_size - 1, (context,),
                            generator=torch.Generator().manual_seed(1)).tolist()
     drafter = random_drafter(size, target.config, device, dtype)
-    if backend == "graphs" and unsupported(target.config):  # a hybrid: the eager runner
+    if backend == "graphs" and unsupported(target.config):  # a shape the CUDA runner's kernels do not take
         backend = "auto"
     verifier, proposer = roles(target, drafter, None, context + 64, dtype, device, slots=8, backend=backend)
     backend = "graphs" if type(verifier.runner).__name__ == "CudaRunner" else "eager"

@@ -61,7 +61,7 @@ def add_perf_commands(sub) -> None:
     gc.add_argument("--device", default="cuda")
     gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
     gc.add_argument("--backend", default="auto", choices=("auto", "eager", "graphs"),
-                    help="the verifier's runner (auto: the captured CUDA runner for dense targets on CUDA)")
+                    help="the verifier's runner (auto: the captured CUDA runner on CUDA)")
     gc.set_defaults(func=cmd_gpu_check)
 
 

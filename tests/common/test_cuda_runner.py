@@ -117,9 +117,6 @@ def test_make_runner_picks_the_backend(variant_dirs, tmp_path):
     assert type(make_runner(ck, 1, 64, backend="graphs")) is CudaRunner
     hybrid = load_checkpoint(build_tiny_family(tmp_path / "hybrid", "qwen3_5"))
     assert type(make_runner(hybrid, 1, 64, backend="graphs")) is CudaRunner
-    moe = load_checkpoint(build_tiny_family(tmp_path / "moe", "qwen3_moe"))
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        make_runner(moe, 1, 64, backend="graphs")
     with pytest.raises(ValueError, match="backend 'fast'"):
         make_runner(ck, 1, 64, backend="fast")
 
@@ -180,6 +177,12 @@ KERNEL_CHECK = textwrap.dedent("""
     assert (o - o0).abs().max() < 1e-4 and (s - s0).abs().max() < 1e-4, "delta rule"
     o1, _ = gk.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
     assert torch.equal(o1[0], o[1, :5]), "delta rule rows"
+    # the routed experts: 5 tokens, 8 experts, top 2; a token alone equal to the same token among the five
+    x, gate_up, down = torch.randn(5, 64), torch.randn(8, 64, 64) * 0.1, torch.randn(8, 64, 32) * 0.1
+    ids, weights = torch.stack([torch.randperm(8)[:2] for _ in range(5)]), torch.rand(5, 2)
+    y = gk.triton_moe(x, weights, ids, gate_up, down)
+    assert (y - gk.moe_reference(x, weights, ids, gate_up, down)).abs().max() < 1e-5, "moe"
+    assert torch.equal(gk.triton_moe(x[2:3], weights[2:3], ids[2:3], gate_up, down)[0], y[2]), "moe rows"
     print("ok")
 """)
 
@@ -226,6 +229,34 @@ def test_captured_steps_are_token_identical_in_mixed_batches(variant_dirs):
         step += 1
     assert [g[:24] for g in got] == alone
     assert runner.graphs.keys()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+def test_mixture_of_experts_logits_match_transformers(family, tmp_path, tokenizer):
+    """The routed experts through `gpu_kernels.moe` (and the hybrids' shared expert): ragged batched forwards equal
+    transformers' logits; a second runner over the same checkpoint reads the same stacked and merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_family(tmp_path / family, family, tokenizer=tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    ck = load_checkpoint(path)
+    runner = CudaRunner(ck, 3, 256, (), torch.float32, "cpu")
+    slots = [runner.cache.allocate() for _ in range(3)]
+    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
+    got = [[] for _ in range(3)]
+    for step in range(3):
+        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)])
+        for b, logits in enumerate(out.logits):
+            got[b].append(logits)
+    assert max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3)) < 1e-4
+    second = CudaRunner(ck, 1, 64, (), torch.float32, "cpu")
+    moes = [[m for m in r.model.modules() if hasattr(m, "experts")][0] for r in (runner, second)]
+    assert moes[0].experts[3].up_proj.weight.data_ptr() == moes[1].experts[3].up_proj.weight.data_ptr()
+    attentions = [r.model.layers[-1].self_attn for r in (runner, second)]  # the last layer attends in every family
+    assert attentions[0].k_proj.weight.data_ptr() == attentions[1].k_proj.weight.data_ptr()
 
 
 def test_hybrid_logits_and_rollback_match_transformers(tmp_path, tokenizer):
