@@ -585,7 +585,7 @@ def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_u
                down: torch.Tensor) -> torch.Tensor:
     kn = _kernels()
     N, H = x.shape
-    E, two_i, _ = gate_up.shape
+    E = gate_up.shape[0]
     top_k = ids.shape[1]
     rows, block_expert, at = moe_layout(ids, E)
     size = rows.shape[0]
