@@ -63,10 +63,13 @@ class Graphs:
     """CUDA graphs captured on first use, one per key, sharing one memory pool. `run(key, fn, args)` replays the key's
     graph (capturing fn(*args) first: two warm-up calls on a side stream, where kernels compile and the allocator
     settles, then the capture) and returns the outputs it recorded: static tensors, valid until the next replay.
-    capture False calls fn(*args) instead (the CPU)."""
+    capture False calls fn(*args) instead (the CPU). `emulate` (the CPU tests) calls fn with the arguments of the key's
+    first call every time, as a replay reads the tensors its graph was captured with: a step that read a tensor made
+    outside its static buffers would compute from stale values there too."""
 
     def __init__(self, device: torch.device, capture: bool) -> None:
         self.device, self.capture = device, capture
+        self.emulate = False
         self._graphs: dict = {}
         self._pool = None
 
@@ -75,6 +78,8 @@ class Graphs:
 
     def run(self, key, fn, args: tuple):
         if not self.capture:
+            if self.emulate:
+                return fn(*self._graphs.setdefault(key, args))
             return fn(*args)
         if key not in self._graphs:
             side = torch.cuda.Stream(self.device)
@@ -112,9 +117,10 @@ class _Bucket:
 
 
 def step_args(inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The step's arguments from its index inputs [6, batch, width]."""
+    """The step's arguments from its index inputs [6, batch, width]: views of them, never new tensors (a graph reads
+    the tensors it was captured with: a conversion made here would be stale at the next replay)."""
     tokens, positions, write_slots, real, slots, reads = inputs.unbind(0)
-    return tokens, positions, slots[:, 0], write_slots, real.bool(), reads[:, 0]
+    return tokens, positions, slots[:, 0], write_slots, real, reads[:, 0]
 
 
 class CudaRunner:

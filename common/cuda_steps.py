@@ -60,7 +60,7 @@ class StaticStep(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, write_slots: torch.Tensor,
                 real: torch.Tensor, reads: torch.Tensor, last: torch.Tensor | None = None) -> tuple:
-        """tokens, positions, write_slots, real [B, T]; slots [B]; reads [B] (a hybrid's state buffers; unused here);
+        """tokens, positions, write_slots, real (1 or 0) [B, T]; slots [B]; reads [B] (a hybrid's state buffers; unused here);
         last [B] (optional): return only that row of each. -> fp32 logits [B, T or 1, vocab], the greedy decision
         [B, T + 1] (int64: column 0 the drafts a greedy verify of [anchor, d1..] accepts, then the argmax of every
         row) and what a rollback replays (nothing for a dense model). K/V and tap features are stored at
@@ -69,6 +69,7 @@ class StaticStep(nn.Module):
         B, T = tokens.shape
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
+        real = real.bool()
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
         h, residual = self.add_norm(x, torch.zeros_like(x), self.layers[0][0], eps)
         taps = []
@@ -272,6 +273,7 @@ class HybridStaticStep(nn.Module):
         rollback replays, per linear layer (conv inputs [B, T, C], k, v, g, beta)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
+        real = real.bool()
         x = F.embedding(tokens, self.embed)
         h, residual = self.add_norm(x, torch.zeros_like(x), self.layers[0][0], eps, True)
         taps, kept = [], []
