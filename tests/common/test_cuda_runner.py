@@ -254,7 +254,7 @@ def test_mixture_of_experts_logits_match_transformers(family, tmp_path, tokenize
             got[b].append(logits)
     assert max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3)) < 1e-4
     second = CudaRunner(ck, 1, 64, (), torch.float32, "cpu")
-    moes = [[m for m in r.model.modules() if hasattr(m, "experts")][0] for r in (runner, second)]
+    moes = [next(m for m in r.model.modules() if hasattr(m, "experts")) for r in (runner, second)]
     assert moes[0].experts[3].up_proj.weight.data_ptr() == moes[1].experts[3].up_proj.weight.data_ptr()
     attentions = [r.model.layers[-1].self_attn for r in (runner, second)]  # the last layer attends in every family
     assert attentions[0].k_proj.weight.data_ptr() == attentions[1].k_proj.weight.data_ptr()
