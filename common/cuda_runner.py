@@ -22,6 +22,7 @@ a rollback within it replays).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -131,7 +132,8 @@ class CudaRunner:
 
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None,
                  tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cuda", numerics: str = "invariant", capture: bool | None = None) -> None:
+                 device: torch.device | str = "cuda", numerics: str = "invariant", capture: bool | None = None,
+                 warm_up: bool | None = None) -> None:
         cfg = checkpoint.config
         reason = unsupported(cfg)
         if reason:
@@ -163,6 +165,8 @@ class CudaRunner:
         self.batch_sizes = batch_sizes(num_slots)
         self.spare = num_slots
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        if self.graphs.capture if warm_up is None else warm_up:
+            self.warm_up()
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -181,6 +185,16 @@ class CudaRunner:
         None (it runs eagerly)."""
         b, w = bucket(batch, self.batch_sizes), bucket(width, WIDTHS)
         return None if b is None or w is None else (b, w)
+
+    def warm_up(self) -> None:
+        """Capture every bucket now (its step over padding rows, which write the spare slot only), so that no request
+        waits for a capture or a kernel's compilation."""
+        started = time.perf_counter()
+        for key in ((b, w) for b in self.batch_sizes for w in WIDTHS):
+            self.graphs.run(key, self.step, self._bucket(key).args())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("captured %d steps in %.1f s", len(self.graphs.keys()), time.perf_counter() - started)
 
     def _bucket(self, key: tuple[int, int]) -> _Bucket:
         if key not in self._buckets:

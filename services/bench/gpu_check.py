@@ -270,7 +270,8 @@ def numerics_cost(target: Checkpoint, prompt: list[int], dtype: torch.dtype, dev
     from blockspec.common.timing import interleaved
 
     out = {}
-    runners = {n: CudaRunner(target, 16, len(prompt) + 8, (), dtype, device, numerics=n) for n in ("invariant", "fast")}
+    runners = {n: CudaRunner(target, 16, len(prompt) + 8, (), dtype, device, numerics=n, warm_up=False)
+               for n in ("invariant", "fast")}
     for runner in runners.values():
         slots = [runner.cache.allocate() for _ in range(16)]
         runner.forward([Segment(s, prompt, last_only=True) for s in slots])

@@ -306,3 +306,16 @@ def test_a_replayed_bucket_reads_each_calls_inputs(tmp_path, tokenizer):
     assert runners[0].graphs.keys() == [(2, 4)]
     for (greedy_a, logits_a), (greedy_b, logits_b) in zip(*outs):
         assert greedy_a == greedy_b and all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
+
+
+def test_warm_up_captures_every_bucket_and_touches_no_slot(variant_dirs):
+    """Every bucket run once; the requests' slots of the KV cache and the tap buffer keep what they held."""
+    runner = CudaRunner(load_checkpoint(variant_dirs[2]), 3, 64, (0, 1), torch.float32, "cpu", warm_up=False)
+    runner.graphs.emulate = True  # keys recorded as captures
+    for t in (runner.cache.k, runner.cache.v, runner.tap_buffer):
+        t.normal_()
+    held = [runner.cache.k[:, :3].clone(), runner.cache.v[:, :3].clone(), runner.tap_buffer[:3].clone()]
+    runner.warm_up()
+    assert runner.graphs.keys() == [(b, w) for b in (1, 2, 3) for w in WIDTHS]
+    assert all(torch.equal(a, b) for a, b in zip(held, (runner.cache.k[:, :3], runner.cache.v[:, :3],
+                                                         runner.tap_buffer[:3])))

@@ -22,6 +22,12 @@ class CapturedBlocks:
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pin = proposer.device.type == "cuda"  # host copies in pinned memory: the copies run asynchronously
 
+    def warm_up(self, blocks: list[int]) -> None:
+        """Capture the proposal of every batch bucket at each block length now (padding requests: the spare slot)."""
+        for block in blocks:
+            for size in self.batch_sizes:
+                self.propose([0] * size, [self.spare] * size, [0] * size, block)
+
     def fits(self, requests: int) -> bool:
         return bucket(requests, self.batch_sizes) is not None
 

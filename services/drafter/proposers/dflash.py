@@ -76,6 +76,8 @@ class DFlashProposer:
             from blockspec.services.drafter.dflash.captured import CapturedBlocks
 
             self._blocks = CapturedBlocks(self, num_slots, capture=self.device.type == "cuda")
+            if self._blocks.graphs.capture:  # the whole block, and each shorter one a short-blocks drafter runs
+                self._blocks.warm_up(list(range(2, cfg.block_size + 1)) if cfg.short_blocks else [cfg.block_size])
 
     @property
     def kernel(self) -> str:
