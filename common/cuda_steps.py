@@ -4,8 +4,9 @@ no host value read, every index on the device - for dense decoders (`StaticStep`
 
 The hybrid step's gated attention layers use the KV cache; its Gated DeltaNet layers read the slot states from the
 buffer `reads` names and write the other (`state_cache.SlotStates`). A linear layer's q/k/v, z, b and a projections
-are one product; the causal convolution is its taps summed in a fixed order in fp32; the recurrence is
-`gpu_kernels.gated_delta_rule` (its state on chip over the block); the output norm gated by SiLU(z) one kernel. What a
+are one product; the causal convolution (its taps summed in a fixed order in fp32), the decay and write strength, the
+recurrence (`gpu_kernels.gated_delta_rule`, its state on chip over the block, each key head read for the value heads
+it serves) and the output norm gated by SiLU(z) are one kernel each. What a
 rollback within the step replays (the convolution inputs, and k, v, g, beta of every token) comes back as outputs;
 the runner keeps them per slot and replays with the same kernel, so a state rolled back equals the state a plain
 decode of the accepted tokens writes.
@@ -205,8 +206,8 @@ class HybridStaticStep(nn.Module):
             if layer.linear:
                 la = layer.linear_attn
                 proj = merge(checkpoint, model, i, la, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
-                mixer = ("linear", cfg.linear_layers.index(i), proj, la.conv1d.weight[:, 0].float(), la.A_log,
-                         la.dt_bias, la.norm.weight, la.out_proj.weight)
+                mixer = ("linear", cfg.linear_layers.index(i), proj, la.conv1d.weight[:, 0].float().contiguous(),
+                         la.A_log, la.dt_bias, la.norm.weight, la.out_proj.weight)
             else:
                 att = layer.self_attn
                 mixer = ("attention", cfg.attention_layers.index(i),
@@ -242,26 +243,21 @@ class HybridStaticStep(nn.Module):
         _, layer, proj, conv_w, a_log, dt_bias, norm_w, out_w = mixer
         B, T, _ = h.shape
         C, Hv, Hk, dk, dv = lin.conv_dim, lin.num_v_heads, lin.num_k_heads, lin.k_head_dim, lin.v_head_dim
-        y = self.linear(h, proj)
+        y = self.linear(h, proj)  # q/k/v (the convolution's inputs), z, b, a
         mixed, z, b, a = y.split((C, lin.value_dim, Hv, Hv), dim=-1)
         writes = 1 - reads
         k1 = lin.conv_kernel - 1
-        inputs = torch.cat((self.states.conv[layer, slots, reads], mixed.transpose(1, 2)), dim=2)  # [B, C, k1 + T]
-        wide = inputs.float()
-        conv = conv_w[:, 0, None] * wide[:, :, :T]
-        for j in range(1, lin.conv_kernel):  # the taps in order
-            conv = conv + conv_w[:, j, None] * wide[:, :, j : j + T]
-        conv = F.silu(conv).to(h.dtype).transpose(1, 2)  # [B, T, C]
-        ends = real.sum(dim=1)[:, None] + torch.arange(k1, device=h.device)  # the inputs before the first padding
+        conv_state = self.states.conv[layer, slots, reads]  # [B, C, k1]
+        conv = gk.causal_conv(conv_state, mixed, conv_w)  # [B, T, C]
+        # the new convolution state: the k1 inputs before each row's first padding token
+        inputs = torch.cat((conv_state, mixed.transpose(1, 2)), dim=2)  # [B, C, k1 + T]
+        ends = real.sum(dim=1)[:, None] + torch.arange(k1, device=h.device)
         self.states.conv[layer, slots, writes] = inputs.gather(2, ends[:, None, :].expand(-1, C, -1))
         kd = Hk * dk
-        groups = Hv // Hk
-        q = conv[..., :kd].reshape(B, T, Hk, dk).repeat_interleave(groups, dim=2)
-        k = conv[..., kd : 2 * kd].reshape(B, T, Hk, dk).repeat_interleave(groups, dim=2)
-        v = conv[..., 2 * kd :].reshape(B, T, Hv, dv)
-        mask = real[..., None].float()
-        beta = torch.sigmoid(b.float()) * mask  # [B, T, Hv]; padding leaves the state as it is
-        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias) * mask
+        q = conv[..., :kd].view(B, T, Hk, dk)
+        k = conv[..., kd : 2 * kd].view(B, T, Hk, dk)
+        v = conv[..., 2 * kd :].view(B, T, Hv, dv)
+        g, beta = gk.delta_gates(a, b, a_log, dt_bias, real)  # [B, T, Hv] each; 0 at padding
         out, state = gk.gated_delta_rule(self.states.recurrent[layer, slots, reads], q, k, v, g, beta, dk ** -0.5)
         self.states.recurrent[layer, slots, writes] = state
         kept.append((mixed, k, v, g, beta))

@@ -71,13 +71,34 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 
 def gated_delta_rule_reference(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                g: torch.Tensor, beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over T tokens from state [B, Hv, dk, dv] (fp32): q, k [B, T, Hv, dk] as the convolution
-    left them (l2-normalised here, q also scaled), v [B, T, Hv, dv], g (log decay) and beta [B, T, Hv]. Returns the
-    outputs [B, T, Hv, dv] and the final state (`state_cache.delta_rule_steps`)."""
+    """The gated delta rule over T tokens from state [B, Hv, dk, dv] (fp32): q, k [B, T, Hk, dk] as the convolution
+    left them (each key head serving Hv / Hk consecutive value heads; l2-normalised here, q also scaled), v [B, T, Hv,
+    dv], g (log decay) and beta [B, T, Hv]. Returns the outputs [B, T, Hv, dv] and the final state
+    (`state_cache.delta_rule_steps`)."""
     from blockspec.common.state_cache import delta_rule_steps, l2_normalise
 
-    return delta_rule_steps(state, l2_normalise(k.float()), v.float(), g.float(), beta.float(),
-                            l2_normalise(q.float()) * scale)
+    groups = v.shape[2] // k.shape[2]
+    q, k = (t.float().repeat_interleave(groups, dim=2) for t in (q, k))
+    return delta_rule_steps(state, l2_normalise(k), v.float(), g.float(), beta.float(), l2_normalise(q) * scale)
+
+
+def causal_conv_reference(state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A Gated DeltaNet's causal depthwise convolution with SiLU: state [B, C, K - 1] (the inputs before the block),
+    mixed [B, T, C], weight [C, K] (fp32) -> [B, T, C] in mixed's dtype; each output the taps summed in order in fp32."""
+    T, K = mixed.shape[1], weight.shape[1]
+    wide = torch.cat((state, mixed.transpose(1, 2)), dim=2).float()  # [B, C, K - 1 + T]
+    conv = weight[:, 0, None] * wide[:, :, :T]
+    for j in range(1, K):
+        conv = conv + weight[:, j, None] * wide[:, :, j : j + T]
+    return F.silu(conv).to(mixed.dtype).transpose(1, 2)
+
+
+def delta_gates_reference(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                          real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's log decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), fp32
+    [B, T, Hv], both 0 at padding (real [B, T] False): a padding token leaves the state as it is."""
+    mask = real[..., None].float()
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()) * mask, torch.sigmoid(b.float()) * mask
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -214,6 +235,37 @@ def _(state, q, k, v, g, beta, scale):
 @gated_delta_rule.register_kernel("cuda")
 def _(state, q, k, v, g, beta, scale):
     return triton_gated_delta_rule(state, q, k, v, g, beta, scale)
+
+
+@torch.library.custom_op("blockspec::causal_conv", mutates_args=())
+def causal_conv(state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return causal_conv_reference(state, mixed, weight)
+
+
+@causal_conv.register_fake
+def _(state, mixed, weight):
+    return torch.empty_like(mixed)
+
+
+@causal_conv.register_kernel("cuda")
+def _(state, mixed, weight):
+    return triton_causal_conv(state, mixed, weight)
+
+
+@torch.library.custom_op("blockspec::delta_gates", mutates_args=())
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return delta_gates_reference(a, b, a_log, dt_bias, real)
+
+
+@delta_gates.register_fake
+def _(a, b, a_log, dt_bias, real):
+    return a.new_empty(a.shape, dtype=torch.float32), a.new_empty(a.shape, dtype=torch.float32)
+
+
+@delta_gates.register_kernel("cuda")
+def _(a, b, a_log, dt_bias, real):
+    return triton_delta_gates(a, b, a_log, dt_bias, real)
 
 
 @torch.library.custom_op("blockspec::moe", mutates_args=())
@@ -383,7 +435,7 @@ def _kernels():
         tl.store(out + row * D + d, (y * (z / (1.0 + tl.exp(-z)))).to(out.dtype.element_ty))
 
     @triton.jit
-    def delta_rule(state, q, k, v, g, beta, out, new_state, scale, HV,
+    def delta_rule(state, q, k, v, g, beta, out, new_state, scale, HV, HK,
                    T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
         # One request, one value head, BV value columns: the state block [DK, BV] stays on chip over the T tokens.
         b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -393,9 +445,10 @@ def _kernels():
         s = tl.load(state + base + dk[:, None] * DV + dv[None, :])
         for t in range(T):
             row = (b * T + t) * HV + h
-            kt = tl.load(k + row * DK + dk).to(tl.float32)
+            key_row = (b * T + t) * HK + h // (HV // HK)  # the key head serving this value head
+            kt = tl.load(k + key_row * DK + dk).to(tl.float32)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
-            qt = tl.load(q + row * DK + dk).to(tl.float32)
+            qt = tl.load(q + key_row * DK + dk).to(tl.float32)
             qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * scale
             vt = tl.load(v + row * DV + dv).to(tl.float32)
             s = s * tl.exp(tl.load(g + row).to(tl.float32))
@@ -427,7 +480,38 @@ def _kernels():
             acc += tl.dot(a, tl.trans(b))
         tl.store(out + r[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty), mask=(rn[None, :] < N))
 
-    return SimpleNamespace(triton=triton, grouped_gemm=grouped_gemm, gemm=gemm, sum_splits=sum_splits, attend=attend, combine=combine,
+    @triton.jit
+    def conv(state, mixed, w, out, T, C, K1, BC: tl.constexpr, K: tl.constexpr):
+        # One (request, position t), BC channels: silu(sum_j w[c, j] x[t + j]) over [state, mixed], taps in order.
+        bt, pc = tl.program_id(0), tl.program_id(1)
+        b, t = bt // T, bt % T
+        c = pc * BC + tl.arange(0, BC)
+        live = c < C
+        acc = tl.zeros((BC,), tl.float32)
+        for j in range(K):
+            i = t + j  # position in [state, mixed]
+            from_state = i < K1
+            x_state = tl.load(state + (b * C + c) * K1 + i, mask=live & from_state, other=0.0)
+            x_new = tl.load(mixed + (b * T + i - K1) * C + c, mask=live & (i >= K1), other=0.0)
+            x = tl.where(from_state, x_state.to(tl.float32), x_new.to(tl.float32))
+            acc = acc + tl.load(w + c * K + j, mask=live, other=0.0) * x
+        tl.store(out + (b * T + t) * C + c, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def gates(a, b, a_log, dt_bias, real, g_out, beta_out, T, HV, BH: tl.constexpr):
+        # One (request, position): every value head's g and beta, 0 at padding.
+        bt = tl.program_id(0)
+        h = tl.arange(0, BH)
+        live = h < HV
+        keep = tl.load(real + bt).to(tl.float32)
+        av = tl.load(a + bt * HV + h, mask=live, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=live, other=0.0).to(tl.float32)
+        softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
+        decay = -tl.exp(tl.load(a_log + h, mask=live, other=0.0).to(tl.float32)) * softplus
+        bv = tl.load(b + bt * HV + h, mask=live, other=0.0).to(tl.float32)
+        tl.store(g_out + bt * HV + h, decay * keep, mask=live)
+        tl.store(beta_out + bt * HV + h, keep / (1.0 + tl.exp(-bv)), mask=live)
+
+    return SimpleNamespace(triton=triton, conv=conv, gates=gates, grouped_gemm=grouped_gemm, gemm=gemm, sum_splits=sum_splits, attend=attend, combine=combine,
                            add_norm=add_norm, norm_rope=norm_rope, gated_norm=gated_norm, delta_rule=delta_rule)
 
 
@@ -535,8 +619,8 @@ DELTA_BLOCK = 16  # tokens per delta-rule program: a longer block runs as consec
 def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     kn = _kernels()
-    B, T, HV, DK = k.shape
-    DV = v.shape[-1]
+    B, T, HK, DK = k.shape
+    HV, DV = v.shape[2], v.shape[3]
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     out = torch.empty((B, T, HV, DV), dtype=torch.float32, device=v.device)
     block_v = min(64, DV)
@@ -545,7 +629,7 @@ def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         new_state = torch.empty_like(state)
         piece = [x[:, t0:t1].contiguous() for x in (q, k, v, g, beta)]
         chunk_out = torch.empty((B, t1 - t0, HV, DV), dtype=torch.float32, device=v.device)
-        kn.delta_rule[(B, HV, DV // block_v)](state.contiguous(), *piece, chunk_out, new_state, scale, HV, T=t1 - t0,
+        kn.delta_rule[(B, HV, DV // block_v)](state.contiguous(), *piece, chunk_out, new_state, scale, HV, HK, T=t1 - t0,
                                            DK=DK, DV=DV, BV=block_v)
         out[:, t0:t1] = chunk_out
         state = new_state
@@ -610,3 +694,23 @@ def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_u
     for j in range(1, top_k):  # the ranks in order
         out = out + y[:, j] * weights[:, j, None]
     return out
+
+
+def triton_causal_conv(state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    kn = _kernels()
+    B, T, C = mixed.shape
+    K = weight.shape[1]
+    state, mixed = state.contiguous(), mixed.contiguous()
+    out = torch.empty_like(mixed)
+    kn.conv[(B * T, kn.triton.cdiv(C, 128))](state, mixed, weight.contiguous(), out, T, C, K - 1, BC=128, K=K)
+    return out
+
+
+def triton_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                       real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    kn = _kernels()
+    B, T, HV = a.shape
+    g, beta = (torch.empty((B, T, HV), dtype=torch.float32, device=a.device) for _ in range(2))
+    kn.gates[(B * T,)](a.contiguous(), b.contiguous(), a_log, dt_bias, real.contiguous(), g, beta, T, HV,
+                       BH=kn.triton.next_power_of_2(HV))
+    return g, beta
