@@ -134,7 +134,7 @@ SPEC_K = 7  # draft tokens per step of those runs: a verify of 8
 
 
 def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20,
-               bandwidth: float | None = None, backend: str = "auto") -> SizeReport:
+               bandwidth: float | None = None, backend: str = "auto", peer: bool = True) -> SizeReport:
     from blockspec.services.bench.costs import cost_ratios
 
     target = random_target(size, device, dtype)
@@ -160,7 +160,7 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     numerics = numerics_cost(target, prompt[:256], dtype, device) if backend == "graphs" else {}
-    tps["peer-1"] = peer_tokens_per_s(size, target, prompt[:128], device, dtype)
+    tps["peer-1"] = peer_tokens_per_s(size, target, prompt[:128], device, dtype) if peer else None
     floor = decode_bytes(target.config, context, dtype) / (bandwidth or copy_bandwidth(device)) * 1e3
     del target
     if device.startswith("cuda"):
@@ -432,22 +432,37 @@ def table(reports: list[SizeReport]) -> str:
     return "\n".join(lines)
 
 
-def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto") -> int:
+def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto", peer: bool = True) -> int:
+    """Each size in turn; one that fails is said (its error under the table, the traceback in the log) and the next
+    one runs: one run on a lent GPU keeps whatever it could measure. Exit code 1 when a size failed."""
+    import traceback
+
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     check_fits(sizes, device, dtype)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    reports = []
+    reports, failures = [], []
     bandwidth = copy_bandwidth(device)
+    head = f"Device: {name}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s."
     for size in sizes:  # the files are rewritten after each size: a run cut short keeps what it measured
-        started = time.perf_counter()
-        reports.append(check_size(size, device, dtype, bandwidth=bandwidth, backend=backend))
-        print(f"{size}: done in {time.perf_counter() - started:.0f} s", flush=True)
-        _write(out, f"Device: {name}, dtype {dtype}.\n\n{table(reports)}\n", reports)
-    text = (f"Device: {name}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s.\n\n{table(reports)}\n\n"
-            f"Sharing between processes: {check_ipc(device)}\n")
+        started, outcome = time.perf_counter(), "done"
+        try:
+            reports.append(check_size(size, device, dtype, bandwidth=bandwidth, backend=backend, peer=peer))
+        except Exception as e:  # noqa: BLE001 - a failing size must not cost the others
+            traceback.print_exc()
+            failures.append(f"{size}: {type(e).__name__}: {e}")
+            outcome = "failed"
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        print(f"{size}: {outcome} in {time.perf_counter() - started:.0f} s", flush=True)
+        _write(out, f"{head}\n\n{table(reports)}\n{_failed(failures)}", reports)
+    text = f"{head}\n\n{table(reports)}\n{_failed(failures)}\nSharing between processes: {check_ipc(device)}\n"
     print(text)
     _write(out, text, reports)
-    return 0
+    return 1 if failures else 0
+
+
+def _failed(failures: list[str]) -> str:
+    return "".join(f"\nFailed: {f}\n" for f in failures)
 
 
 def _write(out: Path | None, text: str, reports: list[SizeReport]) -> None:

@@ -62,6 +62,8 @@ def add_perf_commands(sub) -> None:
     gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
     gc.add_argument("--backend", default="auto", choices=("auto", "eager", "graphs"),
                     help="the verifier's runner (auto: the captured CUDA runner on CUDA)")
+    gc.add_argument("--no-peer", action="store_true", help="leave out transformers' compiled generate (its compile "
+                                                          "takes the longest)")
     gc.set_defaults(func=cmd_gpu_check)
 
 
@@ -177,4 +179,4 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     if not sizes or unknown:
         raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
     resolve_device(args.device)
-    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend)
+    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend, not args.no_peer)

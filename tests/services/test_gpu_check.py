@@ -33,6 +33,25 @@ def test_gpu_check_runs_on_cpu_with_the_tiny_shapes(tmp_path, capsys):
                                               if report["backend"] == "graphs" else set())
 
 
+def test_a_size_that_fails_is_said_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    from blockspec.services.bench import gpu_check
+
+    run = gpu_check.check_size
+
+    def flaky(size, *args, **kwargs):
+        if size == "tiny":
+            raise RuntimeError("no kernel image is available")
+        return run(size, *args, **kwargs)
+
+    monkeypatch.setattr(gpu_check, "check_size", flaky)
+    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--no-peer", "--out", str(tmp_path)]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "Failed: tiny: RuntimeError: no kernel image is available" in out and "| tiny-hybrid |" in out
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["size"] for r in report] == ["tiny-hybrid"] and report[0]["tokens_per_s"]["peer-1"] is None
+
+
 def test_the_hybrid_reference_shape_is_qwen3_5_27b():
     from blockspec.common.footprint import parameters
     from blockspec.common.models import parse_config
