@@ -168,6 +168,14 @@ class CudaRunner:
         if self.graphs.capture if warm_up is None else warm_up:
             self.warm_up()
 
+    @staticmethod
+    def graph_bytes(cfg: ModelConfig, num_slots: int) -> int:
+        """What the captured steps keep between replays: each bucket's outputs (fp32 logits of every row and the greedy
+        decision). The intermediates live in the graphs' shared pool, reused from one graph to the next, and are not
+        counted."""
+        rows = sum(batch_sizes(num_slots)) * sum(WIDTHS)  # every (batch, width) bucket's rows
+        return rows * cfg.vocab_size * 4 + sum(b * (w + 1) for b in batch_sizes(num_slots) for w in WIDTHS) * 8
+
     @property
     def embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight

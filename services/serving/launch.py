@@ -21,6 +21,7 @@ import torch
 from blockspec.common import tracing
 from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
 from blockspec.common.config import DEFAULT_K
+from blockspec.common.cuda_runner import unsupported
 from blockspec.common.device import claim_gpu_share
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
@@ -84,7 +85,9 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
         dflash_cfg = load_drafter(drafter).cfg
     tap_layers, max_k = verifier_needs(method, dflash_cfg)
     checkpoint, length = load_checkpoint(target), context_len(target, max_len)
-    need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype)
+    graphs = runner == "graphs" or (runner == "auto" and torch.device(device).type == "cuda"
+                                    and unsupported(checkpoint.config) is None)
+    need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype, graphs)
     claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
     verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,
                         tap_layers=tap_layers, dtype=dtype, device=device, backend=runner)

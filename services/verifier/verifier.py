@@ -12,6 +12,7 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.backends import make_runner
 from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
+from blockspec.common.cuda_runner import CudaRunner
 from blockspec.common.distributions import DraftDist, log_probs, process
 from blockspec.common.footprint import slot_bytes
 from blockspec.common.models import Checkpoint
@@ -76,13 +77,15 @@ class Verifier:
 
     @staticmethod
     def static_bytes(checkpoint: Checkpoint, num_slots: int, max_len: int, tap_layers: Sequence[int],
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, graphs: bool = False) -> int:
         """What a verifier of these dimensions holds once built (weights, and per slot the KV cache, a hybrid's
         linear-layer states and the tap buffer: `footprint.slot_bytes`), before it is: a GPU memory share is
-        checked against it."""
+        checked against it. graphs (the CUDA runner): also its spare slot and what its captured steps keep
+        (`CudaRunner.graph_bytes`)."""
         weights = sum(t.numel() for t in checkpoint.weights.values()) * dtype.itemsize
         per_slot = slot_bytes(checkpoint.config, max_len, dtype, len(tap_layers))
-        return weights + num_slots * sum(per_slot.values())
+        extra = CudaRunner.graph_bytes(checkpoint.config, num_slots) if graphs else 0
+        return weights + (num_slots + CudaRunner.spare_slots * graphs) * sum(per_slot.values()) + extra
 
     @property
     def max_len(self) -> int:
