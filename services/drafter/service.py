@@ -106,7 +106,7 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
         if self.proposer is None:
             self._tap_buffer = open_pb(info.tap_buffer)
             self._tap_rows = list(self._tap_buffer.unbind(0))  # `_features`: one view per slot
-            view = TargetView(open_pb(info.embedding), open_pb(info.lm_head), self._features)
+            view = TargetView(open_pb(info.embedding), open_pb(info.lm_head), self._features, self._tap_buffer)
             self.proposer = build_proposer("dflash", self.target, self.drafter_path, self.num_slots,
                                            min(self.max_len, info.max_len), view, self.dflash_model, **self.modules)
         return self._info()

@@ -81,7 +81,8 @@ class Engine:
         query_width = max_k + 1 if invariant else None
         self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers, dtype=dtype,
                                  device=device, threads=governor, backend=backend)
-        view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features)
+        view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features,
+                          self.verifier.tap_buffer)
         self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,
                                        use_dynamic_conv, use_path_selector, device, dtype)
         self.tokenizer = checkpoint.tokenizer

@@ -1,7 +1,10 @@
 """The greedy block proposal as a CUDA graph per (batch bucket, block length): static inputs (each request's anchor,
-slot and context length), attention over the drafter's whole static context cache with the visibility computed on the
-device, the path-selector walk on the device, and one device-to-host copy of the drafted tokens. Padding requests use
-a spare slot of the drafter's cache. On the CPU the same step runs uncaptured (the tests)."""
+slot and context length, and the context positions it has not stored yet), attention over the drafter's whole static
+context cache with the visibility computed on the device, the path-selector walk on the device, and one
+device-to-host copy of the drafted tokens. The step first stores the context K/V of up to EXTEND new positions a
+request (the tokens its last verify committed), read from the verifier's tap buffer by slot and position; a longer
+extension (a prompt) runs eagerly before it. Padding requests and positions use a spare slot of the drafter's cache.
+On the CPU the same step runs uncaptured (the tests)."""
 
 from __future__ import annotations
 
@@ -10,15 +13,19 @@ import torch
 from blockspec.common.cuda_runner import Graphs, batch_sizes, bucket
 from blockspec.services.drafter.dflash.model import DrafterContext
 
+EXTEND = 16  # new context positions a request the step stores itself (a verify commits at most block_size)
+
 
 class CapturedBlocks:
     """Runs `DFlashProposer`'s greedy block step over static buffers; see the module docstring. The proposer's cache
-    must have a spare slot (num_slots of them for requests, then the spare)."""
+    must have a spare slot (num_slots of them for requests, then the spare). tap_buffer: the verifier's buffer the
+    proposer's `features` views are rows of; without it every extension runs eagerly."""
 
-    def __init__(self, proposer, num_slots: int, capture: bool) -> None:
+    def __init__(self, proposer, num_slots: int, capture: bool, tap_buffer: torch.Tensor | None = None) -> None:
         self.p, self.spare = proposer, num_slots
         self.batch_sizes = batch_sizes(num_slots)
         self.graphs = Graphs(proposer.device, capture)
+        self.taps = tap_buffer
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pin = proposer.device.type == "cuda"  # host copies in pinned memory: the copies run asynchronously
 
@@ -26,29 +33,64 @@ class CapturedBlocks:
         """Capture the proposal of every batch bucket at each block length now (padding requests: the spare slot)."""
         for block in blocks:
             for size in self.batch_sizes:
-                self.propose([0] * size, [self.spare] * size, [0] * size, block)
+                self.propose([0] * size, [self.spare] * size, [0] * size, block, [])
 
     def fits(self, requests: int) -> bool:
         return bucket(requests, self.batch_sizes) is not None
 
-    def propose(self, anchors: list[int], slots: list[int], ctx_lens: list[int], block: int) -> list[list[int]]:
-        """Each request's block_size - 1 (or block - 1) greedy draft tokens."""
+    def _tap_slot(self, features: torch.Tensor) -> int | None:
+        """Which slot of the tap buffer a request's features view is, or None where it is not one of its rows."""
+        taps = self.taps
+        if (taps is None or features.untyped_storage().data_ptr() != taps.untyped_storage().data_ptr()
+                or features.stride() != taps.stride()[1:]):
+            return None
+        slot, rest = divmod(features.storage_offset() - taps.storage_offset(), taps.stride(0))
+        return slot if rest == 0 and 0 <= slot < taps.shape[0] else None
+
+    def propose(self, anchors: list[int], slots: list[int], ctx_lens: list[int], block: int,
+                pending: list[tuple]) -> list[list[int]]:
+        """Each request's block - 1 greedy draft tokens, its context brought up to ctx_len first (pending: the
+        proposer's (slot, start, end, features) of each request that lacks some)."""
         key = (bucket(len(anchors), self.batch_sizes), block)
+        extend = {}  # drafter slot -> (start, count, tap slot)
+        for slot, start, end, features in pending:
+            tap_slot = self._tap_slot(features) if end - start <= EXTEND else None
+            if tap_slot is None:
+                extend = None
+                break
+            extend[slot] = (start, end - start, tap_slot)
+        if extend is None:  # a prompt's context (or features outside the buffer): stored eagerly first
+            self.p._extend(pending, None)
+            extend = {}
+        else:
+            self.p._advance(pending)  # the step stores them
         if key not in self._inputs:
-            host = torch.zeros((3, key[0]), dtype=torch.long, pin_memory=self._pin)
-            self._inputs[key] = (host, torch.zeros((3, key[0]), dtype=torch.long, device=self.p.device))
+            host = torch.zeros((6, key[0]), dtype=torch.long, pin_memory=self._pin)
+            self._inputs[key] = (host, torch.zeros((6, key[0]), dtype=torch.long, device=self.p.device))
         host, inputs = self._inputs[key]
         pad = key[0] - len(anchors)
-        host.copy_(torch.tensor([anchors + [0] * pad, slots + [self.spare] * pad, ctx_lens + [0] * pad]))
+        ext = [extend.get(s, (0, 0, 0)) for s in slots] + [(0, 0, 0)] * pad
+        host.copy_(torch.tensor([anchors + [0] * pad, slots + [self.spare] * pad, ctx_lens + [0] * pad,
+                                 [e[0] for e in ext], [e[1] for e in ext], [e[2] for e in ext]]))
         inputs.copy_(host, non_blocking=True)
         tokens = self.graphs.run(key, self.step, (inputs, block))
         return tokens.cpu().tolist()[: len(anchors)]  # the proposal's one wait
 
     def step(self, inputs: torch.Tensor, block: int) -> torch.Tensor:
-        """inputs [3, R] (anchors, slots, context lengths) -> tokens [R, block - 1]."""
+        """inputs [6, R] (anchors, slots, context lengths, and the new context positions' start, count and tap-buffer
+        slot) -> tokens [R, block - 1]."""
         p = self.p
-        anchors, slots, lens = inputs.unbind(0)
+        anchors, slots, lens, ext_start, ext_count, tap_slots = inputs.unbind(0)
         dev, R = inputs.device, inputs.shape[1]
+        if self.taps is not None:  # the new context positions' K/V, each layer's, into the cache
+            j = torch.arange(EXTEND, device=dev)
+            positions = (ext_start[:, None] + j).clamp(max=p.cache.max_len - 1)  # [R, EXTEND]
+            rows = self.taps[tap_slots[:, None], positions]  # [R, EXTEND, n_taps * H]
+            cos, sin = p._cos[positions][:, None], p._sin[positions][:, None]  # [R, 1, EXTEND, hd]
+            writes = torch.where(j[None, :] < ext_count[:, None], slots[:, None], self.spare)  # padding: the spare
+            for layer, (k, v) in enumerate(p.model.context_kv(p.model.context(rows), cos, sin)):  # [R, KV, E, hd]
+                p.cache.k[layer][writes, :, positions] = k.transpose(1, 2)
+                p.cache.v[layer][writes, :, positions] = v.transpose(1, 2)
         block_ids = torch.cat([anchors[:, None], torch.full((R, block - 1), p.cfg.mask_token_id, device=dev)], dim=1)
         key_len = p.cache.max_len
         layer_kv = [p.cache.read(layer, slots, key_len) for layer in range(p.cfg.num_layers)]

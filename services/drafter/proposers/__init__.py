@@ -23,6 +23,7 @@ class TargetView:
     embedding: torch.Tensor  # [vocab, H]
     lm_head: torch.Tensor  # [vocab, H]
     features: object  # request id -> tap features [>= committed_len - 1, n_taps * H] (the first rows the request's)
+    tap_buffer: torch.Tensor | None = None  # the whole buffer whose per-slot rows `features` gives (captured proposals)
 
 
 def check_method(method: str, drafter: str | Path | None) -> None:
@@ -79,7 +80,7 @@ def build_proposer(
 
         v = target_view
         return DFlashProposer(dflash_model, v.embedding, v.lm_head, v.features, num_slots, max_len,
-                              use_dynamic_conv, use_path_selector)
+                              use_dynamic_conv, use_path_selector, v.tap_buffer)
     from blockspec.services.drafter.proposers.draft_model import DraftModelProposer
 
     draft = load_checkpoint(drafter)

@@ -42,6 +42,7 @@ class DFlashProposer:
         max_len: int,
         use_dynamic_conv: bool = True,
         use_path_selector: bool = True,
+        tap_buffer: torch.Tensor | None = None,  # the buffer `features` gives rows of: the captured proposal reads it
     ) -> None:
         cfg = drafter.cfg
         self.model, self.cfg = drafter, cfg
@@ -75,7 +76,7 @@ class DFlashProposer:
         if static:
             from blockspec.services.drafter.dflash.captured import CapturedBlocks
 
-            self._blocks = CapturedBlocks(self, num_slots, capture=self.device.type == "cuda")
+            self._blocks = CapturedBlocks(self, num_slots, self.device.type == "cuda", tap_buffer)
             if self._blocks.graphs.capture:  # the whole block, and each shorter one a short-blocks drafter runs
                 self._blocks.warm_up(list(range(2, cfg.block_size + 1)) if cfg.short_blocks else [cfg.block_size])
 
@@ -145,8 +146,7 @@ class DFlashProposer:
         B = min(self.cfg.block_size, slots_used + 1) if greedy and self.cfg.short_blocks else self.cfg.block_size
         if greedy and self._blocks is not None and self._blocks.fits(len(live)):
             with torch.inference_mode():
-                self._extend(pending, None)
-                rows = self._blocks.propose([i.token_ids[-1] for i in live], slot_ids, ctx_lens, B)
+                rows = self._blocks.propose([i.token_ids[-1] for i in live], slot_ids, ctx_lens, B, pending)
             return self._drafts(inputs, live, rows, None)
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
         panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
