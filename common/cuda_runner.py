@@ -194,6 +194,7 @@ class CudaRunner:
         b, w = bucket(batch, self.batch_sizes), bucket(width, WIDTHS)
         return None if b is None or w is None else (b, w)
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Capture every bucket now (its step over padding rows, which write the spare slot only), so that no request
         waits for a capture or a kernel's compilation."""

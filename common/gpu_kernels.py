@@ -649,7 +649,8 @@ def moe_layout(ids: torch.Tensor, experts: int,
     flat = ids.reshape(-1)
     size = -(-(pairs + experts * (block - 1)) // block) * block
     order = torch.sort(flat, stable=True).indices  # pair indices grouped by expert, each group in pair order
-    counts = torch.bincount(flat, minlength=experts)  # [E]
+    # [E]; not bincount, whose output size hangs on the largest id (a read back, which a graph capture refuses)
+    counts = torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block - 1) // block * block
     start = torch.cumsum(padded, 0) - padded  # each expert's first position in the layout
     first = torch.cumsum(counts, 0) - counts  # each expert's first index in `order`

@@ -122,10 +122,13 @@ def test_make_runner_picks_the_backend(variant_dirs, tmp_path):
         make_runner(ck, 1, 64, backend="fast")
 
 
-def test_the_step_compiles_as_one_graph(variant_dirs):
-    """torch.compile(fullgraph=True) of the step that CUDA captures: a graph break fails. The compiled step computes
-    what the eager one does."""
-    runner = cpu_runner(variant_dirs[2], num_slots=2, max_len=64, tap_layers=(0, 1))
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe"])
+def test_the_step_compiles_as_one_graph(family, variant_dirs, tmp_path, tokenizer):
+    """torch.compile(fullgraph=True) of the step that CUDA captures, for each kind of layer: a graph break fails, and
+    the compiled step computes what the eager one does. On fake tensors (no values) a value read back or an output
+    whose shape hangs on data would raise."""
+    path = variant_dirs[2] if family == "qwen3" else build_tiny_family(tmp_path / family, family, tokenizer=tokenizer)
+    runner = CudaRunner(load_checkpoint(path), 2, 64, (0, 1), torch.float32, "cpu", warm_up=False)
     bucket_ = runner._bucket((2, 4))
     torch._dynamo.reset()
     compiled = torch.compile(runner.step, fullgraph=True, backend="aot_eager", dynamic=False)
@@ -133,6 +136,28 @@ def test_the_step_compiles_as_one_graph(variant_dirs):
         logits, decided, _ = compiled(*bucket_.args())
         ref_logits, ref_decided, _ = runner.step(*bucket_.args())
     assert torch.equal(logits, ref_logits) and torch.equal(decided, ref_decided)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):  # no values: a read back would raise
+        assert runner.step(*bucket_.args())[0].shape == logits.shape
+
+
+def test_the_expert_layout_reads_nothing_back():
+    """What the MoE kernel builds on the device before its products, run on fake tensors (which have no values): an
+    operation whose output shape hangs on the data (bincount, nonzero: a read back that a graph capture refuses)
+    would raise. The layout itself: each pair once, where `at` says, each expert's group in whole blocks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from blockspec.common import gpu_kernels as gk
+
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(5)])
+    with FakeTensorMode() as mode:
+        assert [t.shape for t in gk.moe_layout(mode.from_tensor(ids), 8)] == [(144,), (9,), (10,)]
+    rows, block_expert, at = gk.moe_layout(ids, 8)
+    assert torch.equal(rows[at], torch.arange(10)) and (rows >= 0).sum() == 10  # 10 pairs, 8 x 15 padding at most
+    assert (block_expert[:-1] <= block_expert[1:]).all()
+    for b, e in enumerate(block_expert.tolist()):
+        assert all(ids.reshape(-1)[p] == e for p in rows[16 * b : 16 * (b + 1)].tolist() if p >= 0)
 
 
 KERNEL_CHECK = textwrap.dedent("""

@@ -29,6 +29,7 @@ class CapturedBlocks:
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pin = proposer.device.type == "cuda"  # host copies in pinned memory: the copies run asynchronously
 
+    @torch.inference_mode()
     def warm_up(self, blocks: list[int]) -> None:
         """Capture the proposal of every batch bucket at each block length now (padding requests: the spare slot)."""
         for block in blocks:
