@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "eager", "graphs")
 
 
+def uses_cuda_runner(cfg, device: torch.device, backend: str = "auto") -> bool:
+    """Whether `make_runner` gives the CUDA runner: backend "graphs", or "auto" on CUDA for a model it takes."""
+    return backend == "graphs" or (backend == "auto" and device.type == "cuda" and unsupported(cfg) is None)
+
+
 def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, query_width: int | None = None,
                 tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 backend: str = "auto") -> Runner | CudaRunner:
@@ -27,7 +32,7 @@ def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = No
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     reason = unsupported(checkpoint.config)
-    if backend == "graphs" or (backend == "auto" and torch.device(device).type == "cuda" and reason is None):
+    if uses_cuda_runner(checkpoint.config, torch.device(device), backend):
         if query_width:
             log.info("the CUDA runner is batch-invariant at every width: query_width %d is not needed", query_width)
         return CudaRunner(checkpoint, num_slots, max_len, tap_layers, dtype, device)

@@ -62,3 +62,23 @@ def slot_bytes(cfg: ModelConfig, context: int, dtype: torch.dtype, tap_layers: i
         "recurrent": states["recurrent"],
         "speculative": states["speculative"] + context * tap_layers * cfg.hidden_size * dtype.itemsize,
     }
+
+
+def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int, n_taps: int, dtype: torch.dtype,
+                   graphs: bool = False) -> int:
+    """What a verifier holds once built: its weights' bytes, and per slot the KV cache, states and tap features;
+    graphs (the CUDA runner): also its spare slot and what its captured steps keep. The start-up check
+    (`Verifier.static_bytes`) and `blockspec plan` both count with this."""
+    from blockspec.common.cuda_runner import CudaRunner
+
+    per_slot = sum(slot_bytes(cfg, max_len, dtype, n_taps).values())
+    if not graphs:
+        return weights + num_slots * per_slot
+    return weights + (num_slots + CudaRunner.spare_slots) * per_slot + CudaRunner.graph_bytes(cfg, num_slots)
+
+
+def drafter_bytes(weights: int, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
+                  dtype: torch.dtype, spare_slot: bool = False) -> int:
+    """What a drafter role holds: its weights' bytes and its own KV cache (a spare slot more where its proposals are
+    captured). The drafter role's start-up check and `blockspec plan` both count with this."""
+    return weights + SlotKVCache.nbytes(num_layers, num_slots + int(spare_slot), num_kv_heads, max_len, head_dim, dtype)

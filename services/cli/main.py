@@ -77,6 +77,28 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Whether a config's roles fit a GPU (`serving/capacity.py`): a table, or --json; exit 1 when one does not."""
+    import json
+
+    import torch
+
+    from blockspec.common.config import load_config
+    from blockspec.services.serving.capacity import parse_size, plan_capacity
+
+    cfg = load_config(args.config)
+    if args.gpu_memory is not None:
+        gpu = parse_size(args.gpu_memory)
+    elif torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(torch.device(cfg.model.device if cfg.model.device != "cpu" else "cuda")
+                                               ).total_memory
+    else:
+        raise InvalidArgument("--gpu-memory", "this machine has no GPU: give the card's memory, e.g. 80GB or 141GB")
+    result = plan_capacity(cfg, gpu, args.replicas)
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
+    return 0 if result.fits else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
     from blockspec.common.grpc_server import BindError
@@ -133,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("config", nargs="?", help="config.yaml to check")
     cf.add_argument("--reference", action="store_true", help="print every key (docs/configuration.md)")
     cf.set_defaults(func=cmd_config)
+    pl = sub.add_parser("plan", help="whether a config's target, drafter and request slots fit a GPU, and what to lower")
+    pl.add_argument("--config", required=True, help="the server's config.yaml")
+    pl.add_argument("--gpu-memory", help="the card's memory, e.g. 80GB, 141GB or 80GiB (default: this machine's GPU)")
+    pl.add_argument("--replicas", type=bounded(1, 64), default=1, help="replicas sharing the GPU (default 1)")
+    pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    pl.set_defaults(func=cmd_plan)
     add_perf_commands(sub)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
     add_role_arguments(role)

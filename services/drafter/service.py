@@ -14,7 +14,7 @@ from blockspec.common import cpu_kernels, tracing
 from blockspec.common.contracts import ProposeInput
 from blockspec.common.device import claim_gpu_share, tensor_bytes
 from blockspec.common.distributions import Q_ROWS
-from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.footprint import drafter_bytes
 from blockspec.common.models import load_checkpoint
 from blockspec.common.role_stream import RoleStream
 from blockspec.common.sampling import from_pb
@@ -39,8 +39,9 @@ def _claim_share(method: str, drafter_path: str | None, dflash_model, num_slots:
         cfg = load_checkpoint(drafter_path, with_weights=False).config
         with torch.device("meta"):  # shapes only
             weights = list(Decoder(cfg).parameters())
-    need = tensor_bytes(weights, dtype) + SlotKVCache.nbytes(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len,
-                                                             cfg.head_dim, dtype)
+    # a dflash proposer on a GPU captures its proposals: a spare slot (proposers/dflash.static_blocks)
+    need = drafter_bytes(tensor_bytes(weights, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots,
+                         max_len, dtype, dflash_model is not None)
     claim_gpu_share(device, fraction, need, "drafter")
 
 

@@ -20,8 +20,8 @@ import torch
 
 from blockspec.common import tracing
 from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
+from blockspec.common.backends import uses_cuda_runner
 from blockspec.common.config import DEFAULT_K
-from blockspec.common.cuda_runner import unsupported
 from blockspec.common.device import claim_gpu_share
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
@@ -85,8 +85,7 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
         dflash_cfg = load_drafter(drafter).cfg
     tap_layers, max_k = verifier_needs(method, dflash_cfg)
     checkpoint, length = load_checkpoint(target), context_len(target, max_len)
-    graphs = runner == "graphs" or (runner == "auto" and torch.device(device).type == "cuda"
-                                    and unsupported(checkpoint.config) is None)
+    graphs = uses_cuda_runner(checkpoint.config, torch.device(device), runner)
     need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype, graphs)
     claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
     verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,

@@ -12,9 +12,8 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.backends import make_runner
 from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
-from blockspec.common.cuda_runner import CudaRunner
 from blockspec.common.distributions import DraftDist, log_probs, process
-from blockspec.common.footprint import slot_bytes
+from blockspec.common.footprint import verifier_bytes
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Segment
 from blockspec.common.sampling import GREEDY, SamplingParams
@@ -83,9 +82,7 @@ class Verifier:
         checked against it. graphs (the CUDA runner): also its spare slot and what its captured steps keep
         (`CudaRunner.graph_bytes`)."""
         weights = sum(t.numel() for t in checkpoint.weights.values()) * dtype.itemsize
-        per_slot = slot_bytes(checkpoint.config, max_len, dtype, len(tap_layers))
-        extra = CudaRunner.graph_bytes(checkpoint.config, num_slots) if graphs else 0
-        return weights + (num_slots + CudaRunner.spare_slots * graphs) * sum(per_slot.values()) + extra
+        return verifier_bytes(checkpoint.config, weights, num_slots, max_len, len(tap_layers), dtype, graphs)
 
     @property
     def max_len(self) -> int:
