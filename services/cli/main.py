@@ -11,6 +11,7 @@ from pathlib import Path
 from blockspec.common.argtypes import address, bounded, port
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.cli.args import as_flag
+from blockspec.services.cli.batch import add_batch_command
 from blockspec.services.cli.generate import add_generate_command
 from blockspec.services.cli.models import add_model_commands
 from blockspec.services.cli.perf import add_perf_commands
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_command(sub)
+    add_batch_command(sub)
     add_model_commands(sub)
     sv = sub.add_parser("serve", help="serve the gRPC API (and HTTP /health, /metrics) from a config file")
     sv.add_argument("--config", required=True, help="config.yaml (docs/configuration.md)")
