@@ -1,5 +1,6 @@
-"""`blockspec batch INPUT.jsonl OUTPUT.jsonl --server HOST:PORT`: an offline job of OpenAI batch lines against a running
-server's /v1 API, resumable.
+"""`blockspec batch INPUT.jsonl OUTPUT.jsonl --server HOST:PORT | --config C`: an offline job of OpenAI batch lines
+against a server's /v1 API - a running one, or one this command starts from a config (`serve --inprocess` on free
+ports, on this machine only, stopped at the end) - resumable.
 
 Input: one request a line, OpenAI's batch file format - `custom_id`, `method` ("POST"), `url` (`/v1/completions` or
 `/v1/chat/completions`) and `body` (that endpoint's request, not streamed). Output: one line per `custom_id` in
@@ -36,7 +37,9 @@ def add_batch_command(sub) -> None:
     b = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) against a server's /v1 API, resumably")
     b.add_argument("input", help="JSONL: one {custom_id, method, url, body} a line")
     b.add_argument("output", help="JSONL of OpenAI batch output lines; an existing file is resumed")
-    b.add_argument("--server", type=address, required=True, help="HOST:PORT of the server's HTTP port")
+    where = b.add_mutually_exclusive_group(required=True)
+    where.add_argument("--server", type=address, help="HOST:PORT of a running server's HTTP port")
+    where.add_argument("--config", help="a server config: serve it in one process for the job (ports chosen free)")
     b.add_argument("--max-in-flight", type=bounded(1, 1024), default=16,
                    help="requests sent at once (default 16: keep the server's batch full)")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
@@ -146,14 +149,57 @@ def post(server: str, job: Job, key: str | None, timeout: float) -> tuple[int, d
     raise AssertionError("unreachable")
 
 
-def cmd_batch(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def served(config: str):
+    """`blockspec serve --config CONFIG --inprocess` on free ports of 127.0.0.1 as a child process: (the process, its
+    HTTP HOST:PORT) once it serves. The caller stops it (SIGTERM)."""
+    import subprocess
+    import sys
+    import tempfile
 
-    inp, out = Path(args.input), Path(args.output)
-    if args.server.startswith("unix:"):
+    import yaml
+
+    from blockspec.common.config import load_config
+
+    doc = load_config(config).model_dump(mode="json")
+    doc["server"].update(host="127.0.0.1", port=0, grpc_port=0)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(doc, f)
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", f.name, "--inprocess"],
+                            stdout=subprocess.PIPE, text=True)
+    http = None
+    for line in proc.stdout:
+        if line.startswith("HTTP "):
+            http = int(line.split()[1])
+        if line.startswith("SERVING "):
+            os.unlink(f.name)
+            return proc, f"127.0.0.1:{http}"
+    os.unlink(f.name)
+    raise InvalidArgument("--config", f"the server did not start (exit code {proc.wait()}); its error is above")
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    inp = Path(args.input)
+    if args.server is not None and args.server.startswith("unix:"):
         raise InvalidArgument("--server", "the HTTP port's HOST:PORT (the /v1 API)")
     if not inp.is_file():
         raise InvalidArgument("input", f"{inp}: no such file")
+    read_jobs(inp)  # refused before a server starts
+    if args.config is None:
+        return run_batch(args, args.server)
+    proc, server = served(args.config)
+    try:
+        return run_batch(args, server)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def run_batch(args: argparse.Namespace, server: str) -> int:
+    import sys
+
+    from tqdm import tqdm
+
+    inp, out = Path(args.input), Path(args.output)
     jobs = read_jobs(inp)
     done = written_ids(out)
     todo = [j for j in jobs if j.custom_id not in done]
@@ -176,7 +222,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             while pending or running:
                 while pending and len(running) < args.max_in_flight:
                     job = pending.pop(0)
-                    running[pool.submit(post, args.server, job, key, args.timeout)] = job
+                    running[pool.submit(post, server, job, key, args.timeout)] = job
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     job = running.pop(future)
@@ -186,8 +232,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                         for f in running:
                             f.cancel()
                         bar.close()
-                        print(f"blockspec: error: --server {args.server}: {e}; the {len(done) + bar.n} written lines "
-                              "stay: run the same command again to finish")
+                        print(f"blockspec: error: the server at {server}: {e}; the {bar.n} written lines stay: run the "
+                              "same command again to finish", file=sys.stderr)
                         return 1
                     write(record(job, status, body))
                     tokens += ((body or {}).get("usage") or {}).get("completion_tokens", 0) if status == 200 else 0

@@ -27,6 +27,7 @@ def served(chat_target, dflash_drafters, tmp_path_factory):
     cfg.write_text(CONFIG.format(target=chat_target, drafter=dflash_drafters["qwen3-trained"]))
     info = spawn_serve("--config", str(cfg), "--inprocess")
     assert wait_for(lambda: http_status(info["http"]) == 200)
+    info["config"] = cfg
     yield info
     stop_serve(info)
 
@@ -124,3 +125,17 @@ def test_a_torn_last_line_is_cut_and_complete_ones_kept(tmp_path):
     out.write_text('{"custom_id": "a"}\n{"custom_id": "b"}\n{"custom_id": "c", "resp')
     assert written_ids(out) == {"a", "b"} and out.read_text() == '{"custom_id": "a"}\n{"custom_id": "b"}\n'
     assert written_ids(tmp_path / "none.jsonl") == set()
+
+
+def test_a_config_serves_the_job_itself(served, prompts, tmp_path):
+    """--config starts the config's server for the job (free ports, one process) and stops it: the same answers as
+    the running server's."""
+    lines = batch_file(tmp_path / "all.jsonl", prompts).read_text().splitlines()[:6]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    by_server, by_config = tmp_path / "server.jsonl", tmp_path / "config.jsonl"
+    assert run(served, inp, by_server).returncode == 0
+    done = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "batch", str(inp), str(by_config), "--config",
+                           str(served["config"]), "--quiet"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert texts(by_config) == texts(by_server) and len(texts(by_config)) == 6
