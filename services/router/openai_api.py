@@ -61,15 +61,16 @@ def from_rpc_error(e: grpc.RpcError) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "8" is not 8, nor true 1
     include_usage: bool = False  # one more chunk at the end: no choices, the usage
 
 
 class OpenAIRequest(BaseModel):
     """The parameters both endpoints share: OpenAI's, vLLM's `top_k` and `repetition_penalty`, and ours. An unknown
-    parameter, or a known one at a value not served (n > 1, logprobs, ...), is a 400 naming it, never dropped."""
+    parameter, a value of another JSON type (strict: "8" for an integer, true for a number, "yes" for a boolean), or a
+    known one at a value not served (n > 1, logprobs, ...) is a 400 naming it, never dropped or coerced."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "8" is not 8, nor true 1
     model: str | None = None  # where given, the served model's id (GET /v1/models)
     max_tokens: int | None = None
     temperature: float | None = 1.0  # OpenAI's default (0 = greedy)
@@ -115,13 +116,13 @@ class CompletionRequest(OpenAIRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "8" is not 8, nor true 1
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "8" is not 8, nor true 1
     role: str
     content: str | list[TextPart] | None = None
 

@@ -113,6 +113,10 @@ def test_a_stop_sequence_ends_the_text_before_it(served, model_id, prompts, refe
         ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens", "num_speculative_tokens: must be between"),
         ({"extra_body": {"best_answer": 1}}, "best_answer", "best_answer: Extra inputs are not permitted"),
         ({"extra_body": {"rule": "typical"}}, "rule", "rule: "),
+        ({"max_tokens": "8"}, "max_tokens", "max_tokens: Input should be a valid integer"),  # strict: not coerced
+        ({"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
+        ({"extra_body": {"stream": "yes"}}, "stream", "stream: Input should be a valid boolean"),
+        ({"temperature": "0.5"}, "temperature", "temperature: Input should be a valid number"),
     ],
 )
 def test_bad_parameters_are_400_naming_the_parameter(served, model_id, kwargs, param, message):
