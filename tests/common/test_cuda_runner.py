@@ -35,6 +35,22 @@ def cpu_runner(path: Path, num_slots: int = 3, max_len: int = 256, tap_layers=()
     return CudaRunner(load_checkpoint(path), num_slots, max_len, tap_layers, torch.float32, "cpu")
 
 
+def ragged_logits(runner: CudaRunner, ids: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    """Three rows of ids [3, 40] run as ragged batched forwards - prefill chunks (eager), decodes and verifies
+    (bucketed): the rows' slots, and each row's logits [40, vocab] put together. Each greedy decision is the argmax of
+    its rows."""
+    slots = [runner.cache.allocate() for _ in range(3)]
+    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
+    got = [[] for _ in range(3)]
+    for step in range(3):
+        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)],
+                             runner.tap_buffer)
+        for b, logits in enumerate(out.logits):
+            got[b].append(logits)
+            assert out.greedy[b][1] == logits.argmax(-1).tolist()
+    return slots, [torch.cat(g) for g in got]
+
+
 @pytest.mark.parametrize("index", range(len(VARIANTS)), ids=[f"{f}{'-tied' if e else ''}" for f, e in VARIANTS])
 def test_logits_and_taps_match_transformers(index, variant_dirs):
     """Ragged prefill chunks (eager), decodes and verifies (bucketed) in batched calls: logits and tap features equal
@@ -47,17 +63,9 @@ def test_logits_and_taps_match_transformers(index, variant_dirs):
     ids = torch.randint(0, hf.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(index))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-    slots = [runner.cache.allocate() for _ in range(3)]
-    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
-    got = [[] for _ in range(3)]
-    for step in range(3):
-        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)],
-                             runner.tap_buffer)
-        for b, logits in enumerate(out.logits):
-            got[b].append(logits)
-            assert out.greedy[b][1] == logits.argmax(-1).tolist()
+    slots, got = ragged_logits(runner, ids)
     assert list(runner._buckets) == [(3, 8)]  # step 2 bucketed (uncaptured on the CPU)
-    assert max(float((torch.cat(got[b]) - ref.logits[b]).abs().max()) for b in range(3)) < 1e-4
+    assert max(float((got[b] - ref.logits[b]).abs().max()) for b in range(3)) < 1e-4
     hidden = hf.config.hidden_size
     for layer in range(min(2, hf.config.num_hidden_layers - 1)):  # hidden_states[i + 1]: layer i's output (not the last)
         taps = runner.tap_buffer[slots, :40, layer * hidden : (layer + 1) * hidden]
@@ -278,14 +286,8 @@ def test_mixture_of_experts_logits_match_transformers(family, tmp_path, tokenize
         ref = hf(ids).logits
     ck = load_checkpoint(path)
     runner = CudaRunner(ck, 3, 256, (), torch.float32, "cpu")
-    slots = [runner.cache.allocate() for _ in range(3)]
-    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
-    got = [[] for _ in range(3)]
-    for step in range(3):
-        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)])
-        for b, logits in enumerate(out.logits):
-            got[b].append(logits)
-    assert max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3)) < 1e-4
+    _, got = ragged_logits(runner, ids)
+    assert max(float((got[b] - ref[b]).abs().max()) for b in range(3)) < 1e-4
     second = CudaRunner(ck, 1, 64, (), torch.float32, "cpu")
     moes = [next(m for m in r.model.modules() if hasattr(m, "experts")) for r in (runner, second)]
     assert moes[0].experts[3].up_proj.weight.data_ptr() == moes[1].experts[3].up_proj.weight.data_ptr()
@@ -303,16 +305,8 @@ def test_hybrid_logits_and_rollback_match_transformers(tmp_path, tokenizer):
     ids = torch.randint(0, hf.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits
-    runner = cpu_runner(path, tap_layers=(1, 3))
-    slots = [runner.cache.allocate() for _ in range(3)]
-    cuts = [(0, 17, 23, 40), (0, 1, 6, 40), (0, 30, 31, 40)]
-    got = [[] for _ in range(3)]
-    for step in range(3):
-        out = runner.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)],
-                             runner.tap_buffer)
-        for b, logits in enumerate(out.logits):
-            got[b].append(logits)
-    assert max(float((torch.cat(got[b]) - ref[b]).abs().max()) for b in range(3)) < 1e-4
+    _, got = ragged_logits(cpu_runner(path, tap_layers=(1, 3)), ids)
+    assert max(float((got[b] - ref[b]).abs().max()) for b in range(3)) < 1e-4
     single = cpu_runner(path, num_slots=1)
     slot, seq = single.cache.allocate(), ids[0].tolist()
     single.forward([Segment(slot, seq[:20], last_only=True)])
