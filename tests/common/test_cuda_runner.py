@@ -156,12 +156,12 @@ def test_the_expert_layout_reads_nothing_back():
     would raise. The layout itself: each pair once, where `at` says, each expert's group in whole blocks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from blockspec.common import gpu_kernels as gk
+    from blockspec.common import triton_kernels as tk
 
     ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(5)])
     with FakeTensorMode() as mode:
-        assert [t.shape for t in gk.moe_layout(mode.from_tensor(ids), 8)] == [(144,), (9,), (10,)]
-    rows, block_expert, at = gk.moe_layout(ids, 8)
+        assert [t.shape for t in tk.moe_layout(mode.from_tensor(ids), 8)] == [(144,), (9,), (10,)]
+    rows, block_expert, at = tk.moe_layout(ids, 8)
     assert torch.equal(rows[at], torch.arange(10)) and (rows >= 0).sum() == 10  # 10 pairs, 8 x 15 padding at most
     assert (block_expert[:-1] <= block_expert[1:]).all()
     for b, e in enumerate(block_expert.tolist()):
@@ -171,25 +171,26 @@ def test_the_expert_layout_reads_nothing_back():
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from blockspec.common import gpu_kernels as gk
+    from blockspec.common import triton_kernels as tk
 
     torch.manual_seed(0)
     # GEMM: the reference's values, and a row alone equal bit for bit to the same row among 13 (split K included)
     for n, k in ((96, 256), (64, 1024)):
         x, w = torch.randn(13, k), torch.randn(n, k)
-        y = gk.triton_linear(x, w)
+        y = tk.triton_linear(x, w)
         assert (y - x @ w.T).abs().max() < 1e-3, "gemm"
-        assert torch.equal(gk.triton_linear(x[5:6], w)[0], y[5]), "gemm rows"
+        assert torch.equal(tk.triton_linear(x[5:6], w)[0], y[5]), "gemm rows"
     # attention over two slots of a cache, queries at ragged positions across chunks
     kc, vc = torch.randn(3, 2, 512, 16), torch.randn(3, 2, 512, 16)
     q = torch.randn(2, 3, 6, 16)
     slots, pos = torch.tensor([2, 0]), torch.tensor([[5, 6, 7], [300, 301, 302]])
-    o = gk.triton_attention(q, kc, vc, slots, pos, 0.25)
+    o = tk.triton_attention(q, kc, vc, slots, pos, 0.25)
     assert (o - gk.attention_reference(q, kc, vc, slots, pos, 0.25)).abs().max() < 1e-5, "attention"
-    assert torch.equal(gk.triton_attention(q[1:, 1:2], kc, vc, slots[1:], pos[1:, 1:2], 0.25)[0, 0], o[1, 1]), "rows"
+    assert torch.equal(tk.triton_attention(q[1:, 1:2], kc, vc, slots[1:], pos[1:, 1:2], 0.25)[0, 0], o[1, 1]), "rows"
     # add + RMSNorm (plain and zero-centred), q/k norm with rotary (full and partial, and rotary alone)
     x, r, w = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
     for zc in (False, True):
-        y, s = gk.triton_add_rms_norm(x, r, w, 1e-6, zc)
+        y, s = tk.triton_add_rms_norm(x, r, w, 1e-6, zc)
         y0, s0 = gk.add_rms_norm_reference(x, r, w, 1e-6, zc)
         assert (y - y0).abs().max() < 1e-5 and torch.equal(s, s0), "norm"
     qkv, pos = torch.randn(2, 3, 8, 16), torch.randint(0, 64, (2, 3))
@@ -197,34 +198,34 @@ KERNEL_CHECK = textwrap.dedent("""
         cos, sin = torch.randn(64, rot), torch.randn(64, rot)
         for qw, kw, zc in ((torch.randn(16), torch.randn(16), False), (torch.randn(16), torch.randn(16), True),
                            (torch.empty(0), torch.empty(0), False)):
-            a = gk.triton_qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
+            a = tk.triton_qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
             b = gk.qk_norm_rope_reference(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
             assert (a - b).abs().max() < 1e-5, "qk"
     # a Gated DeltaNet's output norm, and its recurrence over 21 tokens (two blocks), a row alone equal to the batch's
     x, z = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4, 16)
-    assert (gk.triton_gated_rms_norm(x, z, w[:16], 1e-6) - gk.gated_rms_norm_reference(x, z, w[:16], 1e-6)).abs().max() < 1e-5
+    assert (tk.triton_gated_rms_norm(x, z, w[:16], 1e-6) - gk.gated_rms_norm_reference(x, z, w[:16], 1e-6)).abs().max() < 1e-5
     B, T, HV, DK, DV = 2, 21, 4, 16, 32  # two key heads, each serving two value heads
     state, q, k = torch.randn(B, HV, DK, DV), torch.randn(B, T, 2, DK), torch.randn(B, T, 2, DK)
     v, g, beta = torch.randn(B, T, HV, DV), -torch.rand(B, T, HV), torch.rand(B, T, HV)
-    o, s = gk.triton_gated_delta_rule(state, q, k, v, g, beta, 0.25)
+    o, s = tk.triton_gated_delta_rule(state, q, k, v, g, beta, 0.25)
     o0, s0 = gk.gated_delta_rule_reference(state, q, k, v, g, beta, 0.25)
     assert (o - o0).abs().max() < 1e-4 and (s - s0).abs().max() < 1e-4, "delta rule"
-    o1, _ = gk.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
+    o1, _ = tk.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
     assert torch.equal(o1[0], o[1, :5]), "delta rule rows"
     # the causal convolution over [state, block] and the decay and write strength (0 at padding)
     conv_state, mixed, conv_w = torch.randn(2, 40, 3), torch.randn(2, 5, 40), torch.randn(40, 4)
-    assert (gk.triton_causal_conv(conv_state, mixed, conv_w)
+    assert (tk.triton_causal_conv(conv_state, mixed, conv_w)
             - gk.causal_conv_reference(conv_state, mixed, conv_w)).abs().max() < 1e-5, "conv"
     a, b, real = torch.randn(2, 5, 6), torch.randn(2, 5, 6), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
     a_log, dt_bias = torch.randn(6), torch.randn(6)
-    got, want = gk.triton_delta_gates(a, b, a_log, dt_bias, real), gk.delta_gates_reference(a, b, a_log, dt_bias, real)
+    got, want = tk.triton_delta_gates(a, b, a_log, dt_bias, real), gk.delta_gates_reference(a, b, a_log, dt_bias, real)
     assert all((x - y).abs().max() < 1e-5 for x, y in zip(got, want)) and not got[0][1, 3:].any(), "gates"
     # the routed experts: 5 tokens, 8 experts, top 2; a token alone equal to the same token among the five
     x, gate_up, down = torch.randn(5, 64), torch.randn(8, 64, 64) * 0.1, torch.randn(8, 64, 32) * 0.1
     ids, weights = torch.stack([torch.randperm(8)[:2] for _ in range(5)]), torch.rand(5, 2)
-    y = gk.triton_moe(x, weights, ids, gate_up, down)
+    y = tk.triton_moe(x, weights, ids, gate_up, down)
     assert (y - gk.moe_reference(x, weights, ids, gate_up, down)).abs().max() < 1e-5, "moe"
-    assert torch.equal(gk.triton_moe(x[2:3], weights[2:3], ids[2:3], gate_up, down)[0], y[2]), "moe rows"
+    assert torch.equal(tk.triton_moe(x[2:3], weights[2:3], ids[2:3], gate_up, down)[0], y[2]), "moe rows"
     print("ok")
 """)
 

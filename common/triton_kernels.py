@@ -1,0 +1,472 @@
+"""The Triton kernels behind `gpu_kernels`' operators on CUDA, and their launchers: products (a GEMM with tiles and split
+of K fixed by the weight's shape and the device, the experts' grouped GEMM), attention over the cache with a fixed key
+split, per-row norms and rotary, and a Gated DeltaNet's convolution, gates and recurrence. Triton is imported on first
+use: the CPU path never needs it. `TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/test_cuda_runner.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 256  # keys per attention split: positions [c * CHUNK, (c + 1) * CHUNK) are one partial softmax
+BLOCK_M = 64  # GEMM rows per tile, whatever the row count (a decode's 1 row is a padded tile)
+ATTN_BLOCK_N = 64  # keys per attention tile
+
+@functools.cache
+def _products() -> SimpleNamespace:
+    """The GEMM, the sum of its split partials, the experts' grouped GEMM."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemm(x, w, out, M, N, K, stride_xm, stride_wn, stride_sm,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_STEPS: tl.constexpr):
+        # out[split, m, n] = sum over this split's K range of x[m, k] * w[n, k], in fp32, BK at a time in order; stored
+        # in out's type (the output itself where K is not split).
+        pm, pn, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pm * BM + tl.arange(0, BM)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k0 = ps * K_STEPS * BK
+        for step in range(K_STEPS):
+            k = k0 + step * BK + rk
+            a = tl.load(x + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+            b = tl.load(w + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+        tl.store(out + ps * stride_sm + rm[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def sum_splits(parts, out, size, S: tl.constexpr, BLOCK: tl.constexpr):
+        # out = parts[0] + parts[1] + ... in that order, cast to out's type.
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < size
+        total = tl.load(parts + i, mask=live, other=0.0)
+        for s in range(1, S):
+            total += tl.load(parts + s * size + i, mask=live, other=0.0)
+        tl.store(out + i, total.to(out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def grouped_gemm(x, w, rows, block_expert, out, N, K, E, rows_per_x, stride_we, stride_wn,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_STEPS: tl.constexpr):
+        # One block of BM rows of one expert (rows: the x row of each, -1 for padding), BN outputs:
+        # out[r, n] = sum_k x[rows[r] // rows_per_x, k] * w[expert, n, k], BK at a time in order.
+        pb, pn = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert + pb)
+        r = pb * BM + tl.arange(0, BM)
+        src = tl.load(rows + r)
+        live_r = (src >= 0) & (e < E)
+        src_row = tl.where(src >= 0, src // rows_per_x, 0)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        we = w + tl.minimum(e, E - 1).to(tl.int64) * stride_we
+        for step in range(K_STEPS):
+            k = step * BK + rk
+            a = tl.load(x + src_row[:, None] * K + k[None, :], mask=live_r[:, None] & (k[None, :] < K), other=0.0)
+            b = tl.load(we + rn[:, None] * stride_wn + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K) & (e < E),
+                        other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+        tl.store(out + r[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty), mask=(rn[None, :] < N))
+
+    return SimpleNamespace(triton=triton, gemm=gemm, sum_splits=sum_splits, grouped_gemm=grouped_gemm)
+
+
+@functools.cache
+def _attention() -> SimpleNamespace:
+    """Attention over the cache by key chunks, and the chunks' combine."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend(q, kc, vc, slots, positions, m_out, l_out, acc_out, scale, T, H, KV, L, n_chunks,
+               sq_b, sq_t, sq_h, sk_s, sk_h, sk_l,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr):
+        # One query row (b, t), one KV head, one chunk of CH keys: the partial softmax of the G query heads that
+        # share the KV head over the chunk's keys up to the row's position.
+        row, kv, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, t = row // T, row % T
+        pos = tl.load(positions + row)
+        slot = tl.load(slots + b)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        heads = kv * G + g
+        qv = tl.load(q + b * sq_b + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=g[:, None] < G, other=0.0)
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        s_sum = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        start = c * CH
+        end = tl.minimum(start + CH, pos + 1)
+        base = slot * sk_s + kv * sk_h
+        for n0 in range(CH // BN):  # a fixed trip count; the blocks past the row's position are masked out
+            n = start + n0 * BN + tl.arange(0, BN)
+            live = n < end
+            kt = tl.load(kc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
+            vt = tl.load(vc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
+            s = tl.dot(qv, tl.trans(kt)) * scale
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf - 0) = 0, not NaN
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+        o = (row * H + heads) * n_chunks + c
+        tl.store(m_out + o, m, mask=g < G)
+        tl.store(l_out + o, s_sum, mask=g < G)
+        tl.store(acc_out + o[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
+
+    @triton.jit
+    def combine(m_in, l_in, acc_in, out, n_chunks, CP: tl.constexpr, D: tl.constexpr):
+        # One (row, head): the chunks' partials merged, in chunk order, into the output row.
+        rh = tl.program_id(0)
+        c = tl.arange(0, CP)
+        d = tl.arange(0, D)
+        live = c < n_chunks
+        m = tl.load(m_in + rh * n_chunks + c, mask=live, other=float("-inf"))
+        l_part = tl.load(l_in + rh * n_chunks + c, mask=live, other=0.0)
+        a = tl.load(acc_in + (rh * n_chunks + c)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        top = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        total = tl.sum(l_part * w, 0)
+        o = tl.sum(a * w[:, None], 0) / total
+        tl.store(out + rh * D + d, o.to(out.dtype.element_ty))
+
+    return SimpleNamespace(triton=triton, attend=attend, combine=combine)
+
+
+@functools.cache
+def _rows() -> SimpleNamespace:
+    """Per-row kernels: add + RMSNorm, q/k norm + rotary, the gated output norm."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_norm(x, res, w, y, summed, eps, HID: tl.constexpr, BH: tl.constexpr, ZC: tl.constexpr):
+        # One row: summed = x + res (in the model dtype), y = w * (summed * rsqrt(mean(summed^2) + eps)) (ZC: the
+        # normalised row times 1 + w in fp32).
+        row = tl.program_id(0)
+        i = tl.arange(0, BH)
+        live = i < HID
+        s = tl.load(x + row * HID + i, mask=live, other=0.0) + tl.load(res + row * HID + i, mask=live, other=0.0)
+        tl.store(summed + row * HID + i, s, mask=live)
+        h = s.to(tl.float32)
+        r = tl.rsqrt(tl.sum(h * h, 0) / HID + eps)
+        weight = tl.load(w + i, mask=live, other=0.0)
+        if ZC:
+            tl.store(y + row * HID + i, (h * r * (1.0 + weight.to(tl.float32))).to(weight.dtype), mask=live)
+        else:
+            tl.store(y + row * HID + i, weight * (h * r).to(weight.dtype), mask=live)
+
+    @triton.jit
+    def norm_rope(qkv, qw, kw, cos, sin, positions, out, eps, H, KV, STRIDE,
+                  D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, ZC: tl.constexpr):
+        # One (row, head) of the q and k heads (STRIDE heads a row in qkv): RMS norm with the head's weight, then the
+        # rotation at its position of the first ROT features.
+        row, head = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, D)
+        half = ROT // 2
+        other = tl.where(d < ROT, (d + half) % ROT, d)  # the rotate-half partner of each rotated feature
+        src = qkv + (row * STRIDE + head) * D
+        x = tl.load(src + d).to(tl.float32)
+        partner = tl.load(src + other).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            is_q = head < H
+            w = tl.where(is_q, tl.load(qw + d, mask=is_q, other=0.0), tl.load(kw + d, mask=head >= H, other=0.0))
+            wp = tl.where(is_q, tl.load(qw + other, mask=is_q, other=0.0),
+                          tl.load(kw + other, mask=head >= H, other=0.0))
+            if ZC:
+                x = (x * r * (1.0 + w.to(tl.float32))).to(w.dtype).to(tl.float32)
+                partner = (partner * r * (1.0 + wp.to(tl.float32))).to(wp.dtype).to(tl.float32)
+            else:
+                x = (w * (x * r).to(w.dtype)).to(tl.float32)
+                partner = (wp * (partner * r).to(wp.dtype)).to(tl.float32)
+        pos = tl.load(positions + row)
+        rotating = d < ROT
+        c = tl.load(cos + pos * ROT + d, mask=rotating, other=1.0).to(tl.float32)
+        s = tl.load(sin + pos * ROT + d, mask=rotating, other=0.0).to(tl.float32)
+        rotated = tl.where(d < half, -partner, partner)
+        tl.store(out + (row * (H + KV) + head) * D + d, (x * c + rotated * s).to(out.dtype.element_ty))
+
+    @triton.jit
+    def gated_norm(x, gate, w, out, eps, D: tl.constexpr):
+        # One head of one row: rms_norm(x) * silu(gate).
+        row = tl.program_id(0)
+        d = tl.arange(0, D)
+        h = tl.load(x + row * D + d).to(tl.float32)
+        weight = tl.load(w + d)
+        y = (weight * (h * tl.rsqrt(tl.sum(h * h, 0) / D + eps)).to(weight.dtype)).to(tl.float32)
+        z = tl.load(gate + row * D + d).to(tl.float32)
+        tl.store(out + row * D + d, (y * (z / (1.0 + tl.exp(-z)))).to(out.dtype.element_ty))
+
+    return SimpleNamespace(triton=triton, add_norm=add_norm, norm_rope=norm_rope, gated_norm=gated_norm)
+
+
+@functools.cache
+def _deltanet() -> SimpleNamespace:
+    """A Gated DeltaNet's convolution, gates and recurrence."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv(state, mixed, w, out, T, C, K1, BC: tl.constexpr, K: tl.constexpr):
+        # One (request, position t), BC channels: silu(sum_j w[c, j] x[t + j]) over [state, mixed], taps in order.
+        bt, pc = tl.program_id(0), tl.program_id(1)
+        b, t = bt // T, bt % T
+        c = pc * BC + tl.arange(0, BC)
+        live = c < C
+        acc = tl.zeros((BC,), tl.float32)
+        for j in range(K):
+            i = t + j  # position in [state, mixed]
+            from_state = i < K1
+            x_state = tl.load(state + (b * C + c) * K1 + i, mask=live & from_state, other=0.0)
+            x_new = tl.load(mixed + (b * T + i - K1) * C + c, mask=live & (i >= K1), other=0.0)
+            x = tl.where(from_state, x_state.to(tl.float32), x_new.to(tl.float32))
+            acc = acc + tl.load(w + c * K + j, mask=live, other=0.0) * x
+        tl.store(out + (b * T + t) * C + c, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def gates(a, b, a_log, dt_bias, real, g_out, beta_out, T, HV, BH: tl.constexpr):
+        # One (request, position): every value head's g and beta, 0 at padding.
+        bt = tl.program_id(0)
+        h = tl.arange(0, BH)
+        live = h < HV
+        keep = tl.load(real + bt).to(tl.float32)
+        av = tl.load(a + bt * HV + h, mask=live, other=0.0).to(tl.float32) + tl.load(dt_bias + h, mask=live, other=0.0).to(tl.float32)
+        softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
+        decay = -tl.exp(tl.load(a_log + h, mask=live, other=0.0).to(tl.float32)) * softplus
+        bv = tl.load(b + bt * HV + h, mask=live, other=0.0).to(tl.float32)
+        tl.store(g_out + bt * HV + h, decay * keep, mask=live)
+        tl.store(beta_out + bt * HV + h, keep / (1.0 + tl.exp(-bv)), mask=live)
+
+    @triton.jit
+    def delta_rule(state, q, k, v, g, beta, out, new_state, scale, HV, HK,
+                   T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+        # One request, one value head, BV value columns: the state block [DK, BV] stays on chip over the T tokens.
+        b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        dk = tl.arange(0, DK)
+        dv = j * BV + tl.arange(0, BV)
+        base = (b * HV + h) * DK * DV
+        s = tl.load(state + base + dk[:, None] * DV + dv[None, :])
+        for t in range(T):
+            row = (b * T + t) * HV + h
+            key_row = (b * T + t) * HK + h // (HV // HK)  # the key head serving this value head
+            kt = tl.load(k + key_row * DK + dk).to(tl.float32)
+            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+            qt = tl.load(q + key_row * DK + dk).to(tl.float32)
+            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * scale
+            vt = tl.load(v + row * DV + dv).to(tl.float32)
+            s = s * tl.exp(tl.load(g + row).to(tl.float32))
+            delta = (vt - tl.sum(s * kt[:, None], 0)) * tl.load(beta + row).to(tl.float32)
+            s = s + kt[:, None] * delta[None, :]
+            tl.store(out + row * DV + dv, tl.sum(s * qt[:, None], 0))
+        tl.store(new_state + base + dk[:, None] * DV + dv[None, :], s)
+
+    return SimpleNamespace(triton=triton, conv=conv, gates=gates, delta_rule=delta_rule)
+
+
+
+def gemm_config(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, split of K) for a weight [n, k] on a device of `sms` multiprocessors: a function of the weight
+    and the device only. K is split until the tiles of one row block fill about two waves of the device, in whole
+    BLOCK_K steps."""
+    block_n, block_k = (64, 128) if k % 128 == 0 else (64, 32)
+    tiles = -(-n // block_n)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and k % (2 * split * block_k) == 0:
+        split *= 2
+    return block_n, block_k, split
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    kn = _products()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    (m, k), n = x2.shape, w.shape[0]
+    block_n, block_k, split = gemm_config(n, k, _sms(x.device))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    parts = out[None] if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    kn.gemm[(kn.triton.cdiv(m, BLOCK_M), kn.triton.cdiv(n, block_n), split)](
+        x2, w, parts, m, n, k, x2.stride(0), w.stride(0), parts.stride(0),
+        BM=BLOCK_M, BN=block_n, BK=block_k, K_STEPS=-(-k // (split * block_k)))
+    if split > 1:  # the partials added in split order, in one pass
+        kn.sum_splits[(kn.triton.cdiv(m * n, 1024),)](parts, out, m * n, S=split, BLOCK=1024)
+    return out.reshape(*shape[:-1], n)
+
+
+def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+    kn = _attention()
+    B, T, H, D = q.shape
+    _, KV, L, _ = k_cache.shape
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
+        raise ValueError("cache_attention needs the caches alike and the last dimension of q and the caches dense")
+    G = H // KV
+    n_chunks = -(-L // CHUNK)
+    rows = B * T
+    m = torch.empty((rows, H, n_chunks), dtype=torch.float32, device=q.device)
+    s = torch.empty_like(m)
+    acc = torch.empty((rows, H, n_chunks, D), dtype=torch.float32, device=q.device)
+    positions = positions.reshape(-1).contiguous()
+    kn.attend[(rows, KV, n_chunks)](
+        q, k_cache, v_cache, slots.contiguous(), positions, m, s, acc, scale, T, H, KV, L, n_chunks,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=G, GP=max(16, kn.triton.next_power_of_2(G)), D=D, CH=CHUNK, BN=ATTN_BLOCK_N)
+    out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    kn.combine[(rows * H,)](m, s, acc, out, n_chunks, CP=max(2, kn.triton.next_power_of_2(n_chunks)), D=D)
+    return out
+
+
+
+
+def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    kn = _rows()
+    hidden = x.shape[-1]
+    x, residual = x.contiguous(), residual.contiguous()
+    y, summed = torch.empty_like(x), torch.empty_like(x)
+    kn.add_norm[(x.numel() // hidden,)](x, residual, weight, y, summed, eps, HID=hidden,
+                                        BH=kn.triton.next_power_of_2(hidden), ZC=zero_centred)
+    return y, summed
+
+
+def triton_qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                        zero_centred: bool = False) -> torch.Tensor:
+    kn = _rows()
+    B, T, stride, D = qkv.shape
+    qkv = qkv.contiguous()
+    out = qkv.new_empty((B, T, heads + kv_heads, D))
+    norm = bool(q_weight.numel())
+    qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unread without the norm
+    kn.norm_rope[(B * T, heads + kv_heads)](qkv, qw, kw, cos.contiguous(), sin.contiguous(),
+                                         positions.reshape(-1).contiguous(), out, eps, heads, kv_heads, stride, D=D,
+                                         ROT=cos.shape[-1], NORM=norm, ZC=zero_centred)
+    return out
+
+
+def triton_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kn = _rows()
+    D = x.shape[-1]
+    x, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(x)
+    kn.gated_norm[(x.numel() // D,)](x, gate, weight, out, eps, D=D)
+    return out
+
+
+DELTA_BLOCK = 16  # tokens per delta-rule program: a longer block runs as consecutive calls
+
+
+def triton_gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kn = _deltanet()
+    B, T, HK, DK = k.shape
+    HV, DV = v.shape[2], v.shape[3]
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty((B, T, HV, DV), dtype=torch.float32, device=v.device)
+    block_v = min(64, DV)
+    for t0 in range(0, T, DELTA_BLOCK):  # the state of one call is the next one's: the same order as one call
+        t1 = min(T, t0 + DELTA_BLOCK)
+        new_state = torch.empty_like(state)
+        piece = [x[:, t0:t1].contiguous() for x in (q, k, v, g, beta)]
+        chunk_out = torch.empty((B, t1 - t0, HV, DV), dtype=torch.float32, device=v.device)
+        kn.delta_rule[(B, HV, DV // block_v)](state.contiguous(), *piece, chunk_out, new_state, scale, HV, HK, T=t1 - t0,
+                                           DK=DK, DV=DV, BV=block_v)
+        out[:, t0:t1] = chunk_out
+        state = new_state
+    return out, state
+
+
+MOE_BLOCK = 16  # rows of one expert per grouped-GEMM block, whatever the token count
+
+
+def moe_layout(ids: torch.Tensor, experts: int,
+               block: int = MOE_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, rank) pairs of ids [N, top_k] grouped by expert, each group padded to whole blocks, in a layout of
+    static size (N top_k + experts (block - 1), rounded up to a block): (rows [size]: the pair index p = token top_k +
+    rank at each position, -1 for padding; block_expert [size / block]: each block's expert, `experts` for an unused
+    block; at [N top_k]: each pair's position). Device operations only: no count is read back."""
+    pairs = ids.numel()
+    flat = ids.reshape(-1)
+    size = -(-(pairs + experts * (block - 1)) // block) * block
+    order = torch.sort(flat, stable=True).indices  # pair indices grouped by expert, each group in pair order
+    # [E]; not bincount, whose output size hangs on the largest id (a read back, which a graph capture refuses)
+    counts = torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block - 1) // block * block
+    start = torch.cumsum(padded, 0) - padded  # each expert's first position in the layout
+    first = torch.cumsum(counts, 0) - counts  # each expert's first index in `order`
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - first[expert_of]
+    rows = torch.full((size,), -1, dtype=torch.long, device=ids.device)
+    rows[start[expert_of] + rank] = order
+    ends = torch.cumsum(padded, 0)  # [E]: the layout position after each expert's group
+    block_starts = torch.arange(0, size, block, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_starts, right=True)  # E where the block is past every group
+    at = torch.empty(pairs, dtype=torch.long, device=ids.device)
+    at[order] = start[expert_of] + rank
+    return rows, block_expert, at
+
+
+def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    kn = _products()
+    N, H = x.shape
+    E = gate_up.shape[0]
+    top_k = ids.shape[1]
+    rows, block_expert, at = moe_layout(ids, E)
+    size = rows.shape[0]
+    x = x.contiguous()
+
+    def grouped(inp: torch.Tensor, w: torch.Tensor, rows_per_x: int, src: torch.Tensor) -> torch.Tensor:
+        n_out, k = w.shape[1], w.shape[2]
+        out = torch.empty((size, n_out), dtype=inp.dtype, device=inp.device)
+        block_k = 128 if k % 128 == 0 else 32
+        kn.grouped_gemm[(size // MOE_BLOCK, kn.triton.cdiv(n_out, 64))](
+            inp, w, src, block_expert, out, n_out, k, E, rows_per_x, w.stride(0), w.stride(1),
+            BM=MOE_BLOCK, BN=64, BK=block_k, K_STEPS=-(-k // block_k))
+        return out
+
+    gu = grouped(x, gate_up, top_k, rows)  # [size, 2 I]: row r is pair rows[r]'s token through its expert
+    gate, up = gu.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).contiguous()  # [size, I]
+    positions = torch.arange(size, device=x.device)
+    y = grouped(act, down, 1, torch.where(rows >= 0, positions, -1))  # [size, H]
+    y = y[at].view(N, top_k, H)  # back in (token, rank) order
+    out = y[:, 0] * weights[:, 0, None]
+    for j in range(1, top_k):  # the ranks in order
+        out = out + y[:, j] * weights[:, j, None]
+    return out
+
+
+def triton_causal_conv(state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    kn = _deltanet()
+    B, T, C = mixed.shape
+    K = weight.shape[1]
+    state, mixed = state.contiguous(), mixed.contiguous()
+    out = torch.empty_like(mixed)
+    kn.conv[(B * T, kn.triton.cdiv(C, 128))](state, mixed, weight.contiguous(), out, T, C, K - 1, BC=128, K=K)
+    return out
+
+
+def triton_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                       real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    kn = _deltanet()
+    B, T, HV = a.shape
+    g, beta = (torch.empty((B, T, HV), dtype=torch.float32, device=a.device) for _ in range(2))
+    kn.gates[(B * T,)](a.contiguous(), b.contiguous(), a_log, dt_bias, real.contiguous(), g, beta, T, HV,
+                       BH=kn.triton.next_power_of_2(HV))
+    return g, beta
