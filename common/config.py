@@ -51,6 +51,39 @@ class RateLimits(RateLimit):
         "per tenant (a name from server.api_keys_file), the keys above for that tenant instead"))
 
 
+class TlsConfig(_Section):
+    """server.tls: HTTPS and gRPC over TLS on the public ports; the files are read again when they change."""
+
+    cert_file: str = Field(description="PEM certificate chain the ports present (the server's first)")
+    key_file: str = Field(description="PEM private key of that certificate")
+    client_ca_file: str | None = Field(None, description=(
+        "mutual TLS: every client must present a certificate this CA (PEM) signed; unset: any client"))
+    min_version: Literal["1.2", "1.3"] = Field("1.2", description=(
+        "oldest TLS version the HTTP port accepts (the gRPC port's is 1.2, gRPC's own floor)"))
+
+    @model_validator(mode="after")
+    def _loads(self) -> TlsConfig:
+        from blockspec.common.tls import ServerTls
+
+        ServerTls(self.cert_file, self.key_file, self.client_ca_file, self.min_version)  # names the file at fault
+        return self
+
+
+class RoleTlsConfig(_Section):
+    """server.role_tls: mutual TLS on the router's hops to roles over TCP (Unix sockets stay plaintext)."""
+
+    cert_file: str = Field(description="PEM certificate every role presents, and the router as their client")
+    key_file: str = Field(description="PEM private key of that certificate")
+    ca_file: str = Field(description="PEM CA that signed it: each side accepts only a peer it signed")
+
+    @model_validator(mode="after")
+    def _loads(self) -> RoleTlsConfig:
+        from blockspec.common.tls import ServerTls
+
+        ServerTls(self.cert_file, self.key_file, self.ca_file, field="server.role_tls")
+        return self
+
+
 class ServerConfig(_Section):
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC ports bind")
     port: int = Field(8000, ge=0, le=65535, description="HTTP: /health, /metrics, /v1; 0: any free port (printed)")
@@ -66,6 +99,9 @@ class ServerConfig(_Section):
         "API keys, `KEY` or `TENANT KEY` a line; unset: no key is needed (docs/operations.md)"))
     rate_limit: RateLimits = Field(default_factory=RateLimits, description=(
         "the budgets of every tenant, and of named tenants"))
+    tls: TlsConfig | None = Field(None, description="TLS on the HTTP and gRPC ports (unset: plaintext)")
+    role_tls: RoleTlsConfig | None = Field(None, description=(
+        "mutual TLS between the router and its roles over TCP (unset: plaintext, with the role key)"))
 
     @field_validator("api_keys_file")
     @classmethod

@@ -16,7 +16,10 @@ HEADER = "| key | type | default | allowed | meaning |\n|---|---|---|---|---|"
 
 
 def _section(annotation) -> tuple[type[BaseModel], str] | None:
-    """(model, key suffix) where a field holds a section: a model, or a mapping of names to models."""
+    """(model, key suffix) where a field holds a section: a model (or unset), or a mapping of names to models."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section: `X | None`
+        models = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = models[0] if len(models) == 1 else annotation
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation, ""
     if typing.get_origin(annotation) is dict:

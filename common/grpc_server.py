@@ -20,10 +20,12 @@ class BindError(OSError):
 async def start_server(
     register: Callable[[grpc.aio.Server], None], service_names: Sequence[str], host: str, port: int,
     unix_socket: str | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Bind host:port (0 = any free port) and the Unix domain socket at `unix_socket` where given (grpc removes
-    the file when the server stops, and a stale one when it binds), register the services, mark them SERVING;
-    returns the bound port. `interceptors` see every call first (the router's API keys)."""
+    """Bind host:port (0 = any free port; TLS with `credentials`) and the Unix domain socket at `unix_socket` where
+    given (plaintext, owner-only; grpc removes the file when the server stops, and a stale one when it binds),
+    register the services, mark them SERVING; returns the bound port. `interceptors` see every call first (the
+    router's API keys)."""
     # SO_REUSEPORT off (grpc turns it on): a second server on a taken port fails to bind instead of silently
     # sharing the port, the kernel splitting the clients between the two.
     server = grpc.aio.server(interceptors=tuple(interceptors), options=[("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -32,19 +34,22 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = _bind(server, f"{host}:{port}")
+    bound = _bind(server, f"{host}:{port}", credentials)
     if unix_socket:
         _bind(server, f"unix:{unix_socket}")
     await server.start()
+    if unix_socket:
+        os.chmod(unix_socket, 0o600)  # only this user's processes connect
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, bound
 
 
-def _bind(server: grpc.aio.Server, address: str) -> int:
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
     """The bound port; an address that cannot be bound (taken, not ours) is a BindError naming it."""
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError:  # grpc's "Failed to bind to address"
         bound = 0
     if bound == 0:

@@ -98,3 +98,26 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     if not prompts:
         raise InvalidArgument("--prompts-file", f"{path} holds no prompt")
     return prompts
+
+
+def add_tls_client_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of a client of a server with server.tls (common/tls.py)."""
+    tls = parser.add_argument_group("TLS (a server with server.tls)")
+    tls.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
+    tls.add_argument("--tls-ca", help="PEM CA that signed the server's certificate (implies --tls)")
+    tls.add_argument("--tls-cert", help="PEM client certificate (and its key, unless --tls-key): mutual TLS")
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def client_tls(args: argparse.Namespace):
+    """The ClientTls the TLS flags ask for, or None (plaintext)."""
+    from blockspec.common.tls import ClientTls
+
+    if args.tls_key and not args.tls_cert:
+        raise InvalidArgument("--tls-key", "goes with --tls-cert")
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not Path(path).is_file():
+            raise InvalidArgument(flag, f"{path}: no such file")
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return None
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key or args.tls_cert)

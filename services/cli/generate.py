@@ -15,7 +15,7 @@ from blockspec.common.device import add_device_args
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import RULES, SamplingParams
-from blockspec.services.cli.args import UINT32, UINT64, as_flag, read_prompts, seconds, threads
+from blockspec.services.cli.args import UINT32, UINT64, add_tls_client_args, as_flag, client_tls, read_prompts, seconds, threads
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
@@ -31,6 +31,7 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--target", help="target checkpoint directory (HF layout)")
     gen.add_argument("--server", type=address, help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
     gen.add_argument("--timeout", type=seconds, default=600, help="--server: deadline per request in seconds")
+    add_tls_client_args(gen)
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
     gen.add_argument("--method", choices=METHODS, help="drafting method (default: dflash for a DFlash drafter, draft_model for another, else ngram)")
     gen.add_argument("-k", type=bounded(0, UINT32), help=f"draft tokens per step, 0..{MAX_K} (0: plain decoding; dflash: "
@@ -127,7 +128,7 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
     from blockspec.common.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
 
-    channel = client_channel(args.server)
+    channel = client_channel(args.server, tls=client_tls(args))
     stub = api_grpc.GenerationStub(channel)
     stream_text = not args.json and len(prompts) == 1
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +16,7 @@ from grpc_health.v1 import health_pb2
 from blockspec.common.auth import ApiKeys, AuthInterceptor
 from blockspec.common.grpc_server import start_server
 from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.tls import ServerTls
 from blockspec.protos import api_pb2
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.scheduler import Scheduler
@@ -31,6 +34,7 @@ class RouterServer:
     schedulers: list[Scheduler]  # one per replica
     health: grpc_health.aio.HealthServicer
     port: int
+    loopback: str | None = None  # unix:PATH, plaintext and owner-only, beside a TLS port (the HTTP front calls it)
 
     def stalled(self, limit_s: float) -> bool:
         return any(s.stalled(limit_s) for s in self.schedulers)
@@ -62,17 +66,27 @@ def close_roles(roles) -> None:
 
 async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
                        metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None,
-                       limits: TenantLimits | None = None) -> RouterServer:
+                       limits: TenantLimits | None = None, tls: ServerTls | None = None) -> RouterServer:
     """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up. With api_keys,
-    every method but health needs one of them (common/auth.py); limits: each tenant's rate limits."""
+    every method but health needs one of them (common/auth.py); limits: each tenant's rate limits. With tls the port
+    speaks TLS (mutual with a client CA), and a Unix socket of this user's (`loopback`) serves this process's HTTP
+    front."""
     schedulers = [Scheduler(loop, metrics, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
     service = GenerationService(schedulers, facts, metrics, api_keys, limits)
-    server, health_servicer, bound = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,),
-                                                        host, port, interceptors=(AuthInterceptor(api_keys),) if api_keys else ())
-    log.info("router listening on %s:%d", host, bound)
-    return RouterServer(server, schedulers, health_servicer, bound)
+    loopback = loopback_socket() if tls is not None else None
+    server, health_servicer, bound = await start_server(
+        lambda s: register_generation(service, s), (SERVICE_NAME,), host, port, loopback,
+        interceptors=(AuthInterceptor(api_keys),) if api_keys else (),
+        credentials=tls.grpc_credentials() if tls is not None else None)
+    log.info("router listening on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
+    return RouterServer(server, schedulers, health_servicer, bound, f"unix:{loopback}" if loopback else None)
+
+
+def loopback_socket() -> str:
+    """The router's own Unix socket, in the temp directory with the roles' (cleaned up with theirs)."""
+    return os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-router.sock")
 
 
 def register_generation(service: GenerationService, server: grpc.aio.Server) -> None:

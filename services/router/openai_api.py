@@ -15,7 +15,7 @@ UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions"}  # pydantic's union members
 # gRPC field names as the router's errors spell them -> the OpenAI parameter the client sent
 _PARAMS = {"text": "prompt", "token_ids": "prompt", "token_ids.ids": "prompt", "chat": "messages",
-           "chat.messages": "messages", "chat.template_kwargs": "chat_template_kwargs"}
+           "chat.messages": "messages", "chat.template_kwargs": "chat_template_kwargs", "request_id": "X-Request-Id"}
 _FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}  # Finish.reason -> finish_reason
 _HTTP = {  # gRPC status -> (HTTP status line, OpenAI error type)
     grpc.StatusCode.INVALID_ARGUMENT: ("400 Bad Request", "invalid_request_error"),

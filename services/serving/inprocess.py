@@ -39,11 +39,11 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
         loaded["engine"] = build_engine(cfg, p, device, dtype)
         return []  # no role processes to supervise
 
-    async def router_over(_replicas, keys):
+    async def router_over(_replicas, keys, tls):
         engine, spec = loaded["engine"], cfg.model.spec_decode
         facts = engine.facts(spec.num_speculative_tokens if p.method != "none" else 0)
         return await start_router([engine.loop], facts, host, grpc_port, RouterMetrics(), keys,
-                                  TenantLimits(cfg.server.rate_limit))
+                                  TenantLimits(cfg.server.rate_limit), tls)
 
     return serve_roles(cfg, p, host, port, grpc_port, load, router_over)
 

@@ -28,6 +28,7 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_server_tls
 from blockspec.common.tensor_share import remove_orphans
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
@@ -95,12 +96,18 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
 
 async def serve_verifier(service: VerifierService, host: str = "127.0.0.1", port: int = 0, unix_socket: str | None = None):
     return await start_server(lambda s: roles_grpc.add_VerifierServicer_to_server(service, s), (VERIFIER_SERVICE,), host,
-                              port, unix_socket, role_interceptors())
+                              port, unix_socket, role_interceptors(), _role_credentials())
 
 
 async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: int = 0, unix_socket: str | None = None):
     return await start_server(lambda s: roles_grpc.add_DrafterServicer_to_server(service, s), (DRAFTER_SERVICE,), host,
-                              port, unix_socket, role_interceptors())
+                              port, unix_socket, role_interceptors(), _role_credentials())
+
+
+def _role_credentials():
+    """A role's TCP port: mutual TLS where BLOCKSPEC_ROLE_TLS_* are set (common/tls.py), else plaintext."""
+    tls = role_server_tls()
+    return tls.grpc_credentials() if tls is not None else None
 
 
 def role_socket(name: str) -> str | None:
@@ -132,7 +139,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                              metrics: RouterMetrics | None = None, adaptive_k: bool = False,
                              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False,
                              prompt_lookup_tokens: int | None = None, api_keys: ApiKeys | None = None,
-                             limits: TenantLimits | None = None) -> RouterServer:
+                             limits: TenantLimits | None = None, tls: ServerTls | None = None) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     verifier, drafter = roles[0]
@@ -144,7 +151,7 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                        vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
     try:
-        return await start_router(loops, facts, host, port, metrics, api_keys, limits)
+        return await start_router(loops, facts, host, port, metrics, api_keys, limits, tls)
     except BaseException:  # e.g. its port taken
         close_roles(r for pair in roles for r in pair)
         raise
@@ -155,7 +162,8 @@ def role_env() -> dict[str, str]:
     server's own environment sets them (an operator's value wins), and the roles' key where set (a Ray actor
     gets no other environment of the server's)."""
     env = {name: os.environ.get(name, value) for name, value in ROLE_ENV_DEFAULTS.items()}
-    return env | ({ENV_ROLE_KEY: os.environ[ENV_ROLE_KEY]} if os.environ.get(ENV_ROLE_KEY) else {})
+    passed = (ENV_ROLE_KEY, *ENV_ROLE_TLS.values())  # the role key and the role hops' TLS files
+    return env | {name: os.environ[name] for name in passed if os.environ.get(name)}
 
 
 def watch_supervisor() -> None:

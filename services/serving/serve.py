@@ -26,9 +26,10 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import check_bindable
 from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_client_tls, secure_channel
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.drafter.proposers import check_method, default_method
-from blockspec.services.router.http import start_http
+from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
 from blockspec.services.serving.launch import (
@@ -211,7 +212,7 @@ class RoleProcess:
 
 def role_healthy(address: str, timeout_s: float = 1.0) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with secure_channel(address, role_client_tls()) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -327,7 +328,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router.
 
     `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
-    `.alive()`, `.stop()` (and `.restart()` where this process supervises it). `router_over(replicas, keys)`
+    `.alive()`, `.stop()` (and `.restart()` where this process supervises it). `router_over(replicas, keys, tls)`
     starts the router (a coroutine); by default one over the roles' addresses."""
     state: dict = {"router": None, "replicas": []}
     tracing.setup_tracing("blockspec-router")
@@ -335,14 +336,21 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     if keys is None:  # every client is served: fine on loopback, worth a warning where others can connect
         log.log(logging.INFO if _loopback_only(host) else logging.WARNING,
                 "server.api_keys_file is not set: every client that reaches %s is served (docs/operations.md)", host)
-    http = start_http(host, port, _readiness(state), keys, V1App(Upstream(lambda: _loopback(host, state))))
+    tls = cfg.server.tls and ServerTls(cfg.server.tls.cert_file, cfg.server.tls.key_file,
+                                       cfg.server.tls.client_ca_file, cfg.server.tls.min_version)
+    role_tls = cfg.server.role_tls
+    if role_tls is not None:  # the roles this process starts serve TCP with it, and the router's channels use it
+        os.environ.update({ENV_ROLE_TLS["cert"]: role_tls.cert_file, ENV_ROLE_TLS["key"]: role_tls.key_file,
+                           ENV_ROLE_TLS["ca"]: role_tls.ca_file})
+    http = start_http(host, port, _readiness(state), keys, V1App(Upstream(lambda: _loopback(host, state))), tls)
     print(f"HTTP {http.server_port}", flush=True)
-    log.info("HTTP on %s:%d (/health, /metrics, /v1)", host, http.server_port)
+    log.info("HTTP%s on %s:%d (/health, /metrics, /v1)", "S" if tls else "", host, http.server_port)
     try:
         check_bindable(host, grpc_port)  # before the roles load: a taken port fails in a second, not after them
         state["replicas"] = start_roles()
-        router_over = router_over or (lambda replicas, keys: _split_router(cfg, p, host, grpc_port, replicas, keys))
-        return asyncio.run(_route(router_over, http.server_port, state, keys))
+        router_over = router_over or (lambda replicas, keys, tls: _split_router(cfg, p, host, grpc_port, replicas,
+                                                                                 keys, tls))
+        return asyncio.run(_route(router_over, http.server_port, state, keys, tls))
     finally:
         http.shutdown()
         for verifier, drafter in state["replicas"]:
@@ -365,30 +373,38 @@ def _loopback(host: str, state: dict) -> str | None:
     router = state["router"]
     if router is None:
         return None
+    if router.loopback is not None:  # the public port speaks TLS: this process uses its own Unix socket
+        return router.loopback
     host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "localhost"}.get(host, host)  # "::": ::1 or 127.0.0.1
     return f"[{host}]:{router.port}" if ":" in host else f"{host}:{router.port}"
 
 
-def _readiness(state: dict) -> Callable[[], tuple[bool, str]]:
-    """/health's answer from serve_roles' state: the router up, every role answering, no stalled step."""
+def _readiness(state: dict) -> Callable[[], Ready]:
+    """/health's answer from serve_roles' state: serving once the router is up, every verifier answers and no step
+    is stalled; degraded (still serving, at k = 0) while a drafter does not answer."""
 
-    def readiness() -> tuple[bool, str]:
+    def readiness() -> Ready:
         router = state["router"]
         if router is None:
-            return False, "starting\n"
+            return Ready(False, "starting\n")
+        drafters_down = []
         for i, (verifier, drafter) in enumerate(state["replicas"]):
             if not _answers(verifier):
-                return False, f"replica {i}: verifier not answering\n"
+                return Ready(False, f"replica {i}: verifier not answering\n")
             if drafter is not None and not _answers(drafter):
-                return False, f"replica {i}: drafter not answering (requests continue at k=0)\n"
+                drafters_down.append(i)
         if router.stalled(STALL_S):
-            return False, f"no step finished in {STALL_S:.0f} s\n"
-        return True, "ok\n"
+            return Ready(False, f"no step finished in {STALL_S:.0f} s\n")
+        if drafters_down:
+            return Ready(True, f"degraded: replica {', '.join(map(str, drafters_down))}: drafter not answering "
+                               "(requests run at k=0)\n", degraded=True)
+        return Ready(True, "ok\n")
 
     return readiness
 
 
-async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int, replicas, keys: ApiKeys | None):
+async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int, replicas, keys: ApiKeys | None,
+                        tls: ServerTls | None):
     """The router over the started roles, reached by their addresses."""
     spec = cfg.model.spec_decode
     # A drafter's address is asked again at each reconnect (a restarted Ray actor has a new port).
@@ -398,13 +414,14 @@ async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int
                                     adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                                     prompt_lookup_tokens=spec.prompt_lookup_tokens,
                                     prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
-                                    limits=TenantLimits(cfg.server.rate_limit))
+                                    limits=TenantLimits(cfg.server.rate_limit), tls=tls)
 
 
-async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None) -> int:
+async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None,
+                 tls: ServerTls | None) -> int:
     """The router (from `router_over`) over the started roles, supervised until SIGTERM/SIGINT."""
     replicas = state["replicas"]
-    router = await router_over(replicas, keys)
+    router = await router_over(replicas, keys, tls)
     state["router"] = router
     print(f"SERVING grpc={router.port} http={http_port}", flush=True)
     stop = asyncio.Event()
@@ -433,7 +450,7 @@ async def _supervise(replicas, stop: asyncio.Event, router, readiness) -> int:
             if not await asyncio.to_thread(verifier.alive):  # a Ray actor's answer may take a moment
                 log.error("a verifier role exited; stopping (exit code 1)")
                 return 1
-        await router.set_serving((await asyncio.to_thread(readiness))[0])
+        await router.set_serving((await asyncio.to_thread(readiness)).serving)
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except TimeoutError:

@@ -408,6 +408,9 @@ def test_a_drafter_that_cannot_restart_leaves_the_server_serving_and_a_dead_veri
         (pid,) = role_pids(info["proc"], "role drafter")
         os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: "restarting a drafter failed" in log.read_text())
+        with urllib.request.urlopen(f"http://127.0.0.1:{info['http']}/health", timeout=5) as resp:
+            assert resp.status == 200 and resp.read().startswith(b"degraded: replica 0: drafter not answering")
+        assert states() == (200, serving)  # a load balancer keeps the replica: it serves every request at k=0
         ids, _, finish = generate(info["stub"], prompts[7], 32)
         assert info["proc"].poll() is None and ids == references["qwen3"][7][:32] and finish.acceptance.drafted == 0
         (tmp_path / "moved").rename(drafter)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from blockspec.common.auth import ENV_API_KEY, ApiKeys, client_channel
 from blockspec.common.telemetry import RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
-from blockspec.services.router.http import start_http
+from blockspec.services.router.http import Ready, start_http
 from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread, collect
 
@@ -73,7 +73,7 @@ def test_a_known_key_from_the_environment_is_served_as_without_keys(guarded, mon
 
 
 def test_http_serves_health_to_anyone_and_metrics_only_with_a_key():
-    server = start_http("127.0.0.1", 0, lambda: (True, "ready\n"), KEYS)
+    server = start_http("127.0.0.1", 0, lambda: Ready(True, "ready\n"), KEYS)
     base = f"http://127.0.0.1:{server.server_port}"
 
     def get(path: str, key: str | None = None) -> int:
@@ -92,4 +92,3 @@ def test_http_serves_health_to_anyone_and_metrics_only_with_a_key():
         assert get("/metrics", KEY) == 200 and get("/nothing", KEY) == 404
     finally:
         server.shutdown()
-        server.server_close()

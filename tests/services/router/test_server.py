@@ -23,15 +23,15 @@ class RouterThread:
     """A router on a free port, its asyncio loop in a background thread."""
 
     def __init__(self, engine: Engine, metrics: RouterMetrics | None = None, api_keys=None, limits=None,
-                 replicas: tuple[Engine, ...] = ()) -> None:
-        """replicas: more engines, each one more replica of the router (facts from the first)."""
+                 replicas: tuple[Engine, ...] = (), tls=None) -> None:
+        """replicas: more engines, each one more replica of the router (facts from the first); tls: a ServerTls."""
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.router = asyncio.run_coroutine_threadsafe(
             start_router([engine.loop, *(e.loop for e in replicas)], engine.facts(), metrics=metrics,
-                         api_keys=api_keys, limits=limits),
+                         api_keys=api_keys, limits=limits, tls=tls),
             self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
         self.stub = api_grpc.GenerationStub(self.channel)
