@@ -28,6 +28,7 @@ from pathlib import Path
 
 from blockspec.common.argtypes import address, bounded
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.cli.local_server import served
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRIES = 3  # attempts of a request whose connection fails, before the job stops (a rerun resumes)
@@ -149,34 +150,6 @@ def post(server: str, job: Job, key: str | None, timeout: float) -> tuple[int, d
     raise AssertionError("unreachable")
 
 
-def served(config: str):
-    """`blockspec serve --config CONFIG --inprocess` on free ports of 127.0.0.1 as a child process: (the process, its
-    HTTP HOST:PORT) once it serves. The caller stops it (SIGTERM)."""
-    import subprocess
-    import sys
-    import tempfile
-
-    import yaml
-
-    from blockspec.common.config import load_config
-
-    doc = load_config(config).model_dump(mode="json")
-    doc["server"].update(host="127.0.0.1", port=0, grpc_port=0)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(doc, f)
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", f.name, "--inprocess"],
-                            stdout=subprocess.PIPE, text=True)
-    http = None
-    for line in proc.stdout:
-        if line.startswith("HTTP "):
-            http = int(line.split()[1])
-        if line.startswith("SERVING "):
-            os.unlink(f.name)
-            return proc, f"127.0.0.1:{http}"
-    os.unlink(f.name)
-    raise InvalidArgument("--config", f"the server did not start (exit code {proc.wait()}); its error is above")
-
-
 def cmd_batch(args: argparse.Namespace) -> int:
     inp = Path(args.input)
     if args.server is not None and args.server.startswith("unix:"):
@@ -186,12 +159,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     read_jobs(inp)  # refused before a server starts
     if args.config is None:
         return run_batch(args, args.server)
-    proc, server = served(args.config)
-    try:
-        return run_batch(args, server)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with served(args.config) as server:
+        return run_batch(args, server.http)
 
 
 def run_batch(args: argparse.Namespace, server: str) -> int:
