@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 
 from blockspec.common.auth import client_channel
 from blockspec.protos import api_grpc, api_pb2
@@ -21,11 +23,12 @@ class ServerStreamError(RuntimeError):
 
 
 def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency: int,
-                    arrivals: Sequence[float] | None = None) -> tuple[Row, list]:
+                    arrivals: Sequence[float] | None = None,
+                    connect: Callable[[str], grpc.Channel] = client_channel) -> tuple[Row, list]:
     """The same workload (`workload`'s requests) through a running server's gRPC API, `concurrency` streams at a
     time; with arrivals (open loop), request i is sent arrivals[i] seconds into the pass, or when a stream frees
-    if all are busy then, and its TTFT counts from its arrival."""
-    channel = client_channel(address)
+    if all are busy then, and its TTFT counts from its arrival. connect(address): the channel to use."""
+    channel = connect(address)
     stub = api_grpc.GenerationStub(channel)
 
     def one(p, at: float | None = None):
