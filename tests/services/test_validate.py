@@ -63,8 +63,8 @@ def server(tmp_path_factory):
     with log.open("w") as stderr:
         info = spawn_serve("--config", str(cfg), "--no-ray", stderr=stderr)
     assert wait_for(lambda: http_status(info["http"]) == 200)
-    info.update(drafter=drafter, log=log, root=root, where=["--server", f"127.0.0.1:{info['grpc']}", "--http",
-                                                            f"127.0.0.1:{info['http']}"])
+    info.update(drafter=drafter, root=root, where=["--server", f"127.0.0.1:{info['grpc']}", "--http",
+                                                   f"127.0.0.1:{info['http']}"])
     yield info
     stop_serve(info)
 
