@@ -65,11 +65,12 @@ def run_server_mode(address: str, k: int, prompts, max_tokens: int, concurrency:
 
 
 def server_passes(address: str, texts: Sequence[str], max_tokens: int, ks: list[int] | None, concurrency: list[int],
-                  rounds: int, waves: int, rates: Sequence[float], cap: int) -> tuple[list, list, list]:
+                  rounds: int, waves: int, rates: Sequence[float], cap: int,
+                  connect: Callable[[str], grpc.Channel] = client_channel) -> tuple[list, list, list]:
     """(closed-loop rows, open-loop rows, the prompts' token ids, tokenized by the server): each k's passes interleaved
     per concurrency and rate, against k = 0's where it ran. ks None: 0 and the server's default k (ModelInfo), 0 alone
-    without a drafter."""
-    with client_channel(address) as channel:
+    without a drafter. connect(address): the channel to use."""
+    with connect(address) as channel:
         stub = api_grpc.GenerationStub(channel)
         prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=60).token_ids) for t in texts]
         if ks is None:
@@ -81,7 +82,8 @@ def server_passes(address: str, texts: Sequence[str], max_tokens: int, ks: list[
     for c, rate in [(c, None) for c in concurrency] + [(cap, rate) for rate in rates]:
         work = workload(prompts, c, waves)
         arrivals = arrival_times(len(work), rate) if rate else None
-        runners = {Mode(SERVER.name, k): functools.partial(run_server_mode, address, k, work, max_tokens, c, arrivals)
+        runners = {Mode(SERVER.name, k): functools.partial(run_server_mode, address, k, work, max_tokens, c, arrivals,
+                                                                      connect=connect)
                    for k in ks}
         passes = timed_passes(runners, rounds)
         (rate_rows if rate else rows).extend(against_plain(passes, rate, SERVER))

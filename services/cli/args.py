@@ -121,3 +121,8 @@ def client_tls(args: argparse.Namespace):
     if not (args.tls or args.tls_ca or args.tls_cert):
         return None
     return ClientTls(args.tls_ca, args.tls_cert, args.tls_key or args.tls_cert)
+
+
+def http_base(where: str, tls) -> tuple[str, object]:
+    """(the URL of HOST:PORT's HTTP port, the ssl context to open it with or None) for a client's `tls`."""
+    return (f"https://{where}", tls.ssl_context()) if tls is not None else (f"http://{where}", None)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from blockspec.common.argtypes import address, bounded
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.cli.args import add_tls_client_args, client_tls, http_base
 from blockspec.services.cli.local_server import served
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -45,6 +46,7 @@ def add_batch_command(sub) -> None:
                    help="requests sent at once (default 16: keep the server's batch full)")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_tls_client_args(b)
     b.set_defaults(func=cmd_batch)
 
 
@@ -128,15 +130,19 @@ def record(job: Job, status: int | None, body: dict | None, error: str | None = 
     return line
 
 
-def post(server: str, job: Job, key: str | None, timeout: float) -> tuple[int, dict]:
-    """The server's answer (status, JSON body): an HTTP error's too. A connection that fails RETRIES times raises."""
-    headers = {"Content-Type": "application/json", "X-Request-Id": job.custom_id[:64]}
+def post(server: str, job: Job, key: str | None, timeout: float, tls=None) -> tuple[int, dict]:
+    """The server's answer (status, JSON body): an HTTP error's too. A connection that fails RETRIES times raises.
+    The custom_id goes as X-Request-Id where it can (printable ASCII, 64 characters at most)."""
+    headers = {"Content-Type": "application/json"}
+    if len(job.custom_id) <= 64 and all(" " <= ch <= "~" for ch in job.custom_id):
+        headers["X-Request-Id"] = job.custom_id
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(f"http://{server}{job.url}", json.dumps(job.body).encode(), headers)
+    base, context = http_base(server, tls)
+    request = urllib.request.Request(f"{base}{job.url}", json.dumps(job.body).encode(), headers)
     for attempt in range(RETRIES):
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as r:
+            with urllib.request.urlopen(request, timeout=timeout, context=context) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             try:
@@ -173,8 +179,9 @@ def run_batch(args: argparse.Namespace, server: str) -> int:
     done = written_ids(out)
     todo = [j for j in jobs if j.custom_id not in done]
     key = os.environ.get("BLOCKSPEC_API_KEY")
+    tls = client_tls(args)
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    tokens, started = 0, time.monotonic()
+    progress, started = Progress(), time.monotonic()
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), unit="req", disable=args.quiet)
 
     def write(line: dict) -> None:  # one whole line, on disk before the next request's
@@ -191,7 +198,7 @@ def run_batch(args: argparse.Namespace, server: str) -> int:
             while pending or running:
                 while pending and len(running) < args.max_in_flight:
                     job = pending.pop(0)
-                    running[pool.submit(post, server, job, key, args.timeout)] = job
+                    running[pool.submit(post, server, job, key, args.timeout, tls)] = job
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     job = running.pop(future)
@@ -205,10 +212,35 @@ def run_batch(args: argparse.Namespace, server: str) -> int:
                               "same command again to finish", file=sys.stderr)
                         return 1
                     write(record(job, status, body))
-                    tokens += ((body or {}).get("usage") or {}).get("completion_tokens", 0) if status == 200 else 0
+                    if status == 200:
+                        progress.add(body)
                     bar.update(1)
-                    bar.set_postfix(tokens_per_s=f"{tokens / max(time.monotonic() - started, 1e-9):.0f}")
+                    bar.set_postfix(progress.figures(time.monotonic() - started))
     finally:
         os.close(fd)
         bar.close()
+    if progress.requests:
+        figures = progress.figures(time.monotonic() - started)
+        print(f"{progress.requests} requests, {progress.tokens} tokens in {time.monotonic() - started:.1f} s: "
+              + ", ".join(f"{k} {v}" for k, v in figures.items()), file=sys.stderr)
     return 0
+
+
+class Progress:
+    """What this run generated: tokens and the drafts' acceptance, summed over the answers."""
+
+    def __init__(self) -> None:
+        self.requests = self.tokens = self.drafted = self.accepted = 0
+
+    def add(self, body: dict) -> None:
+        self.requests += 1
+        self.tokens += (body.get("usage") or {}).get("completion_tokens", 0)
+        acceptance = body.get("acceptance") or {}
+        self.drafted += acceptance.get("drafted", 0)
+        self.accepted += acceptance.get("accepted", 0)
+
+    def figures(self, seconds: float) -> dict[str, str]:
+        figures = {"tokens/s": f"{self.tokens / max(seconds, 1e-9):.0f}"}
+        if self.drafted:
+            figures["acceptance"] = f"{self.accepted / self.drafted:.2f}"
+        return figures

@@ -12,7 +12,7 @@ from blockspec.common.argtypes import address, bounded
 from blockspec.common.device import add_device_args
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli.args import out_dir, read_prompts, set_threads, threads
+from blockspec.services.cli.args import add_tls_client_args, client_tls, out_dir, read_prompts, set_threads, threads
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
@@ -47,6 +47,7 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--server-k", help="--server: comma list of num_speculative_tokens per request (0: plain decoding "
                     "on any server, the baseline of the ratios and of `exact`; default 0 and the server's default k, "
                     "0 alone on a server without a drafter)")
+    add_tls_client_args(bn)
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=threads, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median pass is "
@@ -98,6 +99,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connect(args: argparse.Namespace):
+    """`bench --server`'s channels: $BLOCKSPEC_API_KEY sent, TLS as its flags ask."""
+    import functools
+
+    from blockspec.common.auth import client_channel
+
+    return functools.partial(client_channel, tls=client_tls(args))
+
+
 def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int, waves: int, rates: list[float],
                   cap: int) -> int:
     """`bench --server`: the workload over a running server's gRPC API, each --server-k value (0: plain decoding, the
@@ -110,7 +120,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     out = out_dir(args.out)
     try:
         rows, rate_rows, prompts = server_passes(args.server, _bench_prompts(args), args.max_tokens, ks, concurrency,
-                                                 rounds, waves, rates, cap)
+                                                 rounds, waves, rates, cap, _connect(args))
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise InvalidArgument("--server-k" if "num_speculative_tokens" in e.details() else "request",

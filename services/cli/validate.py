@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 
 from blockspec.common.argtypes import address, bounded
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli.args import read_prompts
+from blockspec.services.cli.args import add_tls_client_args, client_tls, http_base, read_prompts
 
 if TYPE_CHECKING:
     import grpc
 
     from blockspec.common.models import Checkpoint
+    from blockspec.common.tls import ClientTls
     from blockspec.protos.api_pb2 import ModelInfoResponse
     from blockspec.services.bench.modes import Row
 
@@ -67,6 +68,7 @@ def add_validate_command(sub) -> None:
     v.add_argument("--max-ttft-ms", type=_positive, help="p99 time to first token: a check when given")
     v.add_argument("--max-itl-ms", type=_positive, help="p99 inter-token latency: a check when given")
     v.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    add_tls_client_args(v)
     v.set_defaults(func=cmd_validate)
 
 
@@ -84,25 +86,31 @@ def _share(value: str) -> float:
     return number
 
 
-def grpc_channel(where: str) -> grpc.Channel:
-    """Every gRPC channel of `validate` (the validated server's and the reference's): $BLOCKSPEC_API_KEY sent."""
-    from blockspec.common.auth import client_channel
+@dataclass(frozen=True)
+class Client:
+    """How `validate` reaches the validated server and the reference: $BLOCKSPEC_API_KEY sent, TLS as its flags
+    ask."""
 
-    return client_channel(where)
+    tls: ClientTls | None = None
 
+    def channel(self, where: str) -> grpc.Channel:
+        from blockspec.common.auth import client_channel
 
-def http_get(where: str, path: str) -> tuple[int, str]:
-    """Every HTTP call of `validate`: GET http://WHERE/PATH with $BLOCKSPEC_API_KEY -> (status, body); an error
-    status is an answer too. A server that does not answer raises URLError or OSError."""
-    from blockspec.common.auth import ENV_API_KEY
+        return client_channel(where, tls=self.tls)
 
-    key = os.environ.get(ENV_API_KEY)
-    request = urllib.request.Request(f"http://{where}{path}", headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as r:
-            return r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")
+    def get(self, where: str, path: str) -> tuple[int, str]:
+        """GET WHERE/PATH -> (status, body); an error status is an answer too. A server that does not answer raises
+        URLError or OSError."""
+        from blockspec.common.auth import ENV_API_KEY
+
+        key = os.environ.get(ENV_API_KEY)
+        base, context = http_base(where, self.tls)
+        request = urllib.request.Request(f"{base}{path}", headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=context) as r:
+                return r.status, r.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode("utf-8", "replace")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -123,7 +131,8 @@ def validate(args: argparse.Namespace, where: str, http: str | None, texts: list
 
     from blockspec.protos import api_grpc, api_pb2
 
-    ready, info = check_ready(where, http)
+    client = Client(client_tls(args))
+    ready, info = check_ready(client, where, http)
     result = {"server": where, "http": http, "reference": args.reference, "prompts": len(texts),
               "max_tokens": args.max_tokens, "rounds": args.rounds, "checks": [ready]}
     if info is None:  # nothing else can run
@@ -132,15 +141,15 @@ def validate(args: argparse.Namespace, where: str, http: str | None, texts: list
     result["model"] = {"target": info.target, "drafter": info.drafter, "method": info.method,
                        "k": info.default_speculative_tokens}
     try:
-        with grpc_channel(where) as channel:
+        with client.channel(where) as channel:
             stub = api_grpc.GenerationStub(channel)
             prompts = [list(stub.Tokenize(api_pb2.TokenizeRequest(text=t), timeout=TIMEOUT_S).token_ids) for t in texts]
     except grpc.RpcError as e:
         prompts = None
         result["checks"] += not_measured(f"{e.code().name}: {e.details()}")
     if prompts is not None:
-        result["checks"] += measured_checks(args, where, info, prompts)
-    result["checks"] += [check_memory(http), check_tokenizer(info, texts, prompts)]
+        result["checks"] += measured_checks(args, client, where, info, prompts)
+    result["checks"] += [check_memory(client, http), check_tokenizer(info, texts, prompts)]
     return result
 
 
@@ -167,7 +176,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def check_ready(where: str, http: str | None) -> tuple[Check, ModelInfoResponse | None]:
+def check_ready(client: Client, where: str, http: str | None) -> tuple[Check, ModelInfoResponse | None]:
     """The router's gRPC health (open without a key), its ModelInfo (needs the key) and, given the HTTP port,
     /health's answer -> (the check, ModelInfo or None where the API does not answer)."""
     import grpc
@@ -176,7 +185,7 @@ def check_ready(where: str, http: str | None) -> tuple[Check, ModelInfoResponse 
     from blockspec.protos import api_grpc, api_pb2
 
     try:
-        with grpc_channel(where) as channel:
+        with client.channel(where) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
             info = api_grpc.GenerationStub(channel).ModelInfo(api_pb2.ModelInfoRequest(), timeout=TIMEOUT_S)
     except grpc.RpcError as e:
@@ -185,7 +194,7 @@ def check_ready(where: str, http: str | None) -> tuple[Check, ModelInfoResponse 
     ok, parts = status == "SERVING", [f"gRPC health {status}"]
     if http is not None:
         try:
-            code, body = http_get(http, "/health")
+            code, body = client.get(http, "/health")
             ok, parts = ok and code == 200, parts + [f"/health {code} {body.strip()}"]
         except OSError as e:  # URLError is one
             ok, parts = False, parts + [f"/health at {http}: {getattr(e, 'reason', e)}"]
@@ -204,7 +213,7 @@ class Passes:
     plain_outputs: list[list[int]]
 
 
-def measure(where: str, k: int, prompts: list[list[int]], max_tokens: int, rounds: int,
+def measure(client: Client, where: str, k: int, prompts: list[list[int]], max_tokens: int, rounds: int,
             reference: str | None) -> Passes:
     """Plain decoding and the server's default k, `rounds` passes each at concurrency 1, interleaved (bench
     --server's runner), then the reference's plain decoding of the same token ids, where one is given."""
@@ -213,7 +222,7 @@ def measure(where: str, k: int, prompts: list[list[int]], max_tokens: int, round
     from blockspec.services.bench.server import run_server_mode
 
     run = functools.partial(run_server_mode, prompts=prompts, max_tokens=max_tokens, concurrency=1,
-                            connect=grpc_channel)
+                            connect=client.channel)
     modes = {Mode(SERVER.name, kk): functools.partial(run, where, kk) for kk in sorted({0, k})}
     passes = timed_passes(modes, rounds)
     against_plain(passes, plain=SERVER)
@@ -222,14 +231,14 @@ def measure(where: str, k: int, prompts: list[list[int]], max_tokens: int, round
     return Passes(k, spec, plain, spec_outputs, reference_outputs)
 
 
-def measured_checks(args: argparse.Namespace, where: str, info: ModelInfoResponse,
+def measured_checks(args: argparse.Namespace, client: Client, where: str, info: ModelInfoResponse,
                     prompts: list[list[int]]) -> list[Check]:
     import grpc
 
     from blockspec.services.bench.server import ServerStreamError
 
     try:
-        p = measure(where, info.default_speculative_tokens, prompts, args.max_tokens, args.rounds, args.reference)
+        p = measure(client, where, info.default_speculative_tokens, prompts, args.max_tokens, args.rounds, args.reference)
     except grpc.RpcError as e:
         return not_measured(f"{e.code().name}: {e.details()}")
     except ServerStreamError as e:
@@ -317,12 +326,12 @@ def role_memory(metrics: str) -> dict[str, dict[str, dict[str, float]]]:
     return out
 
 
-def check_memory(http: str | None) -> Check:
+def check_memory(client: Client, http: str | None) -> Check:
     """Each role's memory as the router last heard it (/metrics): reported."""
     if http is None:
         return Check("memory", "skip", "give --http HOST:PORT: the figures are on /metrics")
     try:
-        status, body = http_get(http, "/metrics")
+        status, body = client.get(http, "/metrics")
     except OSError as e:
         return Check("memory", "skip", f"/metrics at {http}: {getattr(e, 'reason', e)}")
     memory = role_memory(body) if status == 200 else {}

@@ -105,6 +105,7 @@ def test_https_and_grpc_over_tls_serve_the_openai_client_and_the_stubs(tiny_mode
                 api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=12), timeout=60)
             ids = [t for message in stream for t in message.token_ids]
         assert ids == references["qwen3"][3][:12]
+        assert_clients_speak_tls(served, certs.client_tls(), model)
 
         before = refusals()
         with pytest.raises(http.client.RemoteDisconnected):  # plaintext to the TLS port: the handshake fails
@@ -120,6 +121,23 @@ def test_https_and_grpc_over_tls_serve_the_openai_client_and_the_stubs(tiny_mode
         assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         served.close()
+
+
+def assert_clients_speak_tls(served: TlsServed, tls: ClientTls, model: str) -> None:
+    """The CLI's clients with their TLS flags' ClientTls: batch's request, validate's HTTP and gRPC, bench's runner."""
+    from blockspec.services.bench.server import run_server_mode
+    from blockspec.services.cli.batch import Job, post
+    from blockspec.services.cli.validate import Client
+
+    status, body = post(f"127.0.0.1:{served.port}", Job("a", "/v1/completions", {"model": model, "prompt": "hi",
+                                                                                 "max_tokens": 2}), None, 60, tls)
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    client = Client(tls)
+    assert client.get(f"127.0.0.1:{served.port}", "/health") == (200, "ok\n")
+    with client.channel(served.grpc) as channel:
+        assert api_grpc.GenerationStub(channel).ModelInfo(api_pb2.ModelInfoRequest(), timeout=10).target == model
+    row, outputs = run_server_mode(served.grpc, 0, [[5, 6, 7]], 3, 1, connect=client.channel)
+    assert len(outputs) == 1 and row.tokens >= 1
 
 
 def wait_until(check, timeout: float = 10.0) -> bool:
