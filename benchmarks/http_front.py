@@ -102,19 +102,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--trickle-s", type=float, default=30.0)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-probes", action="store_true", help="throughput only")
     args = ap.parse_args()
     host, port = args.http.rsplit(":", 1)
     port = int(port)
-    out: dict = {"health_50": asyncio.run(health_burst(host, port, 50)),
-                 "health_200": asyncio.run(health_burst(host, port, 200))}
-    out["trickle"] = asyncio.run(trickle(host, port, 50, args.trickle_s))
-    body = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
-    out["stalled_body"] = raw(host, port, body)
-    for name, value in (("non_ascii_authorization", b"Authorization: Bearer caf\xc3\xa9"),
-                        ("control_x_request_id", b"X-Request-Id: a\x01b"), ("non_ascii_x_request_id", b"X-Request-Id: a\xe9")):
-        payload = b'{"prompt": "hi", "max_tokens": 2}'
-        out[name] = raw(host, port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        + value + b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    out: dict = {} if args.skip_probes else probes(host, port, args.trickle_s)
     if not args.skip_throughput:
         model = args.model
         if model is None:
@@ -123,6 +115,20 @@ def main() -> None:
             model = json.loads(conn.getresponse().read())["data"][0]["id"]
         out["throughput"] = [completions(host, port, model, c, args.requests, args.max_tokens) for c in (1, 8)]
     print(json.dumps(out, indent=1))
+
+
+def probes(host: str, port: int, trickle_s: float) -> dict:
+    out: dict = {"health_50": asyncio.run(health_burst(host, port, 50)),
+                 "health_200": asyncio.run(health_burst(host, port, 200))}
+    out["trickle"] = asyncio.run(trickle(host, port, 50, trickle_s))
+    body = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    out["stalled_body"] = raw(host, port, body)
+    for name, value in (("non_ascii_authorization", b"Authorization: Bearer caf\xc3\xa9"),
+                        ("control_x_request_id", b"X-Request-Id: a\x01b"), ("non_ascii_x_request_id", b"X-Request-Id: a\xe9")):
+        payload = b'{"prompt": "hi", "max_tokens": 2}'
+        out[name] = raw(host, port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        + value + b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    return out
 
 
 if __name__ == "__main__":
