@@ -84,6 +84,25 @@ class RoleTlsConfig(_Section):
         return self
 
 
+class AutoscalingConfig(_Section):
+    """server.autoscaling: replicas that follow the queue (services/router/autoscale.py); server.replicas is the
+    count at start."""
+
+    min_replicas: int = Field(1, ge=1, le=64, description="replicas kept however short the queue")
+    max_replicas: int = Field(1, ge=1, le=64, description="replicas at most, however long the queue")
+    target_waiting_per_replica: float = Field(2.0, gt=0, description=(
+        "requests waiting for a slot per replica that the replica count aims at"))
+    scale_up_delay_s: float = Field(10.0, ge=0, description="the queue asks for more replicas this long before one starts")
+    scale_down_delay_s: float = Field(120.0, ge=0, description=(
+        "the queue asks for fewer this long before one replica drains (its streams finish) and stops"))
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
+
+
 class ServerConfig(_Section):
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC ports bind")
     port: int = Field(8000, ge=0, le=65535, description="HTTP: /health, /metrics, /v1; 0: any free port (printed)")
@@ -99,6 +118,8 @@ class ServerConfig(_Section):
         "API keys, `KEY` or `TENANT KEY` a line; unset: no key is needed (docs/operations.md)"))
     rate_limit: RateLimits = Field(default_factory=RateLimits, description=(
         "the budgets of every tenant, and of named tenants"))
+    autoscaling: AutoscalingConfig | None = Field(None, description=(
+        "replicas that follow the queue, between min and max (unset: server.replicas, fixed)"))
     tls: TlsConfig | None = Field(None, description="TLS on the HTTP and gRPC ports (unset: plaintext)")
     role_tls: RoleTlsConfig | None = Field(None, description=(
         "mutual TLS between the router and its roles over TCP (unset: plaintext, with the role key)"))
@@ -119,6 +140,14 @@ class ServerConfig(_Section):
             where = (f"in {self.api_keys_file}" if self.api_keys_file
                      else f"without server.api_keys_file (every caller is {DEFAULT_TENANT!r})")
             raise ValueError(f"rate_limit.tenants {unknown}: no such tenant {where}; known: {sorted(known)}")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_in_bounds(self) -> ServerConfig:
+        a = self.autoscaling
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(f"replicas {self.replicas}: the count at start must lie in autoscaling's "
+                             f"[{a.min_replicas}, {a.max_replicas}]")
         return self
 
     @field_validator("workers")

@@ -67,6 +67,12 @@ class RouterMetrics:
                                     "(1 = full)", **per_replica)
         self.role_memory = Gauge("blockspec_role_memory_bytes", "Memory of each role process (kind: rss or gpu)",
                                  labelnames=("replica", "role", "kind"), **kw)
+        # Replicas (server.autoscaling).
+        self.replicas = Gauge("blockspec_replicas", "Replicas by state: desired (the autoscaler's), ready, starting, "
+                              "draining", labelnames=("state",), **kw)
+        self.autoscale_waiting = Gauge("blockspec_autoscale_waiting_requests",
+                                       "Requests waiting for a slot over every replica, as the autoscaler last read it",
+                                       **kw)
         # Requests and latency as clients see it.
         self.requests_finished = Counter("blockspec_requests_finished", "Finished streams by finish reason",
                                          labelnames=("reason",), **kw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
@@ -31,10 +32,40 @@ SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 @dataclass
 class RouterServer:
     server: grpc.aio.Server
-    schedulers: list[Scheduler]  # one per replica
+    schedulers: list[Scheduler]  # one per replica: the service's own list (replicas added and removed)
     health: grpc_health.aio.HealthServicer
     port: int
     loopback: str | None = None  # unix:PATH, plaintext and owner-only, beside a TLS port (the HTTP front calls it)
+    service: GenerationService | None = None
+    metrics: RouterMetrics | None = None
+
+    @property
+    def draining(self) -> set[Scheduler]:
+        return self.service.draining
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot (or prefilling) over every replica, as their last steps left them."""
+        return sum(s.waiting for s in self.schedulers)
+
+    async def add_replica(self, step_loop: StepLoop) -> Scheduler:
+        """One more replica over `step_loop` (its roles up): new requests may go to it from now on."""
+        label = max((int(s.replica) for s in self.schedulers), default=-1) + 1
+        scheduler = Scheduler(step_loop, self.metrics, replica=label)
+        await scheduler.start()
+        self.schedulers.append(scheduler)
+        return scheduler
+
+    async def drain(self, scheduler: Scheduler, poll_s: float = 0.2) -> None:
+        """Send `scheduler` no new request, wait for its streams to finish, then stop it and close its role
+        clients: nothing a client sent is cut."""
+        self.service.draining.add(scheduler)
+        while scheduler.load:
+            await asyncio.sleep(poll_s)
+        self.schedulers.remove(scheduler)
+        self.service.draining.discard(scheduler)
+        await scheduler.stop()
+        close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
 
     def stalled(self, limit_s: float) -> bool:
         return any(s.stalled(limit_s) for s in self.schedulers)
@@ -81,7 +112,8 @@ async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: 
         interceptors=(AuthInterceptor(api_keys),) if api_keys else (),
         credentials=tls.grpc_credentials() if tls is not None else None)
     log.info("router listening on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
-    return RouterServer(server, schedulers, health_servicer, bound, f"unix:{loopback}" if loopback else None)
+    return RouterServer(server, service.schedulers, health_servicer, bound, f"unix:{loopback}" if loopback else None,
+                        service, metrics)
 
 
 def loopback_socket() -> str:

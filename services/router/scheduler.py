@@ -59,6 +59,7 @@ class Scheduler:
         self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}  # key -> the stream's events
         self._serial = 0
         self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
+        self.waiting = 0  # requests waiting for a slot or prefilling, at the last step (autoscaling's signal)
         self._fallbacks_seen = 0
         self.steps = 0
         self._window: deque = deque(maxlen=WINDOW_STEPS)  # recent step reports
@@ -170,9 +171,11 @@ class Scheduler:
         self.step_started = time.monotonic()
         try:
             events = loop.step(emit=lambda first: self._post(self._deliver, first, None))
-        except Exception:
-            log.exception("step failed; failing the running requests")
-            events = [FinishEvent(e.request_id, "error", e.token_ids, e.stats) for e in loop.cancel_all()]
+        except Exception as error:
+            gone = role_gone(error)
+            log.exception("step failed (%s); failing the running requests", "a role is gone" if gone else "an error")
+            reason = "unavailable" if gone else "error"
+            events = [FinishEvent(e.request_id, reason, e.token_ids, e.stats) for e in loop.cancel_all()]
             self._post(self._deliver_failed, events, loop.load)
             return
         finally:
@@ -243,6 +246,7 @@ class Scheduler:
         self._log_stats()
 
     def _set_load(self, load: Load) -> None:
+        self.waiting = load.waiting
         if self.metrics is not None:
             m, replica = self.metrics, self.replica
             m.requests_running.labels(replica=replica).set(load.running)
@@ -271,6 +275,14 @@ class Scheduler:
         """True when a step has been running for longer than limit_s: the engine is not making progress."""
         started = self.step_started
         return started is not None and time.monotonic() - started > limit_s
+
+
+def role_gone(error: BaseException) -> bool:
+    """A step that failed because a role's process is gone (its stream UNAVAILABLE): the requests may be retried
+    elsewhere, unlike a failure inside the engine."""
+    import grpc
+
+    return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

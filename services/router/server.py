@@ -192,7 +192,8 @@ class _StreamClock:
 class GenerationService(api_grpc.GenerationServicer):
     def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts, metrics: RouterMetrics | None = None,
                  api_keys: ApiKeys | None = None, limits: TenantLimits | None = None) -> None:
-        self.schedulers = list(schedulers)
+        self.schedulers = list(schedulers)  # replicas come and go with autoscaling (app.RouterServer)
+        self.draining: set[Scheduler] = set()  # replicas that take no new request (their streams finish)
         self.facts = facts
         self.metrics = metrics
         self.api_keys = api_keys  # the interceptor has checked the key; here it names the caller's tenant
@@ -291,7 +292,8 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int):
         """Submit to the least loaded replica and stream its events back."""
-        scheduler = min(self.schedulers, key=lambda s: s.load)  # balance replicas by queue length
+        open_ = [s for s in self.schedulers if s not in self.draining] or self.schedulers
+        scheduler = min(open_, key=lambda s: s.load)  # balance replicas by queue length
         stream = await self._submit(scheduler, request, tenant, context)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -319,6 +321,10 @@ class GenerationService(api_grpc.GenerationServicer):
                 if event.reason == "error":
                     span.set_status(Status(StatusCode.ERROR, "failed inside the engine"))
                     await self._abort(context, grpc.StatusCode.INTERNAL, "the request failed inside the engine; see server logs")
+                if event.reason == "unavailable":
+                    span.set_status(Status(StatusCode.ERROR, "its replica's role is gone"))
+                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, f"replica {scheduler.replica} lost a role "
+                                      "process mid-request; the request can be sent again")
                 reason = "stop_sequence" if hit else event.reason
                 self._finished(span, clock, event, sent, reason)
                 yield api_pb2.GenerateResponse(request_id=rid, text=delta, total_ns=total_ns,

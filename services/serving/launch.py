@@ -28,8 +28,8 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_server_tls
 from blockspec.common.tensor_share import remove_orphans
+from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_server_tls
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
 from blockspec.services.drafter.service import DrafterService

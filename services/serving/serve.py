@@ -19,21 +19,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common import tracing
 from blockspec.common.auth import ApiKeys, ensure_role_key, role_channel
-from blockspec.common.config import BlockspecConfig
+from blockspec.common.config import AutoscalingConfig, BlockspecConfig
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import check_bindable
 from blockspec.common.models import read_config
 from blockspec.common.telemetry import RouterMetrics
-from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_client_tls, secure_channel
 from blockspec.common.tensor_share import cleanup_stale
+from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_client_tls, secure_channel
 from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
+from blockspec.services.router.step_loop import StepLoop
+from blockspec.services.serving.autoscaler import Autoscaler
 from blockspec.services.serving.launch import (
     ENV_SUPERVISOR,
+    connect_roles,
     remove_role_sockets,
     role_env,
     role_socket,
@@ -268,17 +271,21 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     cleanup_stale()
     remove_role_sockets()  # of servers that were killed
     ensure_role_key()  # the roles answer only this process
-    p = plan(cfg, replicas_per_gpu=cfg.server.replicas)  # every replica on model.device
+    autoscaling = cfg.server.autoscaling
+    most = autoscaling.max_replicas if autoscaling else cfg.server.replicas
+    p = plan(cfg, replicas_per_gpu=most)  # every replica on model.device, each with its share of the memory
     resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 
     def role(name: str, argv: tuple[str, ...]) -> RoleProcess:
         return RoleProcess(name, argv, unix_socket=role_socket(name) if cfg.server.unix_sockets else None)
 
-    def start_roles():
-        return [(role(f"verifier-{r}", p.verifier_argv), role(f"drafter-{r}", p.drafter_argv) if p.drafter_argv else None)
-                for r in range(cfg.server.replicas)]
+    def start_replica(r: int) -> tuple:
+        return role(f"verifier-{r}", p.verifier_argv), role(f"drafter-{r}", p.drafter_argv) if p.drafter_argv else None
 
-    return serve_roles(cfg, p, host, port, grpc_port, start_roles)
+    def start_roles():
+        return [start_replica(r) for r in range(cfg.server.replicas)]
+
+    return serve_roles(cfg, p, host, port, grpc_port, start_roles, start_replica=start_replica)
 
 
 def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, verifier: str, drafter: str | None) -> int:
@@ -324,12 +331,15 @@ def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
 
 
 def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles,
-                router_over: Callable | None = None) -> int:
+                router_over: Callable | None = None, start_replica: Callable[[int], tuple] | None = None) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router.
 
     `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
     `.alive()`, `.stop()` (and `.restart()` where this process supervises it). `router_over(replicas, keys, tls)`
     starts the router (a coroutine); by default one over the roles' addresses."""
+    if cfg.server.autoscaling is not None and start_replica is None:
+        raise InvalidArgument("server.autoscaling", "scales role processes: serve --no-ray (not --inprocess, Ray or "
+                                                    "--verifier-address)")
     state: dict = {"router": None, "replicas": []}
     tracing.setup_tracing("blockspec-router")
     keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None
@@ -350,7 +360,10 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         state["replicas"] = start_roles()
         router_over = router_over or (lambda replicas, keys, tls: _split_router(cfg, p, host, grpc_port, replicas,
                                                                                  keys, tls))
-        return asyncio.run(_route(router_over, http.server_port, state, keys, tls))
+        fixed = AutoscalingConfig(min_replicas=cfg.server.replicas, max_replicas=cfg.server.replicas)
+        scaler = None if start_replica is None else (lambda router, replicas: Autoscaler(
+            cfg.server.autoscaling or fixed, router, replicas, start_replica, _replica_loop(cfg)))
+        return asyncio.run(_route(router_over, http.server_port, state, keys, tls, scaler))
     finally:
         http.shutdown()
         for verifier, drafter in state["replicas"]:
@@ -418,7 +431,7 @@ async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int
 
 
 async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None,
-                 tls: ServerTls | None) -> int:
+                 tls: ServerTls | None, scaler: Callable | None = None) -> int:
     """The router (from `router_over`) over the started roles, supervised until SIGTERM/SIGINT."""
     replicas = state["replicas"]
     router = await router_over(replicas, keys, tls)
@@ -427,19 +440,40 @@ async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKe
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    autoscaler = scaler(router, replicas) if scaler is not None else None
     try:
-        return await _supervise(replicas, stop, router, _readiness(state))
+        return await _supervise(replicas, stop, router, _readiness(state), autoscaler)
     finally:
+        if autoscaler is not None:
+            await autoscaler.close()
         await router.stop(1)
 
 
-async def _supervise(replicas, stop: asyncio.Event, router, readiness) -> int:
+def _replica_loop(cfg: BlockspecConfig) -> Callable[[tuple], StepLoop]:
+    """The router's step loop over a started (verifier, drafter) pair, with the config's settings."""
+    spec = cfg.model.spec_decode
+
+    def make(pair: tuple) -> StepLoop:
+        verifier, drafter = pair
+        v, d = connect_roles(verifier.address, (lambda: drafter.address) if drafter is not None else None)
+        return StepLoop(v, d, cfg.server.max_batch, spec.adaptive_k, cfg.server.prefill_chunk_tokens,
+                        spec.prompt_lookup, spec.prompt_lookup_tokens)
+
+    return make
+
+
+async def _supervise(replicas, stop: asyncio.Event, router, readiness, autoscaler=None) -> int:
     """Every second until `stop`: restart a drafter that exited (if that fails, its requests go on at k=0 and it is
-    tried again DRAFTER_RETRY_S later); a verifier that exited stops the server with exit code 1 (a supervisor such
-    as systemd's Restart=on-failure starts it again); the router's gRPC health follows /health's readiness."""
+    tried again DRAFTER_RETRY_S later); a verifier that exited: with other replicas and an autoscaler (role
+    processes), its replica is replaced while the others serve; else the server stops with exit code 1 (a supervisor
+    such as systemd's Restart=on-failure starts it again); the router's gRPC health follows /health's readiness; the
+    autoscaler starts or drains replicas as the queue asks."""
     retry_at: dict[int, float] = {}
     while not stop.is_set():
-        for verifier, drafter in replicas:
+        if autoscaler is not None:
+            await autoscaler.step()
+        for pair in list(replicas):
+            verifier, drafter = pair
             if drafter is not None and not drafter.alive() and time.monotonic() >= retry_at.get(id(drafter), 0.0):
                 try:
                     await asyncio.to_thread(drafter.restart)
@@ -447,7 +481,10 @@ async def _supervise(replicas, stop: asyncio.Event, router, readiness) -> int:
                     log.error("restarting a drafter failed (%s); its requests continue at k=0; retrying in %.0f s",
                               e, DRAFTER_RETRY_S)
                     retry_at[id(drafter)] = time.monotonic() + DRAFTER_RETRY_S
-            if not await asyncio.to_thread(verifier.alive):  # a Ray actor's answer may take a moment
+            if not await asyncio.to_thread(verifier.alive) and pair in replicas:  # not scaled down meanwhile
+                if autoscaler is not None and len(replicas) > 1:  # the others serve on; it is replaced
+                    autoscaler.lost(pair)
+                    continue
                 log.error("a verifier role exited; stopping (exit code 1)")
                 return 1
         await router.set_serving((await asyncio.to_thread(readiness)).serving)

@@ -37,10 +37,11 @@ def http_status(port: int, path: str = "/health") -> int:
         return e.code
 
 
-def spawn_serve(*args: str, cwd=None, env: dict | None = None, stderr=None) -> dict:
+def spawn_serve(*args: str, cwd=None, env: dict | None = None, stderr=None, verbose: bool = False) -> dict:
     """`blockspec serve ARGS` as a child process, once it serves: its proc, ports, a stub, and the
     /health status seen while the roles were still loading. stderr: a file for the server's and its roles' logs."""
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "serve", *args], cwd=cwd, stderr=stderr,
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", *(("-v",) if verbose else ()), "serve",
+                             *args], cwd=cwd, stderr=stderr,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     info = {"proc": proc, "before": None}
     for line in proc.stdout:

@@ -1,0 +1,121 @@
+"""The replicas of `serve --no-ray`: role pairs started and drained as the queue asks (server.autoscaling; the
+policy is services/router/autoscale.py), and a replica whose verifier died replaced while the others serve on. A new
+replica takes requests once both its roles have loaded and the router has connected to them; a replica scaled down
+takes no new request, finishes its streams, then its roles stop. Without server.autoscaling the bounds are
+server.replicas both ways: only lost replicas are replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from blockspec.common.config import AutoscalingConfig
+from blockspec.services.router.app import RouterServer
+from blockspec.services.router.autoscale import QueuePolicy
+from blockspec.services.router.step_loop import StepLoop
+
+log = logging.getLogger(__name__)
+
+
+class Autoscaler:
+    """Asked once a second by serve's supervisor. `replicas`: serve's list of (verifier, drafter) role pairs, in the
+    router's replica order at start; start_replica(index) starts one more pair (blocking, until both serve);
+    make_loop(pair) connects the router's clients to a pair."""
+
+    def __init__(self, cfg: AutoscalingConfig, router: RouterServer, replicas: list,
+                 start_replica: Callable[[int], tuple], make_loop: Callable[[tuple], StepLoop]) -> None:
+        self.policy = QueuePolicy(cfg)
+        self.router, self.replicas = router, replicas
+        self.start_replica, self.make_loop = start_replica, make_loop
+        self.pairs = {id(s): pair for s, pair in zip(router.schedulers, replicas, strict=True)}
+        self.starting = 0
+        self.next_index = len(replicas)
+        self.tasks: set[asyncio.Task] = set()
+
+    @property
+    def live(self) -> int:
+        """Replicas serving or starting; draining ones do not count."""
+        return len(self.router.schedulers) - len(self.router.draining) + self.starting
+
+    async def step(self) -> None:
+        waiting, live = self.router.waiting, self.live
+        decision = self.policy.decide(waiting, live, time.monotonic())
+        if decision is not None:
+            log.info("autoscaling: %d -> %d replicas: %s", live, decision.replicas, decision.reason)
+            for _ in range(decision.replicas - live):
+                self._spawn(self._up())
+            if decision.replicas < live:
+                self._spawn(self._down())
+        self._gauges(waiting, decision.replicas if decision is not None else None)
+
+    def _gauges(self, waiting: int, desired: int | None) -> None:
+        m = self.router.metrics
+        if m is None:
+            return
+        m.autoscale_waiting.set(waiting)
+        if desired is not None:
+            m.replicas.labels(state="desired").set(desired)
+        elif not self.tasks:
+            m.replicas.labels(state="desired").set(self.live)
+        m.replicas.labels(state="ready").set(len(self.router.schedulers) - len(self.router.draining))
+        m.replicas.labels(state="starting").set(self.starting)
+        m.replicas.labels(state="draining").set(len(self.router.draining))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _up(self) -> None:
+        self.starting += 1
+        index, self.next_index = self.next_index, self.next_index + 1
+        try:
+            pair = await asyncio.to_thread(self.start_replica, index)
+            loop = await asyncio.to_thread(self.make_loop, pair)
+            scheduler = await self.router.add_replica(loop)
+            self.pairs[id(scheduler)] = pair
+            self.replicas.append(pair)
+            log.info("autoscaling: replica %s is ready and takes requests", scheduler.replica)
+        except Exception as e:  # noqa: BLE001 - a replica that did not start: the policy asks again
+            log.error("autoscaling: starting a replica failed (%s)", e)
+        finally:
+            self.starting -= 1
+
+    async def _down(self) -> None:
+        open_ = [s for s in self.router.schedulers if s not in self.router.draining]
+        if len(open_) <= self.policy.cfg.min_replicas:
+            return
+        scheduler = min(open_, key=lambda s: (s.load, -int(s.replica)))  # the least loaded, the newest first
+        log.info("autoscaling: replica %s drains (%d streams to finish)", scheduler.replica, scheduler.load)
+        await self.router.drain(scheduler)
+        pair = self.pairs.pop(id(scheduler))
+        self.replicas.remove(pair)  # before its roles stop: the supervisor no longer watches them
+        for role in pair:
+            if role is not None:
+                await asyncio.to_thread(role.stop)
+        log.info("autoscaling: replica %s stopped", scheduler.replica)
+
+    def lost(self, pair: tuple) -> None:
+        """A replica whose verifier process is gone: out of `replicas` now (the supervisor no longer watches it); it
+        takes no new request, its requests end UNAVAILABLE (the step that finds the verifier gone fails them), its
+        drafter stops, and the policy replaces it (below min_replicas: at once)."""
+        scheduler = next(s for s in self.router.schedulers if self.pairs.get(id(s)) is pair)
+        log.error("replica %s lost its verifier: its requests end UNAVAILABLE; the other replicas serve on and a new "
+                  "one replaces it", scheduler.replica)
+        self.replicas.remove(pair)
+        del self.pairs[id(scheduler)]
+        self.router.draining.add(scheduler)  # from now on, before the drain task runs
+        self._spawn(self._remove(scheduler, pair))
+
+    async def _remove(self, scheduler, pair: tuple) -> None:
+        await self.router.drain(scheduler)
+        for role in pair:
+            if role is not None:
+                await asyncio.to_thread(role.stop)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,98 @@
+"""server.autoscaling on `serve --no-ray`: a queue that builds starts a second replica (its role processes), the
+load ending drains it back to one; every stream is the target alone's, none fails."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.services.test_serve import CONFIG, generate, role_pids, spawn_serve, stop_serve, wait_for
+
+
+def gauge(port: int, name: str, labels: str = "") -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    match = re.search(rf"^{name}{re.escape(labels)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def test_replicas_follow_the_queue_up_to_max_and_back_to_min(tiny_models, dflash_drafters, tmp_path, prompts,
+                                                             references):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("  max_batch: 4\n", "  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, "
+                            "target_waiting_per_replica: 1, scale_up_delay_s: 0, scale_down_delay_s: 1}\n"))
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        info = spawn_serve("--config", str(cfg), "--no-ray", stderr=stderr, verbose=True)
+    port = info["http"]
+
+    def ready() -> float | None:
+        return gauge(port, "blockspec_replicas", '{state="ready"}')
+
+    try:
+        work = [i % len(prompts) for i in range(24)]
+        with ThreadPoolExecutor(len(work)) as pool:
+            futures = [pool.submit(generate, info["stub"], prompts[i], 128, 300) for i in work]
+            assert wait_for(lambda: ready() == 2, 120), log.read_text()[-2000:]
+            assert len(role_pids(info["proc"], "role verifier")) == 2
+            outputs = [f.result() for f in futures]
+        for i, (ids, _, finish) in zip(work, outputs, strict=True):
+            assert ids == references["qwen3"][i][:128] and finish.reason in ("length", "stop")
+        assert wait_for(lambda: ready() == 1 and gauge(port, "blockspec_replicas", '{state="draining"}') == 0, 60)
+        assert wait_for(lambda: re.search(r"autoscaling: replica \d stopped", log.read_text()), 60)
+        assert len(role_pids(info["proc"], "role verifier")) == len(role_pids(info["proc"], "role drafter")) == 1
+        ids, _, _ = generate(info["stub"], prompts[4], 32)  # the replica left serves on
+        assert ids == references["qwen3"][4][:32]
+    finally:
+        stop_serve(info)
+    text = log.read_text()
+    assert "autoscaling: 1 -> 2 replicas:" in text and "requests waiting over 1 replicas" in text
+    assert "autoscaling: replica 1 is ready" in text
+    assert re.search(r"autoscaling: replica \d drains", text)
+
+
+@pytest.mark.slow  # 50 s of two replicas' role processes; the default run keeps the scale up/down test
+def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_models, dflash_drafters, tmp_path,
+                                                                           prompts, references):
+    """Two replicas; one's verifier is killed mid-stream: its streams end UNAVAILABLE (retriable), the other
+    replica's finish as the target alone's, the server stays up, and a new replica takes the lost one's place."""
+    import os
+    import signal
+
+    import grpc
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("  max_batch: 4\n", "  max_batch: 2\n  replicas: 2\n"))
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        info = spawn_serve("--config", str(cfg), "--no-ray", stderr=stderr, verbose=True)
+    try:
+        verifiers = role_pids(info["proc"], "role verifier")
+        assert len(verifiers) == 2
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(generate, info["stub"], prompts[i], 128, 300) for i in (2, 3, 4, 5)]
+            assert wait_for(lambda: gauge(info["http"], "blockspec_requests_running", '{replica="0"}') == 2, 60)
+            os.kill(verifiers[0], signal.SIGKILL)
+            outcomes = []
+            for i, f in zip((2, 3, 4, 5), futures, strict=True):
+                try:
+                    ids, _, _ = f.result()
+                    outcomes.append("ok")
+                    assert ids == references["qwen3"][i][:128]
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE and "can be sent again" in e.details()
+                    outcomes.append("unavailable")
+        assert sorted(set(outcomes)) == ["ok", "unavailable"] and info["proc"].poll() is None
+        assert wait_for(lambda: len(role_pids(info["proc"], "role verifier")) == 2, 60)
+        assert wait_for(lambda: gauge(info["http"], "blockspec_replicas", '{state="ready"}') == 2, 60)
+        for i in (6, 7):
+            ids, _, _ = generate(info["stub"], prompts[i], 32)
+            assert ids == references["qwen3"][i][:32]
+    finally:
+        stop_serve(info)
+    assert "lost its verifier" in log.read_text()
