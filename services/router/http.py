@@ -142,7 +142,11 @@ class FrontProtocol(HttpToolsProtocol):
         try:
             tls_transport = await asyncio.get_running_loop().start_tls(
                 transport, self, self.tls.context(), server_side=True, ssl_handshake_timeout=self.head_timeout_s)
-        except (ssl.SSLError, TimeoutError, ConnectionError, OSError) as e:
+        except (ssl.SSLEOFError, ConnectionError) as e:  # gone before a handshake (a TCP probe): not a refusal
+            log.debug("HTTPS: %s closed the connection before its handshake (%s)", peer, e)
+            transport.abort()
+            return
+        except (ssl.SSLError, TimeoutError, OSError) as e:
             self.tls.refused("HTTP", peer, e)
             transport.abort()
             return
