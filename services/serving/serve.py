@@ -393,21 +393,24 @@ def _loopback(host: str, state: dict) -> str | None:
 
 
 def _readiness(state: dict) -> Callable[[], Ready]:
-    """/health's answer from serve_roles' state: serving once the router is up, every verifier answers and no step
-    is stalled; degraded (still serving, at k = 0) while a drafter does not answer."""
+    """/health's answer from serve_roles' state: serving once the router is up, a verifier answers and no step is
+    stalled; degraded (still serving) while some replica's verifier (the others serve) or drafter (k = 0) does not
+    answer."""
 
     def readiness() -> Ready:
         router = state["router"]
         if router is None:
             return Ready(False, "starting\n")
-        drafters_down = []
-        for i, (verifier, drafter) in enumerate(state["replicas"]):
-            if not _answers(verifier):
-                return Ready(False, f"replica {i}: verifier not answering\n")
-            if drafter is not None and not _answers(drafter):
-                drafters_down.append(i)
+        replicas = list(state["replicas"])
+        verifiers_down = [i for i, (verifier, _) in enumerate(replicas) if not _answers(verifier)]
+        if len(verifiers_down) == len(replicas):
+            return Ready(False, f"replica {', '.join(map(str, verifiers_down))}: verifier not answering\n")
         if router.stalled(STALL_S):
             return Ready(False, f"no step finished in {STALL_S:.0f} s\n")
+        if verifiers_down:  # the others serve; the lost one is being replaced
+            return Ready(True, f"degraded: replica {', '.join(map(str, verifiers_down))}: verifier not answering "
+                               "(the other replicas serve)\n", degraded=True)
+        drafters_down = [i for i, (_, drafter) in enumerate(replicas) if drafter is not None and not _answers(drafter)]
         if drafters_down:
             return Ready(True, f"degraded: replica {', '.join(map(str, drafters_down))}: drafter not answering "
                                "(requests run at k=0)\n", degraded=True)

@@ -185,5 +185,8 @@ def test_health_says_degraded_while_serving_without_the_drafter(monkeypatch):
     assert readiness().serving and readiness().degraded and "replica 0: drafter" in readiness().detail
     state["replicas"] = [(Role(False), Role(True))]
     assert not readiness().serving
+    state["replicas"] = [(Role(False), Role(True)), (Role(True), Role(True))]
+    assert readiness() == Ready(True, "degraded: replica 0: verifier not answering (the other replicas serve)\n",
+                                degraded=True)
     state["replicas"] = [(Role(True), Role(True))]
     assert readiness() == Ready(True, "ok\n")
