@@ -57,3 +57,41 @@ def test_the_config_refuses_bounds_out_of_order_and_a_start_count_outside_them()
         AutoscalingConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match=r"replicas 1: the count at start must lie in autoscaling's \[2, 3\]"):
         ServerConfig(replicas=1, autoscaling=AutoscalingConfig(min_replicas=2, max_replicas=3))
+
+
+def test_a_drained_replica_finishes_its_stream_and_takes_no_new_one(tiny_models, prompts, references):
+    """RouterServer.drain: the replica's running stream ends as the target alone's; meanwhile every new request goes
+    to the other replica; then the replica is gone from the router. add_replica brings one back that serves."""
+    import asyncio
+
+    from blockspec.protos import api_pb2
+    from blockspec.services.serving.engine import Engine
+    from tests.services.router.test_server import RouterThread, _slow_steps, collect
+
+    def engine():
+        e = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+        _slow_steps(0.05)(e)
+        return e
+
+    r = RouterThread(engine(), replicas=(engine(),))
+    try:
+        first, second = r.router.schedulers
+        live = r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[3]), max_tokens=64),
+                               timeout=120)
+        head = next(live)
+        busy = first if first.load else second
+        other = second if busy is first else first
+        drained = asyncio.run_coroutine_threadsafe(r.router.drain(busy), r.loop)
+        for i in (4, 5):
+            ids, _, _ = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[i]),
+                                                                        max_tokens=16), timeout=120))
+            assert ids == references["qwen3"][i][:16]
+        assert busy.load == 1 and not drained.done()  # still finishing its stream
+        ids, _, finish = collect(live)
+        assert list(head.token_ids) + ids == references["qwen3"][3][:64] and finish.reason in ("length", "stop")
+        drained.result(60)
+        assert r.router.schedulers == [other] and not r.router.draining
+        added = asyncio.run_coroutine_threadsafe(r.router.add_replica(engine().loop), r.loop).result(60)
+        assert added.replica == str(int(other.replica) + 1) and len(r.router.schedulers) == 2
+    finally:
+        r.close()
