@@ -94,6 +94,7 @@ def replicas_per_gpu(cfg: BlockspecConfig, with_drafter: bool, cluster: dict) ->
     evenly, as --no-ray's replicas share model.device. Refuses, naming the key, what the cluster (Ray's
     `cluster_resources()`) can never hold, instead of waiting for resources that will not come."""
     replicas, roles = cfg.server.replicas, 2 if with_drafter else 1
+    most = cfg.server.autoscaling.max_replicas if cfg.server.autoscaling else replicas  # each takes its GPU share
     if cluster.get("CPU", 0) < replicas * roles:
         raise InvalidArgument("server.replicas", f"{replicas} replica(s) of {roles} role(s) need {replicas * roles} "
                                                  f"CPUs on Ray (one a role); the cluster has {cluster.get('CPU', 0):g}")
@@ -103,19 +104,20 @@ def replicas_per_gpu(cfg: BlockspecConfig, with_drafter: bool, cluster: dict) ->
     if gpus < 1:
         raise InvalidArgument("model.device", f"{cfg.model.device!r}, but the Ray cluster has no GPU "
                                               f"({cluster.get('GPU', 0):g}); serve on 'cpu' or join a cluster with GPUs")
-    return -(-replicas // gpus)
+    return -(-most // gpus)
 
 
-def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, timeout_s: float = PLACEMENT_TIMEOUT_S):
-    """One ready placement group per replica: a single bundle (a CPU per role, its GPU share) holding both
-    roles. Groups the cluster cannot place within `timeout_s` in all (their resources taken by other jobs) end
-    the start with RoleStartError naming the replicas, what each asked for and what was free; the groups are
-    removed then."""
+def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, timeout_s: float = PLACEMENT_TIMEOUT_S,
+                   count: int | None = None):
+    """One ready placement group per replica (`count`, default server.replicas): a single bundle (a CPU per role,
+    its GPU share) holding both roles. Groups the cluster cannot place within `timeout_s` in all (their resources
+    taken by other jobs; where the Ray autoscaler runs, it adds nodes for groups that wait) end the start with
+    RoleStartError naming the replicas, what each asked for and what was free; the groups are removed then."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     gpu = ray_gpus(cfg, with_drafter, per_gpu)[0]
     bundle = {"CPU": 2 if with_drafter else 1, **({"GPU": gpu} if gpu else {})}
-    groups = [placement_group([bundle]) for _ in range(cfg.server.replicas)]
+    groups = [placement_group([bundle]) for _ in range(cfg.server.replicas if count is None else count)]
     ready = [pg.ready() for pg in groups]
     done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)  # placed in parallel, one deadline
     if len(done) < len(groups):
@@ -162,11 +164,12 @@ def _started(ray, actor, what: str) -> None:
 
 class RayRole:
     """A role actor as `serve_roles` sees it: a current address, and whether it lives. Ray restarts a drafter
-    itself (it always counts as alive here); a verifier is not restarted, and once Ray reports it dead the server
-    stops (exit code 1) instead of answering 503 for ever."""
+    itself (it always counts as alive here); a verifier is not restarted: once Ray reports it dead, its replica is
+    replaced where others serve meanwhile, else the server stops (exit code 1) instead of answering 503 for ever."""
 
-    def __init__(self, ray, actor, restarted_by_ray: bool) -> None:
-        self._ray, self._actor, self._restarted_by_ray = ray, actor, restarted_by_ray
+    def __init__(self, ray, actor, restarted_by_ray: bool, group=None) -> None:
+        """group: the replica's placement group (a verifier's), removed with this role."""
+        self._ray, self._actor, self._restarted_by_ray, self._group = ray, actor, restarted_by_ray, group
 
     @property
     def address(self) -> str:
@@ -185,6 +188,10 @@ class RayRole:
 
     def stop(self) -> None:
         self._ray.kill(self._actor)
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._group)  # its other role goes with it
 
 
 def _join(ray, address: str) -> None:
@@ -218,7 +225,8 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     if ray_address:
         _join(ray, ray_address)
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * cfg.server.replicas), include_dashboard=False, log_to_driver=False)
+        most = cfg.server.autoscaling.max_replicas if cfg.server.autoscaling else cfg.server.replicas
+        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * most), include_dashboard=False, log_to_driver=False)
 
     with_drafter = p.drafter_argv is not None
 
@@ -230,14 +238,31 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
             for name, role in (("verifier", verifier), ("drafter", drafter)):
                 if role is not None:
                     _started(ray, role, f"the {name} of replica {r}")
-            out.append((RayRole(ray, verifier, restarted_by_ray=False),
+            out.append((RayRole(ray, verifier, restarted_by_ray=False, group=groups[r]),
                         RayRole(ray, drafter, restarted_by_ray=True) if drafter is not None else None))
         return out
+
+    def start_one(q, per_gpu: int, r: int) -> tuple:
+        """One more replica (autoscaling, or one replacing a lost one): its own placement group, removed with it."""
+        (group,) = place_replicas(ray, cfg, with_drafter, per_gpu, count=1)
+        verifier, drafter = start_replica(ray, cfg, group, q.verifier_argv, q.drafter_argv, per_gpu, r)
+        try:
+            for name, role in (("verifier", verifier), ("drafter", drafter)):
+                if role is not None:
+                    _started(ray, role, f"the {name} of replica {r}")
+        except BaseException:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(group)
+            raise
+        return (RayRole(ray, verifier, restarted_by_ray=False, group=group),
+                RayRole(ray, drafter, restarted_by_ray=True) if drafter is not None else None)
 
     try:
         per_gpu = replicas_per_gpu(cfg, with_drafter, ray.cluster_resources())  # what never fits: refused before HTTP
         q = plan(cfg, replicas_per_gpu=per_gpu)  # the roles' memory shares, as Ray's GPU fractions
-        return serve_roles(cfg, q, host, port, grpc_port, lambda: start_roles(q, per_gpu))
+        return serve_roles(cfg, q, host, port, grpc_port, lambda: start_roles(q, per_gpu),
+                           start_replica=lambda r: start_one(q, per_gpu, r))
     finally:
         ray.shutdown()
         cleanup_stale()  # the actors' segments and sockets: their processes are gone now

@@ -336,10 +336,11 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
 
     `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
     `.alive()`, `.stop()` (and `.restart()` where this process supervises it). `router_over(replicas, keys, tls)`
-    starts the router (a coroutine); by default one over the roles' addresses."""
+    starts the router (a coroutine); by default one over the roles' addresses. start_replica(index): one more pair
+    (blocking until both serve), for server.autoscaling and to replace a lost replica."""
     if cfg.server.autoscaling is not None and start_replica is None:
-        raise InvalidArgument("server.autoscaling", "scales role processes: serve --no-ray (not --inprocess, Ray or "
-                                                    "--verifier-address)")
+        raise InvalidArgument("server.autoscaling", "scales the replicas serve starts: serve --no-ray or on Ray (not "
+                                                    "--inprocess or --verifier-address)")
     state: dict = {"router": None, "replicas": []}
     tracing.setup_tracing("blockspec-router")
     keys = ApiKeys.load(cfg.server.api_keys_file) if cfg.server.api_keys_file else None

@@ -96,3 +96,32 @@ def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_m
     finally:
         stop_serve(info)
     assert "lost its verifier" in log.read_text()
+
+
+@pytest.mark.slow  # a local Ray cluster and a second placement group: a minute and more
+@pytest.mark.e2e
+def test_on_ray_a_replica_is_a_placement_group_added_and_removed_with_the_queue(tiny_models, dflash_drafters, tmp_path,
+                                                                                 prompts, references):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("  max_batch: 4\n", "  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, "
+                            "target_waiting_per_replica: 1, scale_up_delay_s: 0, scale_down_delay_s: 1}\n"))
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        info = spawn_serve("--config", str(cfg), stderr=stderr, verbose=True)
+    port = info["http"]
+    try:
+        work = [i % len(prompts) for i in range(32)]
+        with ThreadPoolExecutor(len(work)) as pool:
+            futures = [pool.submit(generate, info["stub"], prompts[i], 128, 600) for i in work]
+            assert wait_for(lambda: gauge(port, "blockspec_replicas", '{state="ready"}') == 2, 300), \
+                log.read_text()[-2000:]
+            outputs = [f.result() for f in futures]
+        for i, (ids, _, _) in zip(work, outputs, strict=True):
+            assert ids == references["qwen3"][i][:128]
+        assert wait_for(lambda: re.search(r"autoscaling: replica \d stopped", log.read_text()), 120)
+        assert wait_for(lambda: gauge(port, "blockspec_replicas", '{state="ready"}') == 1, 10)
+        ids, _, _ = generate(info["stub"], prompts[4], 32)
+        assert ids == references["qwen3"][4][:32]
+    finally:
+        stop_serve(info)
