@@ -404,7 +404,7 @@ def _readiness(state: dict) -> Callable[[], Ready]:
             return Ready(False, "starting\n")
         replicas = list(state["replicas"])
         verifiers_down = [i for i, (verifier, _) in enumerate(replicas) if not _answers(verifier)]
-        if len(verifiers_down) == len(replicas):
+        if replicas and len(verifiers_down) == len(replicas):  # none serves (--inprocess has no role to ask)
             return Ready(False, f"replica {', '.join(map(str, verifiers_down))}: verifier not answering\n")
         if router.stalled(STALL_S):
             return Ready(False, f"no step finished in {STALL_S:.0f} s\n")

@@ -125,3 +125,53 @@ def test_on_ray_a_replica_is_a_placement_group_added_and_removed_with_the_queue(
         assert ids == references["qwen3"][4][:32]
     finally:
         stop_serve(info)
+
+
+@pytest.mark.slow  # three Ray nodes on this machine, a node killed: two minutes and more
+@pytest.mark.e2e
+def test_two_nodes_one_killed_mid_stream_its_requests_end_unavailable_and_a_new_node_takes_the_replica(
+        tiny_models, dflash_drafters, tmp_path, prompts, references):
+    """A head and a worker node (2 CPUs each: one replica each). The worker dies mid-stream: its replica's streams
+    end UNAVAILABLE, the head's finish as the target alone's, the server serves on. A node added afterwards (as the
+    Ray autoscaler would) takes the replacement replica."""
+    import grpc
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    worker = cluster.add_node(num_cpus=2)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("  max_batch: 4\n", "  max_batch: 2\n  replicas: 2\n"))
+    log = tmp_path / "serve.log"
+    try:
+        with log.open("w") as stderr:
+            info = spawn_serve("--config", str(cfg), "--ray-address", cluster.address, stderr=stderr, verbose=True)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(generate, info["stub"], prompts[i], 128, 300) for i in (2, 3, 4, 5)]
+                assert wait_for(lambda: sum(gauge(info["http"], "blockspec_requests_running", f'{{replica="{r}"}}')
+                                            or 0 for r in "01") == 4, 120)
+                cluster.remove_node(worker, allow_graceful=False)
+                outcomes = []
+                for i, f in zip((2, 3, 4, 5), futures, strict=True):
+                    try:
+                        ids, _, _ = f.result()
+                        assert ids == references["qwen3"][i][:128]
+                        outcomes.append("ok")
+                    except grpc.RpcError as e:
+                        assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+                        outcomes.append("unavailable")
+            assert sorted(set(outcomes)) == ["ok", "unavailable"] and info["proc"].poll() is None
+            ids, _, _ = generate(info["stub"], prompts[6], 32)  # the head's replica serves meanwhile
+            assert ids == references["qwen3"][6][:32]
+            cluster.add_node(num_cpus=2)
+            assert wait_for(lambda: gauge(info["http"], "blockspec_replicas", '{state="ready"}') == 2, 300), \
+                log.read_text()[-2000:]
+            for i in (0, 1, 7):
+                ids, _, _ = generate(info["stub"], prompts[i], 32)
+                assert ids == references["qwen3"][i][:32]
+        finally:
+            stop_serve(info)
+    finally:
+        cluster.shutdown()
+    assert "lost its verifier" in log.read_text()

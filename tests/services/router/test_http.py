@@ -190,3 +190,5 @@ def test_health_says_degraded_while_serving_without_the_drafter(monkeypatch):
                                 degraded=True)
     state["replicas"] = [(Role(True), Role(True))]
     assert readiness() == Ready(True, "ok\n")
+    state["replicas"] = []  # --inprocess: no role to ask
+    assert readiness() == Ready(True, "ok\n")
