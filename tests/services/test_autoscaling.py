@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -19,15 +20,25 @@ def gauge(port: int, name: str, labels: str = "") -> float | None:
     return float(match.group(1)) if match else None
 
 
-def test_replicas_follow_the_queue_up_to_max_and_back_to_min(tiny_models, dflash_drafters, tmp_path, prompts,
-                                                             references):
+AUTOSCALING = ("  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, target_waiting_per_replica: 1, "
+               "scale_up_delay_s: 0, scale_down_delay_s: 1}\n")
+TWO_REPLICAS = "  max_batch: 2\n  replicas: 2\n"
+
+
+def serve_replicas(tiny_models, dflash_drafters, tmp_path, server_keys: str, *args: str) -> tuple[dict, Path]:
+    """`serve -v` of the tiny qwen3 pair with `server_keys` in place of the test config's max_batch, and `args`
+    (--no-ray, --ray-address ...): its info and the path of its log."""
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
-                   .replace("  max_batch: 4\n", "  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, "
-                            "target_waiting_per_replica: 1, scale_up_delay_s: 0, scale_down_delay_s: 1}\n"))
+                   .replace("  max_batch: 4\n", server_keys))
     log = tmp_path / "serve.log"
     with log.open("w") as stderr:
-        info = spawn_serve("--config", str(cfg), "--no-ray", stderr=stderr, verbose=True)
+        return spawn_serve("--config", str(cfg), *args, stderr=stderr, verbose=True), log
+
+
+def test_replicas_follow_the_queue_up_to_max_and_back_to_min(tiny_models, dflash_drafters, tmp_path, prompts,
+                                                             references):
+    info, log = serve_replicas(tiny_models, dflash_drafters, tmp_path, AUTOSCALING, "--no-ray")
     port = info["http"]
 
     def ready() -> float | None:
@@ -65,12 +76,7 @@ def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_m
 
     import grpc
 
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
-                   .replace("  max_batch: 4\n", "  max_batch: 2\n  replicas: 2\n"))
-    log = tmp_path / "serve.log"
-    with log.open("w") as stderr:
-        info = spawn_serve("--config", str(cfg), "--no-ray", stderr=stderr, verbose=True)
+    info, log = serve_replicas(tiny_models, dflash_drafters, tmp_path, TWO_REPLICAS, "--no-ray")
     try:
         verifiers = role_pids(info["proc"], "role verifier")
         assert len(verifiers) == 2
@@ -102,13 +108,7 @@ def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_m
 @pytest.mark.e2e
 def test_on_ray_a_replica_is_a_placement_group_added_and_removed_with_the_queue(tiny_models, dflash_drafters, tmp_path,
                                                                                  prompts, references):
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
-                   .replace("  max_batch: 4\n", "  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, "
-                            "target_waiting_per_replica: 1, scale_up_delay_s: 0, scale_down_delay_s: 1}\n"))
-    log = tmp_path / "serve.log"
-    with log.open("w") as stderr:
-        info = spawn_serve("--config", str(cfg), stderr=stderr, verbose=True)
+    info, log = serve_replicas(tiny_models, dflash_drafters, tmp_path, AUTOSCALING)
     port = info["http"]
     try:
         work = [i % len(prompts) for i in range(32)]
@@ -139,13 +139,9 @@ def test_two_nodes_one_killed_mid_stream_its_requests_end_unavailable_and_a_new_
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     worker = cluster.add_node(num_cpus=2)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
-                   .replace("  max_batch: 4\n", "  max_batch: 2\n  replicas: 2\n"))
-    log = tmp_path / "serve.log"
     try:
-        with log.open("w") as stderr:
-            info = spawn_serve("--config", str(cfg), "--ray-address", cluster.address, stderr=stderr, verbose=True)
+        info, log = serve_replicas(tiny_models, dflash_drafters, tmp_path, TWO_REPLICAS, "--ray-address",
+                                   cluster.address)
         try:
             with ThreadPoolExecutor(4) as pool:
                 futures = [pool.submit(generate, info["stub"], prompts[i], 128, 300) for i in (2, 3, 4, 5)]
