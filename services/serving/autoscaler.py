@@ -11,10 +11,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from blockspec.common.config import AutoscalingConfig
+from blockspec.common.config import AutoscalingConfig, BlockspecConfig
 from blockspec.services.router.app import RouterServer
 from blockspec.services.router.autoscale import QueuePolicy
 from blockspec.services.router.step_loop import StepLoop
+from blockspec.services.serving.launch import connect_roles
 
 log = logging.getLogger(__name__)
 
@@ -119,3 +120,16 @@ class Autoscaler:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def replica_loop(cfg: BlockspecConfig) -> Callable[[tuple], StepLoop]:
+    """The router's step loop over a started (verifier, drafter) pair, with the config's settings."""
+    spec = cfg.model.spec_decode
+
+    def make(pair: tuple) -> StepLoop:
+        verifier, drafter = pair
+        v, d = connect_roles(verifier.address, (lambda: drafter.address) if drafter is not None else None)
+        return StepLoop(v, d, cfg.server.max_batch, spec.adaptive_k, cfg.server.prefill_chunk_tokens,
+                        spec.prompt_lookup, spec.prompt_lookup_tokens)
+
+    return make

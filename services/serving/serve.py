@@ -32,11 +32,9 @@ from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
-from blockspec.services.router.step_loop import StepLoop
-from blockspec.services.serving.autoscaler import Autoscaler
+from blockspec.services.serving.autoscaler import Autoscaler, replica_loop
 from blockspec.services.serving.launch import (
     ENV_SUPERVISOR,
-    connect_roles,
     remove_role_sockets,
     role_env,
     role_socket,
@@ -363,7 +361,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
                                                                                  keys, tls))
         fixed = AutoscalingConfig(min_replicas=cfg.server.replicas, max_replicas=cfg.server.replicas)
         scaler = None if start_replica is None else (lambda router, replicas: Autoscaler(
-            cfg.server.autoscaling or fixed, router, replicas, start_replica, _replica_loop(cfg)))
+            cfg.server.autoscaling or fixed, router, replicas, start_replica, replica_loop(cfg)))
         return asyncio.run(_route(router_over, http.server_port, state, keys, tls, scaler))
     finally:
         http.shutdown()
@@ -452,18 +450,6 @@ async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKe
             await autoscaler.close()
         await router.stop(1)
 
-
-def _replica_loop(cfg: BlockspecConfig) -> Callable[[tuple], StepLoop]:
-    """The router's step loop over a started (verifier, drafter) pair, with the config's settings."""
-    spec = cfg.model.spec_decode
-
-    def make(pair: tuple) -> StepLoop:
-        verifier, drafter = pair
-        v, d = connect_roles(verifier.address, (lambda: drafter.address) if drafter is not None else None)
-        return StepLoop(v, d, cfg.server.max_batch, spec.adaptive_k, cfg.server.prefill_chunk_tokens,
-                        spec.prompt_lookup, spec.prompt_lookup_tokens)
-
-    return make
 
 
 async def _supervise(replicas, stop: asyncio.Event, router, readiness, autoscaler=None) -> int:
