@@ -4,6 +4,7 @@ and what is allowed. Components receive only their own section."""
 from __future__ import annotations
 
 import collections.abc
+import hashlib
 import re
 import reprlib
 from pathlib import Path
@@ -103,6 +104,25 @@ class AutoscalingConfig(_Section):
         return self
 
 
+class AdminConfig(_Section):
+    """server.admin: the management address (blue/green rollouts: `blockspec rollout`, docs/operations.md#rollouts).
+    Only a caller with the admin key is served there."""
+
+    host: str = Field("127.0.0.1", description="address the management port binds (keep it off the public network)")
+    port: int = Field(8002, ge=0, le=65535, description="the management HTTP port; 0: any free port (printed)")
+    key_file: str = Field(description="the admin key: one line, at least 16 characters (`Authorization: Bearer KEY`)")
+    rollout_grace_s: float = Field(600.0, ge=0, description=(
+        "after a promote, the old version runs this long (streams finish, a rollback is a switch), then stops"))
+    check_prompts: int = Field(4, ge=1, le=64, description=(
+        "a new version's go-live checks run this many of the check prompts (speculative == plain, the ratio)"))
+    check_max_tokens: int = Field(64, ge=1, description="new tokens per check request")
+    check_prompts_file: str | None = Field(None, description=(
+        "one prompt a line (.jsonl: a JSON string each); unset: the shipped pair's held-out prompts"))
+    min_speedup: float = Field(0.0, ge=0, description=(
+        "speculative over plain tokens/s at concurrency 1 a new version must reach to be promoted (0: measured, not "
+        "required)"))
+
+
 class ServerConfig(_Section):
     host: str = Field("0.0.0.0", description="address the HTTP and gRPC ports bind")
     port: int = Field(8000, ge=0, le=65535, description="HTTP: /health, /metrics, /v1; 0: any free port (printed)")
@@ -123,6 +143,8 @@ class ServerConfig(_Section):
     tls: TlsConfig | None = Field(None, description="TLS on the HTTP and gRPC ports (unset: plaintext)")
     role_tls: RoleTlsConfig | None = Field(None, description=(
         "mutual TLS between the router and its roles over TCP (unset: plaintext, with the role key)"))
+    admin: AdminConfig | None = Field(None, description=(
+        "the management port: blue/green rollouts of a new model version (unset: none)"))
 
     @field_validator("api_keys_file")
     @classmethod
@@ -178,7 +200,13 @@ class SpecDecodeConfig(_Section):
         "a lookup's draft tokens when a request runs alone (unset: k); needs prompt_lookup"))
 
 
+VERSION_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
+
+
 class ModelSection(_Section):
+    version: str | None = Field(None, pattern=f"^{VERSION_NAME}$", description=(
+        "this model version's name, on every response, metric and trace; unset: the target directory's name and a "
+        "hash of this section"))
     target_model_path: str = Field(description="the target's checkpoint directory (config.json, weights, tokenizer)")
     draft_model_path: str | None = Field(None, description=(
         "the drafter's checkpoint directory (a DFlash drafter or a small causal LM); unset: ngram"))
@@ -217,6 +245,16 @@ class ModelSection(_Section):
 class BlockspecConfig(_Section):
     server: ServerConfig = Field(ServerConfig(), description="the router's ports, batching, replicas, keys and limits")
     model: ModelSection = Field(description="the target, the drafter and how they run")
+
+    @property
+    def version(self) -> str:
+        """The serving version's name: model.version, else the target directory's name and 8 hex digits of the model
+        section (another checkpoint path or setting: another name)."""
+        if self.model.version:
+            return self.model.version
+        digest = hashlib.sha256(self.model.model_dump_json().encode()).hexdigest()[:8]
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", Path(self.model.target_model_path.rstrip("/")).name)[:40].lstrip("._-")
+        return f"{name or 'model'}-{digest}"
 
 
 _SHORT = reprlib.Repr()  # a value in one line, however big (YAML aliases can make a short file a huge value)
@@ -287,7 +325,7 @@ def load_config(path: str | Path) -> BlockspecConfig:
     if not p.is_file():
         raise InvalidArgument(str(p), "config file not found")
     try:
-        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except OSError as e:
         raise InvalidArgument(str(p), f"cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:

@@ -32,19 +32,63 @@ def process_memory(max_age_s: float = 0.0) -> tuple[int, int]:
     return _last_memory[1]
 
 
-class RouterMetrics:
-    """The router's instruments, registered in `registry` (the process default for /metrics)."""
+DEFAULT_VERSION = "default"  # the serving version of a router built without a config (model.version names it there)
 
+
+class _Bound:
+    """One instrument at one serving version: `.labels(...)` adds the version to the labels given, and an instrument
+    with no other label is used as is (`.inc()`, `.set()`, `.observe()`)."""
+
+    __slots__ = ("_metric", "_version")
+
+    def __init__(self, metric, version: str) -> None:
+        self._metric, self._version = metric, version
+
+    def labels(self, **labels):
+        return self._metric.labels(version=self._version, **labels)
+
+    def __getattr__(self, name: str):
+        return getattr(self._metric.labels(version=self._version), name)
+
+
+class RouterMetrics:
+    """The router's instruments, registered in `registry` (the process default for /metrics). Every one carries the
+    serving version as its `version` label: this object writes `version`'s series, and `at(other)` another version's
+    (blue/green rollouts, services/serving/rollout.py)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, version: str = DEFAULT_VERSION) -> None:
+        self._instruments = _Instruments(registry)
+        self.version = version
+        self._bound: dict[str, _Bound] = {}
+
+    def at(self, version: str) -> RouterMetrics:
+        """The same instruments, written at `version`."""
+        view = RouterMetrics.__new__(RouterMetrics)
+        view._instruments, view.version, view._bound = self._instruments, version, {}
+        return view
+
+    def __getattr__(self, name: str) -> _Bound:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        bound = self._bound.get(name)
+        if bound is None:
+            bound = self._bound[name] = _Bound(getattr(self._instruments, name), self.version)
+        return bound
+
+
+class _Instruments:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        kw = {"registry": registry} if registry is not None else {}
-        per_replica = {"labelnames": ("replica",), **kw}
+        def by(*names: str) -> dict:  # every instrument is labelled by version first
+            return {"labelnames": ("version", *names), **({"registry": registry} if registry is not None else {})}
+
+        kw, per_replica = by(), by("replica")
         # Speculative decoding.
         self.num_drafts = Counter("blockspec_spec_decode_num_drafts", "Request-steps that verified a draft", **kw)
         self.num_draft_tokens = Counter("blockspec_spec_decode_num_draft_tokens", "Draft tokens verified", **kw)
         self.num_accepted_tokens = Counter("blockspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", **kw)
         self.accepted_per_pos = Counter("blockspec_spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0 = first)",
-                                        labelnames=("position",), **kw)
+                                        **by("position"))
         self.acceptance_rate = Gauge("blockspec_spec_decode_acceptance_rate",
                                      "Accepted / drafted tokens over the last steps", **per_replica)
         self.mean_k = Gauge("blockspec_spec_decode_k", "Draft tokens asked per request in the last step (adaptive k)",
@@ -66,20 +110,20 @@ class RouterMetrics:
         self.kv_cache_usage = Gauge("blockspec_kv_cache_usage_perc", "Share of the verifier's KV cache slots in use "
                                     "(1 = full)", **per_replica)
         self.role_memory = Gauge("blockspec_role_memory_bytes", "Memory of each role process (kind: rss or gpu)",
-                                 labelnames=("replica", "role", "kind"), **kw)
+                                 **by("replica", "role", "kind"))
         # Replicas (server.autoscaling).
         self.replicas = Gauge("blockspec_replicas", "Replicas by state: desired (the autoscaler's), ready, starting, "
-                              "draining", labelnames=("state",), **kw)
+                              "draining", **by("state"))
         self.autoscale_waiting = Gauge("blockspec_autoscale_waiting_requests",
                                        "Requests waiting for a slot over every replica, as the autoscaler last read it",
                                        **kw)
         # Requests and latency as clients see it.
         self.requests_finished = Counter("blockspec_requests_finished", "Finished streams by finish reason",
-                                         labelnames=("reason",), **kw)
+                                         **by("reason"))
         self.rate_limited = Counter("blockspec_rate_limited", "Requests refused by their tenant's rate limit "
-                                    "(server.rate_limit), by tenant and limit", ["tenant", "limit"], **kw)
+                                    "(server.rate_limit), by tenant and limit", **by("tenant", "limit"))
         self.request_errors = Counter("blockspec_request_errors", "Requests answered with an error, by gRPC status",
-                                      labelnames=("code",), **kw)
+                                      **by("code"))
         self.time_to_first_token = Histogram("blockspec_time_to_first_token_seconds",
                                              "Arrival to the first token's message", buckets=LATENCY_BUCKETS, **kw)
         self.inter_token_latency = Histogram("blockspec_inter_token_latency_seconds",

@@ -26,6 +26,7 @@ SPAN_DRAFTER_OP = "blockspec.drafter.propose"  # drafter role: one per propose m
 
 # Attribute names.
 ATTR_REQUEST_ID = "blockspec.request_id"
+ATTR_VERSION = "blockspec.version"  # the serving version (model.version) that answered the request
 ATTR_PROMPT_TOKENS = "blockspec.prompt_tokens"
 ATTR_COMPLETION_TOKENS = "blockspec.completion_tokens"
 ATTR_FINISH_REASON = "blockspec.finish_reason"

@@ -21,7 +21,7 @@ from blockspec.common.tls import ServerTls
 from blockspec.protos import api_pb2
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.scheduler import Scheduler
-from blockspec.services.router.server import GenerationService, ModelFacts
+from blockspec.services.router.server import GenerationService, ModelFacts, Version
 from blockspec.services.router.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -32,43 +32,46 @@ SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 @dataclass
 class RouterServer:
     server: grpc.aio.Server
-    schedulers: list[Scheduler]  # one per replica: the service's own list (replicas added and removed)
     health: grpc_health.aio.HealthServicer
     port: int
+    service: GenerationService
     loopback: str | None = None  # unix:PATH, plaintext and owner-only, beside a TLS port (the HTTP front calls it)
-    service: GenerationService | None = None
-    metrics: RouterMetrics | None = None
 
-    @property
-    def draining(self) -> set[Scheduler]:
-        return self.service.draining
+    # The active version's replicas (new requests go there); service.versions holds every version.
+    schedulers = property(lambda self: self.service.schedulers)
+    draining = property(lambda self: self.service.draining)
+    metrics = property(lambda self: self.service.metrics)
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for a slot (or prefilling) over every replica, as their last steps left them."""
+        """Requests waiting for a slot (or prefilling) over the active version's replicas, as their last steps left
+        them."""
         return sum(s.waiting for s in self.schedulers)
 
-    async def add_replica(self, step_loop: StepLoop) -> Scheduler:
-        """One more replica over `step_loop` (its roles up): new requests may go to it from now on."""
-        label = max((int(s.replica) for s in self.schedulers), default=-1) + 1
-        scheduler = Scheduler(step_loop, self.metrics, replica=label)
+    async def add_replica(self, step_loop: StepLoop, version: Version | None = None) -> Scheduler:
+        """One more replica of `version` (default: the active one) over `step_loop` (its roles up): new requests may
+        go to it from now on."""
+        version = version or self.service.version
+        label = max((int(s.replica) for s in version.schedulers), default=-1) + 1
+        scheduler = Scheduler(step_loop, version.metrics, replica=label)
         await scheduler.start()
-        self.schedulers.append(scheduler)
+        version.schedulers.append(scheduler)
         return scheduler
 
-    async def drain(self, scheduler: Scheduler, poll_s: float = 0.2) -> None:
-        """Send `scheduler` no new request, wait for its streams to finish, then stop it and close its role
-        clients: nothing a client sent is cut."""
-        self.service.draining.add(scheduler)
+    async def drain(self, scheduler: Scheduler, poll_s: float = 0.2, version: Version | None = None) -> None:
+        """Send `scheduler` (a replica of `version`, default the active one) no new request, wait for its streams to
+        finish, then stop it and close its role clients: nothing a client sent is cut."""
+        version = version or self.service.version
+        version.draining.add(scheduler)
         while scheduler.load:
             await asyncio.sleep(poll_s)
-        self.schedulers.remove(scheduler)
-        self.service.draining.discard(scheduler)
+        version.schedulers.remove(scheduler)
+        version.draining.discard(scheduler)
         await scheduler.stop()
         close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
 
     def stalled(self, limit_s: float) -> bool:
-        return any(s.stalled(limit_s) for s in self.schedulers)
+        return any(s.stalled(limit_s) for v in self.service.versions.values() for s in v.schedulers)
 
     async def set_serving(self, ready: bool) -> None:
         """grpc.health.v1 as /health answers: NOT_SERVING while a role does not answer or a step is stalled."""
@@ -81,9 +84,10 @@ class RouterServer:
         its open stream cancelled when it stops and logs an error)."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        for scheduler in self.schedulers:
-            await scheduler.stop()
-            close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
+        for version in self.service.versions.values():
+            for scheduler in version.schedulers:
+                await scheduler.stop()
+                close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
 
 
 def close_roles(roles) -> None:
@@ -102,18 +106,24 @@ async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: 
     every method but health needs one of them (common/auth.py); limits: each tenant's rate limits. With tls the port
     speaks TLS (mutual with a client CA), and a Unix socket of this user's (`loopback`) serves this process's HTTP
     front."""
-    schedulers = [Scheduler(loop, metrics, replica=i) for i, loop in enumerate(step_loops)]
-    for scheduler in schedulers:
-        await scheduler.start()
-    service = GenerationService(schedulers, facts, metrics, api_keys, limits)
+    version = await start_version(step_loops, facts, metrics)
+    service = GenerationService(version, api_keys=api_keys, limits=limits)
     loopback = loopback_socket() if tls is not None else None
     server, health_servicer, bound = await start_server(
         lambda s: register_generation(service, s), (SERVICE_NAME,), host, port, loopback,
         interceptors=(AuthInterceptor(api_keys),) if api_keys else (),
         credentials=tls.grpc_credentials() if tls is not None else None)
     log.info("router listening on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
-    return RouterServer(server, service.schedulers, health_servicer, bound, f"unix:{loopback}" if loopback else None,
-                        service, metrics)
+    return RouterServer(server, health_servicer, bound, service, f"unix:{loopback}" if loopback else None)
+
+
+async def start_version(step_loops: Sequence[StepLoop], facts: ModelFacts, metrics: RouterMetrics | None) -> Version:
+    """A serving version over its replicas' step loops, each stepping from now on; facts.version names it."""
+    at = metrics.at(facts.version) if metrics is not None else None
+    schedulers = [Scheduler(loop, at, replica=i) for i, loop in enumerate(step_loops)]
+    for scheduler in schedulers:
+        await scheduler.start()
+    return Version(facts, schedulers, metrics=at)
 
 
 def loopback_socket() -> str:

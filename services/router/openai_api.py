@@ -259,13 +259,14 @@ class Completion:
     created: int
     model: str
     chat: bool
+    version: str = ""  # the serving version that answered: OpenAI's `system_fingerprint`
 
     def body(self, text: str, finish: api_pb2.Finish | None, chunk: bool = False, first: bool = False) -> dict:
         """A whole completion (chunk False: finish set, with usage and acceptance) or one streamed chunk."""
         reason = _FINISH.get(finish.reason, finish.reason) if finish is not None else None
         kind = ("chat.completion" + ".chunk" * chunk) if self.chat else "text_completion"
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **self._text(text, chunk, first), "logprobs": None, "finish_reason": reason}]}
+                "system_fingerprint": self.version or None, "choices": [{"index": 0, **self._text(text, chunk, first), "logprobs": None, "finish_reason": reason}]}
         if finish is not None and not chunk:
             body.update(usage=usage(finish), acceptance=acceptance(finish))
         return body

@@ -29,11 +29,13 @@ from blockspec.services.router.openai_api import (
     to_generate,
     usage,
 )
+from blockspec.services.router.server import VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413), declared or streamed (chunked)
 BODY_TIMEOUT_S = 30.0  # a body not received whole in this long is refused (408) and its connection closed
+MODEL_INFO_S = 1.0  # the served model's name is asked again after this long (a rollout changes it)
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET"}
 
 
@@ -54,13 +56,14 @@ class Upstream:
         return self._stub
 
     async def model(self, metadata: tuple) -> api_pb2.ModelInfoResponse:
-        """The served model (asked once: it does not change while the server runs)."""
-        if self._model is None:
+        """The served model, asked again after MODEL_INFO_S (a rollout changes it)."""
+        if self._model is None or time.monotonic() - self._model[0] > MODEL_INFO_S:
             try:
-                self._model = await self.stub().ModelInfo(api_pb2.ModelInfoRequest(), metadata=metadata, timeout=30)
+                info = await self.stub().ModelInfo(api_pb2.ModelInfoRequest(), metadata=metadata, timeout=30)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
-        return self._model
+            self._model = (time.monotonic(), info)
+        return self._model[1]
 
 
 def sse(data: dict | str) -> bytes:
@@ -124,8 +127,9 @@ async def complete(upstream: Upstream, req: OpenAIRequest, request: Request, met
         call.cancel()
         raise
     chat = isinstance(req, ChatRequest)
-    head = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", int(time.time()), model, chat)
-    headers = {"X-Request-Id": first.request_id}
+    version = dict(await call.initial_metadata()).get(VERSION_HEADER, "")
+    head = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", int(time.time()), model, chat, version)
+    headers = {"X-Request-Id": first.request_id, "X-Blockspec-Version": version}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return StreamingResponse(events(call, first, head, include_usage),  # no charset: SSE is UTF-8

@@ -10,7 +10,7 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import jinja2
@@ -24,7 +24,7 @@ from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import from_pb, validate
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.limits import OverLimit, TenantLimits
 from blockspec.services.router.scheduler import Scheduler, Stream
@@ -47,6 +47,7 @@ class ModelFacts:
     context_len: int
     vocab_size: int
     tokenizer: object
+    version: str = DEFAULT_VERSION  # the serving version's name: on every response, metric and trace
 
     @functools.cached_property
     def max_text_chars(self) -> int:
@@ -69,9 +70,9 @@ def check_message(msg: object) -> None:
     if len(unknown):
         numbers = sorted({f.field_number for f in unknown})
         raise InvalidArgument("request", f"unknown field number(s) {numbers} for {msg.DESCRIPTOR.full_name}")
-    for field, value in msg.ListFields():
-        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
-            for item in value if field.is_repeated else [value]:
+    for descriptor, value in msg.ListFields():
+        if descriptor.message_type is not None and not descriptor.message_type.GetOptions().map_entry:
+            for item in value if descriptor.is_repeated else [value]:
                 check_message(item)
 
 
@@ -189,17 +190,45 @@ class _StreamClock:
             self.last = now
 
 
+VERSION_HEADER = "blockspec-version"  # gRPC metadata (and HTTP's X-Blockspec-Version): the version that answered
+
+
+@dataclass(eq=False)
+class Version:
+    """One serving version: a model pair and its settings, over its own replicas. New requests go to the service's
+    active version; another one finishes its streams (blue/green rollouts, services/serving/rollout.py)."""
+
+    facts: ModelFacts
+    schedulers: list[Scheduler]  # replicas come and go with autoscaling (app.RouterServer)
+    draining: set[Scheduler] = field(default_factory=set)  # replicas that take no new request (their streams finish)
+    metrics: RouterMetrics | None = None  # the router's instruments at this version
+
+    @property
+    def name(self) -> str:
+        return self.facts.version
+
+    @property
+    def load(self) -> int:
+        return sum(s.load for s in self.schedulers)
+
+
 class GenerationService(api_grpc.GenerationServicer):
-    def __init__(self, schedulers: Sequence[Scheduler], facts: ModelFacts, metrics: RouterMetrics | None = None,
-                 api_keys: ApiKeys | None = None, limits: TenantLimits | None = None) -> None:
-        self.schedulers = list(schedulers)  # replicas come and go with autoscaling (app.RouterServer)
-        self.draining: set[Scheduler] = set()  # replicas that take no new request (their streams finish)
-        self.facts = facts
-        self.metrics = metrics
+    def __init__(self, schedulers: Sequence[Scheduler] | Version, facts: ModelFacts | None = None,
+                 metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None,
+                 limits: TenantLimits | None = None) -> None:
+        self.version = schedulers if isinstance(schedulers, Version) else Version(
+            facts, list(schedulers), metrics=metrics.at(facts.version) if metrics is not None else None)
+        self.versions = {self.version.name: self.version}  # every version that serves or finishes streams
         self.api_keys = api_keys  # the interceptor has checked the key; here it names the caller's tenant
         self.limits = limits if limits is not None and limits.enabled else None
         # request_ids of live streams, across replicas (each scheduler knows only its own)
         self._live: dict[str, Request] = {}
+
+    # The active version's: where new requests go.
+    schedulers = property(lambda self: self.version.schedulers)
+    draining = property(lambda self: self.version.draining)
+    facts = property(lambda self: self.version.facts)
+    metrics = property(lambda self: self.version.metrics)
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
                      trailing_metadata: tuple = ()) -> None:
@@ -209,13 +238,16 @@ class GenerationService(api_grpc.GenerationServicer):
 
     async def Generate(self, msg: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         started = time.perf_counter_ns()
-        clock = _StreamClock(self.metrics)
-        span = tracing.tracer().start_span(tracing.SPAN_REQUEST)
+        version = self.version  # the request's, from arrival to its last token
+        clock = _StreamClock(version.metrics)
+        span = tracing.tracer().start_span(tracing.SPAN_REQUEST, attributes={tracing.ATTR_VERSION: version.name})
         try:
-            request, tenant = await self._request(msg, context, span)
+            await context.send_initial_metadata(((VERSION_HEADER, version.name),))
+            request, tenant = await self._request(msg, context, span, version.facts)
             try:
                 # Closed at once when the call ends, so its slots and tokens come back then, not at collection.
-                async with contextlib.aclosing(self._stream(request, tenant, msg, context, span, clock, started)) as responses:
+                async with contextlib.aclosing(self._stream(request, tenant, msg, context, span, clock, started,
+                                                            version)) as responses:
                     async for response in responses:
                         yield response
             finally:
@@ -223,13 +255,13 @@ class GenerationService(api_grpc.GenerationServicer):
         finally:
             span.end()
 
-    async def _request(self, msg, context, span) -> tuple[Request, str]:
+    async def _request(self, msg, context, span, facts: ModelFacts) -> tuple[Request, str]:
         """The validated request and its caller's tenant, once the tenant's rate limits admit it (else aborted)."""
         try:
             if prompt_chars(msg) > OFF_LOOP_CHARS:  # the tokenizer releases the GIL: other streams go on
-                request = await asyncio.to_thread(to_request, msg, self.facts)
+                request = await asyncio.to_thread(to_request, msg, facts)
             else:
-                request = to_request(msg, self.facts)
+                request = to_request(msg, facts)
         except InvalidArgument as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -290,14 +322,16 @@ class GenerationService(api_grpc.GenerationServicer):
                               trailing_metadata=(("retry-after", str(math.ceil(e.retry_after_s))),))
         return request, tenant
 
-    async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int):
-        """Submit to the least loaded replica and stream its events back."""
-        open_ = [s for s in self.schedulers if s not in self.draining] or self.schedulers
+    async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int,
+                      version: Version):
+        """Submit to the version's least loaded replica and stream its events back."""
+        open_ = [s for s in version.schedulers if s not in version.draining] or version.schedulers
         scheduler = min(open_, key=lambda s: s.load)  # balance replicas by queue length
         stream = await self._submit(scheduler, request, tenant, context)
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-        text, stops = TextStream(self.facts.tokenizer), StopMatcher(list(msg.stop))
+        metrics = version.metrics
+        if metrics is not None:
+            metrics.prompt_tokens.inc(len(request.prompt_ids))
+        text, stops = TextStream(version.facts.tokenizer), StopMatcher(list(msg.stop))
         rid, finished, sent = request.request_id, False, 0  # sent: token ids the stream has carried
         try:
             while True:
@@ -312,7 +346,7 @@ class GenerationService(api_grpc.GenerationServicer):
                         continue
                     finished = True
                     final = await self._stop(scheduler, stream)
-                    self._finished(span, clock, final, sent, "stop_sequence")
+                    self._finished(span, clock, final, sent, "stop_sequence", metrics)
                     yield api_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids, text=delta, total_ns=total_ns,
                                                    finish=finish_message(final, len(request.prompt_ids), sent, "stop_sequence"))
                     return
@@ -326,7 +360,7 @@ class GenerationService(api_grpc.GenerationServicer):
                     await self._abort(context, grpc.StatusCode.UNAVAILABLE, f"replica {scheduler.replica} lost a role "
                                       "process mid-request; the request can be sent again")
                 reason = "stop_sequence" if hit else event.reason
-                self._finished(span, clock, event, sent, reason)
+                self._finished(span, clock, event, sent, reason, metrics)
                 yield api_pb2.GenerateResponse(request_id=rid, text=delta, total_ns=total_ns,
                                                finish=finish_message(event, len(request.prompt_ids), sent, reason))
                 return
@@ -335,8 +369,8 @@ class GenerationService(api_grpc.GenerationServicer):
             self._refund(tenant, request.max_tokens - sent)  # first: the cancel below may be cancelled itself
             if not finished:  # client cancelled or deadline exceeded: free the slots in both roles
                 span.set_attribute(tracing.ATTR_FINISH_REASON, "cancelled")
-                if self.metrics is not None:
-                    self.metrics.requests_finished.labels(reason="cancelled").inc()
+                if metrics is not None:
+                    metrics.requests_finished.labels(reason="cancelled").inc()
                 await asyncio.shield(scheduler.cancel(stream.key))
 
     async def _submit(self, scheduler: Scheduler, request: Request, tenant: str, context) -> Stream:
@@ -360,10 +394,12 @@ class GenerationService(api_grpc.GenerationServicer):
             final = event if isinstance(event, FinishEvent) else None
         return final
 
-    def _finished(self, span, clock: _StreamClock, event: FinishEvent, completion_tokens: int, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.requests_finished.labels(reason=reason).inc()
-            self.metrics.request_latency.observe(time.perf_counter() - clock.started)
+    @staticmethod
+    def _finished(span, clock: _StreamClock, event: FinishEvent, completion_tokens: int, reason: str,
+                  metrics: RouterMetrics | None) -> None:
+        if metrics is not None:
+            metrics.requests_finished.labels(reason=reason).inc()
+            metrics.request_latency.observe(time.perf_counter() - clock.started)
         attrs = {tracing.ATTR_FINISH_REASON: reason}
         if clock.ttft_s is not None:
             attrs[tracing.ATTR_TTFT_S] = clock.ttft_s
@@ -382,17 +418,20 @@ class GenerationService(api_grpc.GenerationServicer):
     async def ModelInfo(self, msg: api_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext) -> api_pb2.ModelInfoResponse:
         await self._check(msg, context)
         f = self.facts
+        await context.send_initial_metadata(((VERSION_HEADER, f.version),))
         return api_pb2.ModelInfoResponse(target=f.target, drafter=f.drafter, method=f.method,
                                          max_speculative_tokens=f.max_k, context_len=f.context_len, vocab_size=f.vocab_size,
-                                         default_speculative_tokens=f.default_k if f.max_k else 0)
+                                         default_speculative_tokens=f.default_k if f.max_k else 0, version=f.version)
 
     async def Tokenize(self, msg: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> api_pb2.TokenizeResponse:
         await self._check(msg, context)
+        facts = self.facts
+        await context.send_initial_metadata(((VERSION_HEADER, facts.version),))
         try:
-            self.facts.check_text("text", len(msg.text))
+            facts.check_text("text", len(msg.text))
         except InvalidArgument as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        encode = self.facts.tokenizer.encode
+        encode = facts.tokenizer.encode
         if len(msg.text) > OFF_LOOP_CHARS:
             return api_pb2.TokenizeResponse(token_ids=await asyncio.to_thread(encode, msg.text))
         return api_pb2.TokenizeResponse(token_ids=encode(msg.text) if msg.text else [])

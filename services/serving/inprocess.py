@@ -7,6 +7,7 @@ step's requests (a role process is restarted while its requests go on at k=0), a
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -41,7 +42,7 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
 
     async def router_over(_replicas, keys, tls):
         engine, spec = loaded["engine"], cfg.model.spec_decode
-        facts = engine.facts(spec.num_speculative_tokens if p.method != "none" else 0)
+        facts = replace(engine.facts(spec.num_speculative_tokens if p.method != "none" else 0), version=cfg.version)
         return await start_router([engine.loop], facts, host, grpc_port, RouterMetrics(), keys,
                                   TenantLimits(cfg.server.rate_limit), tls)
 

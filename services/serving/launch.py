@@ -27,11 +27,12 @@ from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.grpc_server import start_server
 from blockspec.common.models import load_checkpoint
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
 from blockspec.common.tensor_share import remove_orphans
 from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_server_tls
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
+from blockspec.services.drafter.proposers.none import NoneProposer
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.router.app import RouterServer, close_roles, start_router
 from blockspec.services.router.limits import TenantLimits
@@ -127,8 +128,6 @@ def remove_role_sockets(owner: int | None = None) -> list[str]:
 
 def connect_roles(verifier_addr: str, drafter_addr: str | Callable[[], str] | None) -> tuple[RemoteVerifier, object]:
     """Router-side role clients; without a drafter address the router decodes plainly."""
-    from blockspec.services.drafter.proposers.none import NoneProposer
-
     verifier = RemoteVerifier(verifier_addr)
     drafter = RemoteDrafter(drafter_addr, verifier) if drafter_addr else NoneProposer()
     return verifier, drafter
@@ -139,22 +138,29 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                              metrics: RouterMetrics | None = None, adaptive_k: bool = False,
                              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False,
                              prompt_lookup_tokens: int | None = None, api_keys: ApiKeys | None = None,
-                             limits: TenantLimits | None = None, tls: ServerTls | None = None) -> RouterServer:
+                             limits: TenantLimits | None = None, tls: ServerTls | None = None,
+                             version: str = DEFAULT_VERSION) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
-    verifier, drafter = roles[0]
-    has_drafter = replicas[0][1] is not None
-    target = verifier.info.target_path
-    tokenizer = load_checkpoint(target, with_weights=False).tokenizer
-    facts = ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",
-                       max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
-                       vocab_size=verifier.info.vocab_size, tokenizer=tokenizer)
+    facts = await asyncio.to_thread(role_facts, roles[0], method, default_k, version)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
     try:
         return await start_router(loops, facts, host, port, metrics, api_keys, limits, tls)
     except BaseException:  # e.g. its port taken
         close_roles(r for pair in roles for r in pair)
         raise
+
+
+def role_facts(roles: tuple, method: str, default_k: int, version: str) -> ModelFacts:
+    """What the router knows of the models behind connected role clients (a replica's verifier and drafter, or
+    NoneProposer without one); the tokenizer is the target's own."""
+    verifier, drafter = roles
+    has_drafter = not isinstance(drafter, NoneProposer)
+    target = verifier.info.target_path
+    tokenizer = load_checkpoint(target, with_weights=False).tokenizer
+    return ModelFacts(target=target, drafter=drafter.address if has_drafter else "", method=method if has_drafter else "none",
+                      max_k=drafter.max_k, default_k=min(default_k, drafter.max_k), context_len=verifier.info.max_len,
+                      vocab_size=verifier.info.vocab_size, tokenizer=tokenizer, version=version)
 
 
 def role_env() -> dict[str, str]:

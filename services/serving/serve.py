@@ -429,7 +429,7 @@ async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int
                                     adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                                     prompt_lookup_tokens=spec.prompt_lookup_tokens,
                                     prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
-                                    limits=TenantLimits(cfg.server.rate_limit), tls=tls)
+                                    limits=TenantLimits(cfg.server.rate_limit), tls=tls, version=cfg.version)
 
 
 async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None,

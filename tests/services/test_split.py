@@ -11,10 +11,13 @@ import grpc
 import pytest
 import torch
 
+from blockspec.common.telemetry import DEFAULT_VERSION
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.serving.launch import serve_drafter, serve_verifier, start_split_router, verifier_service
 from tests.services.router.test_server import collect
+
+AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 
 
 class Loop:
@@ -100,8 +103,8 @@ def test_prompt_lookup_over_remote_roles_streams_equal_the_target_alone(tiny_mod
                           metrics=RouterMetrics(registry))
     try:
         check_streams(running, prompts, references)
-        looked_up = registry.get_sample_value("blockspec_spec_decode_num_lookup_drafts_total")
-        assert looked_up and looked_up < registry.get_sample_value("blockspec_spec_decode_num_drafts_total")
+        looked_up = registry.get_sample_value("blockspec_spec_decode_num_lookup_drafts_total", AT)
+        assert looked_up and looked_up < registry.get_sample_value("blockspec_spec_decode_num_drafts_total", AT)
     finally:
         stop_split(running)
 

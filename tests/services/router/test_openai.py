@@ -14,12 +14,14 @@ from prometheus_client import CollectorRegistry
 
 from blockspec.common.auth import ApiKeys
 from blockspec.common.config import RateLimits
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
 from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread
+
+AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 
 KEY = "o" * 24
 
@@ -151,7 +153,7 @@ def test_what_is_not_served_gets_an_error_that_says_so(served, model_id):
 def test_a_client_that_leaves_mid_stream_frees_its_slot(served, model_id, prompts):
     verifier = served.router.engine.verifier
     free = verifier.free_slots
-    cancelled = {"reason": "cancelled"}
+    cancelled = {"reason": "cancelled", **AT}
     before = served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) or 0
     body = json.dumps({"model": model_id, "prompt": prompts[2], "max_tokens": 500 - len(prompts[2]), "temperature": 0,
                        "stream": True, "num_speculative_tokens": 1}).encode()
@@ -172,7 +174,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served, model_id, prompt
 def test_a_client_that_leaves_before_a_whole_answer_cancels_it(served, model_id, prompts):
     """Without `stream` nothing is written before the end: the server notices the closed connection between
     messages and cancels the request, instead of running it to max_tokens for nobody."""
-    cancelled = {"reason": "cancelled"}
+    cancelled = {"reason": "cancelled", **AT}
     before = served.registry.get_sample_value("blockspec_requests_finished_total", cancelled) or 0
     body = json.dumps({"model": model_id, "prompt": prompts[2], "max_tokens": 500 - len(prompts[2]), "temperature": 0,
                        "num_speculative_tokens": 1}).encode()

@@ -6,10 +6,12 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import FinishEvent, TokenEvent
 from blockspec.services.serving.engine import Engine
+
+AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 
 
 def test_a_finished_streams_late_cancel_leaves_the_next_stream_under_its_id_alone(tiny_models, prompts, references):
@@ -46,7 +48,7 @@ def test_the_kv_cache_usage_gauge_is_the_share_of_slots_held(tiny_models, prompt
     registry = CollectorRegistry()
 
     def gauges() -> tuple[float, float, float]:
-        return tuple(registry.get_sample_value(name, {"replica": "0"}) for name in (
+        return tuple(registry.get_sample_value(name, {"replica": "0", **AT}) for name in (
             "blockspec_kv_slots_used", "blockspec_kv_cache_usage_perc", "blockspec_requests_running"))
 
     async def until(stream, kind) -> None:

@@ -13,10 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from blockspec.common.config import DEFAULT_K
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.app import start_router
 from blockspec.services.serving.engine import Engine
+
+AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 
 
 class RouterThread:
@@ -243,7 +245,7 @@ def test_a_failing_step_fails_its_streams_and_the_next_request_is_served(failing
     try:
         with pytest.raises(grpc.RpcError) as failed:
             collect(r.stub.Generate(request, timeout=20))
-        running += [registry.get_sample_value(f"blockspec_requests_{g}", {"replica": "0"}) for g in ("running", "waiting")]
+        running += [registry.get_sample_value(f"blockspec_requests_{g}", {"replica": "0", **AT}) for g in ("running", "waiting")]
         ids, _, finish = collect(r.stub.Generate(request, timeout=20))
         idle = r.engine.loop.idle
     finally:
