@@ -325,15 +325,21 @@ def load_config(path: str | Path) -> BlockspecConfig:
     if not p.is_file():
         raise InvalidArgument(str(p), "config file not found")
     try:
-        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise InvalidArgument(str(p), f"cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise InvalidArgument(str(p), f"not UTF-8 text (byte {e.start})") from None
+    return parse_config(load_yaml(text, str(p)), str(p))
+
+
+def load_yaml(text: str, source: str) -> object:
+    """A YAML document (a key given twice in one mapping refused); errors name `source`, what is wrong and where."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except RecursionError:
-        raise InvalidArgument(str(p), "nested too deeply") from None
+        raise InvalidArgument(source, "nested too deeply") from None
     except yaml.YAMLError as e:  # one line: what is wrong and where
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise InvalidArgument(str(p), f"not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
-    return parse_config(raw, str(p))
+        raise InvalidArgument(source, f"not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None

@@ -1,5 +1,5 @@
 """The `blockspec` command line: the parser, `serve`, `role`, `config` and `check-invariance`; `generate`, `batch`,
-`validate`, the model commands and the performance commands are registered from their own files."""
+`validate`, `rollout`, the model commands and the performance commands are registered from their own files."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from blockspec.services.cli.batch import add_batch_command
 from blockspec.services.cli.generate import add_generate_command
 from blockspec.services.cli.models import add_model_commands
 from blockspec.services.cli.perf import add_perf_commands
+from blockspec.services.cli.rollout import add_rollout_command
 from blockspec.services.cli.validate import add_validate_command
 from blockspec.services.serving.role_args import add_role_arguments
 
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     pl.set_defaults(func=cmd_plan)
     add_validate_command(sub)
+    add_rollout_command(sub)
     add_perf_commands(sub)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
     add_role_arguments(role)

@@ -16,23 +16,20 @@ from blockspec.services.router.app import RouterServer
 from blockspec.services.router.autoscale import QueuePolicy
 from blockspec.services.router.step_loop import StepLoop
 from blockspec.services.serving.launch import connect_roles
+from blockspec.services.serving.rollout import Fleet
 
 log = logging.getLogger(__name__)
 
 
 class Autoscaler:
-    """Asked once a second by serve's supervisor. `replicas`: serve's list of (verifier, drafter) role pairs, in the
-    router's replica order at start; start_replica(index) starts one more pair (blocking, until both serve);
-    make_loop(pair) connects the router's clients to a pair."""
+    """Asked once a second by serve's supervisor; it scales the fleet's active release (services/serving/rollout.py),
+    whose start_replica(index) starts one more role pair (blocking, until both serve) and make_loop(pair) connects
+    the router's clients to one."""
 
-    def __init__(self, cfg: AutoscalingConfig, router: RouterServer, replicas: list,
-                 start_replica: Callable[[int], tuple], make_loop: Callable[[tuple], StepLoop]) -> None:
+    def __init__(self, cfg: AutoscalingConfig, router: RouterServer, fleet: Fleet) -> None:
         self.policy = QueuePolicy(cfg)
-        self.router, self.replicas = router, replicas
-        self.start_replica, self.make_loop = start_replica, make_loop
-        self.pairs = {id(s): pair for s, pair in zip(router.schedulers, replicas, strict=True)}
+        self.router, self.fleet = router, fleet
         self.starting = 0
-        self.next_index = len(replicas)
         self.tasks: set[asyncio.Task] = set()
 
     @property
@@ -70,48 +67,57 @@ class Autoscaler:
         task.add_done_callback(self.tasks.discard)
 
     async def _up(self) -> None:
+        release = self.fleet.active
         self.starting += 1
-        index, self.next_index = self.next_index, self.next_index + 1
+        index, release.next_index = release.next_index, release.next_index + 1
         try:
-            pair = await asyncio.to_thread(self.start_replica, index)
-            loop = await asyncio.to_thread(self.make_loop, pair)
-            scheduler = await self.router.add_replica(loop)
-            self.pairs[id(scheduler)] = pair
-            self.replicas.append(pair)
-            log.info("autoscaling: replica %s is ready and takes requests", scheduler.replica)
+            pair = await asyncio.to_thread(release.start_replica, index)
+            if release.state not in ("live", "grace"):  # rolled back or retired meanwhile
+                for role in pair:
+                    if role is not None:
+                        await asyncio.to_thread(role.stop)
+                return
+            release.pairs.append(pair)  # watched by the supervisor from now on, and stopped with the release
+            loop = await asyncio.to_thread(release.make_loop, pair)
+            scheduler = await self.router.add_replica(loop, release.version)
+            release.roles[id(scheduler)] = pair
+            log.info("autoscaling: replica %s is ready and takes requests (version %s)", scheduler.replica, release.name)
         except Exception as e:  # noqa: BLE001 - a replica that did not start: the policy asks again
             log.error("autoscaling: starting a replica failed (%s)", e)
         finally:
             self.starting -= 1
 
     async def _down(self) -> None:
-        open_ = [s for s in self.router.schedulers if s not in self.router.draining]
+        release = self.fleet.active
+        version = release.version
+        open_ = [s for s in version.schedulers if s not in version.draining]
         if len(open_) <= self.policy.cfg.min_replicas:
             return
         scheduler = min(open_, key=lambda s: (s.load, -int(s.replica)))  # the least loaded, the newest first
         log.info("autoscaling: replica %s drains (%d streams to finish)", scheduler.replica, scheduler.load)
-        await self.router.drain(scheduler)
-        pair = self.pairs.pop(id(scheduler))
-        self.replicas.remove(pair)  # before its roles stop: the supervisor no longer watches them
+        await self.router.drain(scheduler, version=version)
+        pair = release.roles.pop(id(scheduler))
+        release.pairs.remove(pair)  # before its roles stop: the supervisor no longer watches them
         for role in pair:
             if role is not None:
                 await asyncio.to_thread(role.stop)
         log.info("autoscaling: replica %s stopped", scheduler.replica)
 
     def lost(self, pair: tuple) -> None:
-        """A replica whose verifier process is gone: out of `replicas` now (the supervisor no longer watches it); it
-        takes no new request, its requests end UNAVAILABLE (the step that finds the verifier gone fails them), its
-        drafter stops, and the policy replaces it (below min_replicas: at once)."""
-        scheduler = next(s for s in self.router.schedulers if self.pairs.get(id(s)) is pair)
+        """A replica of the active release whose verifier process is gone: out of its pairs now (the supervisor no
+        longer watches it); it takes no new request, its requests end UNAVAILABLE (the step that finds the verifier
+        gone fails them), its drafter stops, and the policy replaces it (below min_replicas: at once)."""
+        release = self.fleet.active
+        scheduler = next(s for s in release.version.schedulers if release.roles.get(id(s)) is pair)
         log.error("replica %s lost its verifier: its requests end UNAVAILABLE; the other replicas serve on and a new "
                   "one replaces it", scheduler.replica)
-        self.replicas.remove(pair)
-        del self.pairs[id(scheduler)]
-        self.router.draining.add(scheduler)  # from now on, before the drain task runs
-        self._spawn(self._remove(scheduler, pair))
+        release.pairs.remove(pair)
+        del release.roles[id(scheduler)]
+        release.version.draining.add(scheduler)  # from now on, before the drain task runs
+        self._spawn(self._remove(scheduler, pair, release.version))
 
-    async def _remove(self, scheduler, pair: tuple) -> None:
-        await self.router.drain(scheduler)
+    async def _remove(self, scheduler, pair: tuple, version) -> None:
+        await self.router.drain(scheduler, version=version)
         for role in pair:
             if role is not None:
                 await asyncio.to_thread(role.stop)

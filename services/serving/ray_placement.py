@@ -130,7 +130,8 @@ def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, 
     return groups
 
 
-def start_replica(ray, cfg: BlockspecConfig, pg, verifier_argv, drafter_argv, per_gpu: int = 1, index: int = 0):
+def start_replica(ray, cfg: BlockspecConfig, pg, verifier_argv, drafter_argv, per_gpu: int = 1,
+                  index: int | str = 0):
     """The replica's verifier and drafter actors in its placement group `pg` (from `place_replicas`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -226,6 +227,7 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
         _join(ray, ray_address)
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
         most = cfg.server.autoscaling.max_replicas if cfg.server.autoscaling else cfg.server.replicas
+        most *= 2 if cfg.server.admin else 1  # a rollout runs two versions side by side
         ray.init(num_cpus=max(os.cpu_count() or 1, 2 * most), include_dashboard=False, log_to_driver=False)
 
     with_drafter = p.drafter_argv is not None
@@ -242,10 +244,11 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
                         RayRole(ray, drafter, restarted_by_ray=True) if drafter is not None else None))
         return out
 
-    def start_one(q, per_gpu: int, r: int) -> tuple:
-        """One more replica (autoscaling, or one replacing a lost one): its own placement group, removed with it."""
-        (group,) = place_replicas(ray, cfg, with_drafter, per_gpu, count=1)
-        verifier, drafter = start_replica(ray, cfg, group, q.verifier_argv, q.drafter_argv, per_gpu, r)
+    def start_one(c: BlockspecConfig, q, per_gpu: int, r: str) -> tuple:
+        """One more replica of c's version (autoscaling, one replacing a lost one, a rollout): its own placement
+        group, removed with it."""
+        (group,) = place_replicas(ray, c, q.drafter_argv is not None, per_gpu, count=1)
+        verifier, drafter = start_replica(ray, c, group, q.verifier_argv, q.drafter_argv, per_gpu, r)
         try:
             for name, role in (("verifier", verifier), ("drafter", drafter)):
                 if role is not None:
@@ -261,8 +264,12 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     try:
         per_gpu = replicas_per_gpu(cfg, with_drafter, ray.cluster_resources())  # what never fits: refused before HTTP
         q = plan(cfg, replicas_per_gpu=per_gpu)  # the roles' memory shares, as Ray's GPU fractions
-        return serve_roles(cfg, q, host, port, grpc_port, lambda: start_roles(q, per_gpu),
-                           start_replica=lambda r: start_one(q, per_gpu, r))
+
+        def starter(c: BlockspecConfig, prefix: str):
+            qc = q if c is cfg else plan(c, replicas_per_gpu=per_gpu)
+            return lambda r: start_one(c, qc, per_gpu, f"{prefix}{r}")
+
+        return serve_roles(cfg, q, host, port, grpc_port, lambda: start_roles(q, per_gpu), starter=starter)
     finally:
         ray.shutdown()
         cleanup_stale()  # the actors' segments and sockets: their processes are gone now

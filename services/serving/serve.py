@@ -6,7 +6,6 @@ import asyncio
 import ipaddress
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockspec.common import tracing
 from blockspec.common.auth import ApiKeys, ensure_role_key, role_channel
-from blockspec.common.config import AutoscalingConfig, BlockspecConfig
+from blockspec.common.config import BlockspecConfig
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
@@ -32,7 +31,7 @@ from blockspec.services.drafter.proposers import check_method, default_method
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
-from blockspec.services.serving.autoscaler import Autoscaler, replica_loop
+from blockspec.services.serving.admin import load_admin_key
 from blockspec.services.serving.launch import (
     ENV_SUPERVISOR,
     remove_role_sockets,
@@ -40,11 +39,11 @@ from blockspec.services.serving.launch import (
     role_socket,
     start_split_router,
 )
+from blockspec.services.serving.supervisor import route
 
 log = logging.getLogger(__name__)
 
 STALL_S = 30.0  # a step running longer than this makes /health answer 503
-DRAFTER_RETRY_S = 10.0  # a drafter that failed to restart is tried again after this long
 EXTERNAL_DOWN_S = 10.0  # router only: a verifier whose health check fails this long is gone (the router exits 1)
 EXTERNAL_START_S = 300.0  # router only: how long roles started elsewhere may take to answer at start (loading)
 
@@ -277,13 +276,19 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     def role(name: str, argv: tuple[str, ...]) -> RoleProcess:
         return RoleProcess(name, argv, unix_socket=role_socket(name) if cfg.server.unix_sockets else None)
 
-    def start_replica(r: int) -> tuple:
-        return role(f"verifier-{r}", p.verifier_argv), role(f"drafter-{r}", p.drafter_argv) if p.drafter_argv else None
+    def starter(c: BlockspecConfig, prefix: str) -> Callable[[int], tuple]:
+        q = p if c is cfg else plan(c, replicas_per_gpu=most)
+
+        def start_replica(r: int) -> tuple:
+            return (role(f"verifier-{prefix}{r}", q.verifier_argv),
+                    role(f"drafter-{prefix}{r}", q.drafter_argv) if q.drafter_argv else None)
+
+        return start_replica
 
     def start_roles():
-        return [start_replica(r) for r in range(cfg.server.replicas)]
+        return [starter(cfg, "")(r) for r in range(cfg.server.replicas)]
 
-    return serve_roles(cfg, p, host, port, grpc_port, start_roles, start_replica=start_replica)
+    return serve_roles(cfg, p, host, port, grpc_port, start_roles, starter=starter)
 
 
 def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, verifier: str, drafter: str | None) -> int:
@@ -329,14 +334,15 @@ def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
 
 
 def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles,
-                router_over: Callable | None = None, start_replica: Callable[[int], tuple] | None = None) -> int:
+                router_over: Callable | None = None, starter: Callable | None = None) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router.
 
     `start_roles()` returns one (verifier, drafter or None) per replica; each has `.address`,
     `.alive()`, `.stop()` (and `.restart()` where this process supervises it). `router_over(replicas, keys, tls)`
-    starts the router (a coroutine); by default one over the roles' addresses. start_replica(index): one more pair
-    (blocking until both serve), for server.autoscaling and to replace a lost replica."""
-    if cfg.server.autoscaling is not None and start_replica is None:
+    starts the router (a coroutine); by default one over the roles' addresses. starter(cfg, prefix) ->
+    start_replica(index), one more pair of that config's version (blocking until both serve): for server.autoscaling,
+    to replace a lost replica, and for rollouts."""
+    if cfg.server.autoscaling is not None and starter is None:
         raise InvalidArgument("server.autoscaling", "scales the replicas serve starts: serve --no-ray or on Ray (not "
                                                     "--inprocess or --verifier-address)")
     state: dict = {"router": None, "replicas": []}
@@ -356,16 +362,17 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     log.info("HTTP%s on %s:%d (/health, /metrics, /v1)", "S" if tls else "", host, http.server_port)
     try:
         check_bindable(host, grpc_port)  # before the roles load: a taken port fails in a second, not after them
+        if cfg.server.admin is not None:
+            load_admin_key(cfg.server.admin.key_file)
+            check_bindable(cfg.server.admin.host, cfg.server.admin.port)
         state["replicas"] = start_roles()
         router_over = router_over or (lambda replicas, keys, tls: _split_router(cfg, p, host, grpc_port, replicas,
                                                                                  keys, tls))
-        fixed = AutoscalingConfig(min_replicas=cfg.server.replicas, max_replicas=cfg.server.replicas)
-        scaler = None if start_replica is None else (lambda router, replicas: Autoscaler(
-            cfg.server.autoscaling or fixed, router, replicas, start_replica, replica_loop(cfg)))
-        return asyncio.run(_route(router_over, http.server_port, state, keys, tls, scaler))
+        return asyncio.run(route(cfg, router_over, http.server_port, state, keys, tls, _readiness(state), starter))
     finally:
         http.shutdown()
-        for verifier, drafter in state["replicas"]:
+        fleet = state.get("fleet")
+        for verifier, drafter in [p for r in fleet.releases for p in r.pairs] if fleet else state["replicas"]:
             for role in (drafter, verifier):
                 if role is not None:
                     role.stop()
@@ -400,7 +407,8 @@ def _readiness(state: dict) -> Callable[[], Ready]:
         router = state["router"]
         if router is None:
             return Ready(False, "starting\n")
-        replicas = list(state["replicas"])
+        fleet = state.get("fleet")  # the active release's replicas (a rollout's candidate does not count)
+        replicas = list(fleet.active.pairs if fleet is not None else state["replicas"])
         verifiers_down = [i for i, (verifier, _) in enumerate(replicas) if not _answers(verifier)]
         if replicas and len(verifiers_down) == len(replicas):  # none serves (--inprocess has no role to ask)
             return Ready(False, f"replica {', '.join(map(str, verifiers_down))}: verifier not answering\n")
@@ -430,56 +438,3 @@ async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int
                                     prompt_lookup_tokens=spec.prompt_lookup_tokens,
                                     prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
                                     limits=TenantLimits(cfg.server.rate_limit), tls=tls, version=cfg.version)
-
-
-async def _route(router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None,
-                 tls: ServerTls | None, scaler: Callable | None = None) -> int:
-    """The router (from `router_over`) over the started roles, supervised until SIGTERM/SIGINT."""
-    replicas = state["replicas"]
-    router = await router_over(replicas, keys, tls)
-    state["router"] = router
-    print(f"SERVING grpc={router.port} http={http_port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    autoscaler = scaler(router, replicas) if scaler is not None else None
-    try:
-        return await _supervise(replicas, stop, router, _readiness(state), autoscaler)
-    finally:
-        if autoscaler is not None:
-            await autoscaler.close()
-        await router.stop(1)
-
-
-
-async def _supervise(replicas, stop: asyncio.Event, router, readiness, autoscaler=None) -> int:
-    """Every second until `stop`: restart a drafter that exited (if that fails, its requests go on at k=0 and it is
-    tried again DRAFTER_RETRY_S later); a verifier that exited: with other replicas and an autoscaler (role
-    processes), its replica is replaced while the others serve; else the server stops with exit code 1 (a supervisor
-    such as systemd's Restart=on-failure starts it again); the router's gRPC health follows /health's readiness; the
-    autoscaler starts or drains replicas as the queue asks."""
-    retry_at: dict[int, float] = {}
-    while not stop.is_set():
-        if autoscaler is not None:
-            await autoscaler.step()
-        for pair in list(replicas):
-            verifier, drafter = pair
-            if drafter is not None and not drafter.alive() and time.monotonic() >= retry_at.get(id(drafter), 0.0):
-                try:
-                    await asyncio.to_thread(drafter.restart)
-                except Exception as e:  # noqa: BLE001 - whatever kept it from starting: serve on at k=0
-                    log.error("restarting a drafter failed (%s); its requests continue at k=0; retrying in %.0f s",
-                              e, DRAFTER_RETRY_S)
-                    retry_at[id(drafter)] = time.monotonic() + DRAFTER_RETRY_S
-            if not await asyncio.to_thread(verifier.alive) and pair in replicas:  # not scaled down meanwhile
-                if autoscaler is not None and len(replicas) > 1:  # the others serve on; it is replaced
-                    autoscaler.lost(pair)
-                    continue
-                log.error("a verifier role exited; stopping (exit code 1)")
-                return 1
-        await router.set_serving((await asyncio.to_thread(readiness)).serving)
-        try:
-            await asyncio.wait_for(stop.wait(), 1.0)
-        except TimeoutError:
-            pass
-    return 0

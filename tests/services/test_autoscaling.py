@@ -14,10 +14,16 @@ from tests.services.test_serve import CONFIG, generate, role_pids, spawn_serve, 
 
 
 def gauge(port: int, name: str, labels: str = "") -> float | None:
+    """The sum of `name`'s series on /metrics whose labels include `labels` (`{state="ready"}`; every series also
+    carries its version)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    match = re.search(rf"^{name}{re.escape(labels)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == name and wanted.items() <= s.labels.items()]
+    return sum(values) if values else None
 
 
 AUTOSCALING = ("  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, target_waiting_per_replica: 1, "

@@ -48,6 +48,8 @@ def spawn_serve(*args: str, cwd=None, env: dict | None = None, stderr=None, verb
         if line.startswith("HTTP "):
             info["http"] = int(line.split()[1])
             info["before"] = http_status(info["http"])  # roles still loading
+        if line.startswith("ADMIN "):
+            info["admin"] = int(line.split()[1])
         if line.startswith("SERVING "):
             info["grpc"] = int(line.split()[1].split("=")[1])
             break
@@ -366,7 +368,7 @@ def test_two_replicas_share_the_load_and_stay_exact(tiny_models, dflash_drafters
         for i, (ids, _, _) in enumerate(results):
             assert ids == references["qwen3"][i][:64]
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{info['http']}/metrics").read().decode()
-        assert 'blockspec_requests_running{replica="0"}' in metrics and 'blockspec_requests_running{replica="1"}' in metrics
+        assert 'blockspec_requests_running{replica="0",' in metrics and 'blockspec_requests_running{replica="1",' in metrics
     finally:
         stop_serve(info)
     # A clean stop: the router closed its role streams before the roles stopped (an open one is cancelled, and

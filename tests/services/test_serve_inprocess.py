@@ -50,7 +50,7 @@ def test_inprocess_serves_the_target_alones_text_with_no_role_process(tiny_model
             assert finish.acceptance.drafted > 0 and finish.acceptance.accepted > 0
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server['http']}/metrics").read().decode()
         assert "blockspec_spec_decode_num_draft_tokens_total" in metrics
-        rss = re.search(r'blockspec_role_memory_bytes\{kind="rss",replica="0",role="server"\} (\S+)', metrics)
+        rss = re.search(r'blockspec_role_memory_bytes\{kind="rss",replica="0",role="server",version="[^"]+"\} (\S+)', metrics)
         assert rss and float(rss.group(1)) > 1e6  # the one process's memory, as role "server"
         body = json.dumps({"prompt": prompts[4], "max_tokens": 16, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{server['http']}/v1/completions", body,
