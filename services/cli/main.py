@@ -11,13 +11,11 @@ from pathlib import Path
 from blockspec.common.argtypes import address, bounded, port
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.cli.args import as_flag
-from blockspec.services.cli.batch import add_batch_command
-from blockspec.services.cli.generate import add_generate_command
-from blockspec.services.cli.models import add_model_commands
-from blockspec.services.cli.perf import add_perf_commands
 from blockspec.services.cli.rollout import add_rollout_command
-from blockspec.services.cli.validate import add_validate_command
-from blockspec.services.serving.role_args import add_role_arguments
+
+# Commands that never load torch: `blockspec rollout ...` builds only its own parser, so that it answers in a fraction
+# of a second instead of after torch's import (seconds, more on a busy machine).
+LIGHT = {"rollout": add_rollout_command}
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +134,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; for a command in LIGHT, that command alone."""
     parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+    if command in LIGHT:
+        LIGHT[command](sub)
+        return parser
+    from blockspec.services.cli.batch import add_batch_command
+    from blockspec.services.cli.generate import add_generate_command
+    from blockspec.services.cli.models import add_model_commands
+    from blockspec.services.cli.perf import add_perf_commands
+    from blockspec.services.cli.validate import add_validate_command
+    from blockspec.services.serving.role_args import add_role_arguments
+
     add_generate_command(sub)
     add_batch_command(sub)
     add_model_commands(sub)
@@ -166,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     pl.set_defaults(func=cmd_plan)
     add_validate_command(sub)
-    add_rollout_command(sub)
+    for add in LIGHT.values():
+        add(sub)
     add_perf_commands(sub)
     role = sub.add_parser("role", help="serve one role (verifier or drafter); used by serve, compose and Ray")
     add_role_arguments(role)
@@ -181,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

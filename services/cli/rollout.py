@@ -39,13 +39,16 @@ def add_rollout_command(sub) -> None:
 def admin_key(path: str | None) -> str:
     if path:
         try:
-            return Path(path).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise InvalidArgument("--admin-key-file", f"{path}: cannot read it ({e.strerror or e})") from None
-    key = os.environ.get(ENV_ADMIN_KEY)
+            key = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgument("--admin-key-file", f"{path}: cannot read it ({e})") from None
+        if not key:
+            raise InvalidArgument("--admin-key-file", f"{path} is empty")
+        return key
+    key = os.environ.get(ENV_ADMIN_KEY, "").strip()
     if not key:
         raise InvalidArgument("--admin-key-file", f"give the admin key's file, or set ${ENV_ADMIN_KEY}")
-    return key.strip()
+    return key
 
 
 def call(admin: str, key: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:

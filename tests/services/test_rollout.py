@@ -42,9 +42,9 @@ def stream(stub, ids: list[int]) -> tuple[str, list[int], float]:
     return dict(call.initial_metadata())["blockspec-version"], tokens, sent
 
 
-@pytest.fixture(scope="module")
-def served(tiny_models, dflash_drafters, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("rollout")
+def serve_blue(tiny_models, dflash_drafters, tmp_path, *args: str) -> dict:
+    """`serve ARGS` of version blue (the tiny qwen3 pair) with a management port; info["green"]: version green's
+    config (the smaller tiny target, drafted by the first), info["key_file"]: the admin key's."""
     key_file = tmp_path / "admin.key"
     key_file.write_text(KEY + "\n")
     cfg = tmp_path / "blue.yaml"
@@ -56,8 +56,14 @@ def served(tiny_models, dflash_drafters, tmp_path_factory):
     green.write_text(f"model:\n  version: green\n  target_model_path: {tiny_models['qwen3']['other']}\n"
                      f"  draft_model_path: {tiny_models['qwen3']['target']}\n"
                      "  spec_decode: {method: draft_model, num_speculative_tokens: 3}\n")
-    info = spawn_serve("--config", str(cfg), "--no-ray")
+    info = spawn_serve("--config", str(cfg), *args)
     info.update(key_file=key_file, green=green)
+    return info
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, dflash_drafters, tmp_path_factory):
+    info = serve_blue(tiny_models, dflash_drafters, tmp_path_factory.mktemp("rollout"), "--no-ray")
     yield info
     stop_serve(info)
 
@@ -133,3 +139,26 @@ def test_the_version_is_on_every_response(served):
         list(served["stub"].Generate(api_pb2.GenerateRequest(), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(e.value.initial_metadata())["blockspec-version"] == "blue"
+
+
+@pytest.mark.slow  # a local Ray cluster and a second version's placement group: a minute and more
+def test_on_ray_a_rollout_places_the_new_version_and_a_rollback_frees_it(tiny_models, dflash_drafters, tmp_path,
+                                                                          prompts):
+    info = serve_blue(tiny_models, dflash_drafters, tmp_path)
+    try:
+        port, stub = info["admin"], info["stub"]
+        expected = {"blue": hf_greedy(tiny_models["qwen3"]["target"], prompts[0], NEW_TOKENS),
+                    "green": hf_greedy(tiny_models["qwen3"]["other"], prompts[0], NEW_TOKENS)}
+        assert admin(port, "POST", "/v1/rollout", info["green"].read_bytes())[0] == 202
+        assert wait_for(lambda: admin(port, "GET", "/v1/rollout")[1]["releases"][-1]["state"] == "ready", 300), \
+            admin(port, "GET", "/v1/rollout")[1]
+        assert admin(port, "POST", "/v1/rollout/promote")[0] == 200
+        version, tokens, _ = stream(stub, prompts[0])
+        assert (version, tokens) == ("green", expected["green"])
+        assert admin(port, "POST", "/v1/rollout/rollback")[0] == 200
+        version, tokens, _ = stream(stub, prompts[0])
+        assert (version, tokens) == ("blue", expected["blue"])
+        assert wait_for(lambda: [r["version"] for r in admin(port, "GET", "/v1/rollout")[1]["releases"]] == ["blue"],
+                        60)
+    finally:
+        stop_serve(info)

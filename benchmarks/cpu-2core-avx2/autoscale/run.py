@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,9 @@ from blockspec.protos import api_grpc, api_pb2
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-GAUGES = {"waiting": "blockspec_autoscale_waiting_requests", "desired": 'blockspec_replicas{state="desired"}',
-          "ready": 'blockspec_replicas{state="ready"}', "starting": 'blockspec_replicas{state="starting"}',
-          "draining": 'blockspec_replicas{state="draining"}'}
+GAUGES = {"waiting": ("blockspec_autoscale_waiting_requests", ""), "desired": ("blockspec_replicas", "desired"),
+          "ready": ("blockspec_replicas", "ready"), "starting": ("blockspec_replicas", "starting"),
+          "draining": ("blockspec_replicas", "draining")}
 
 
 def config(path: Path) -> None:
@@ -40,13 +39,13 @@ def config(path: Path) -> None:
 
 
 def read_gauges(http: int) -> dict:
+    """Each gauge summed over its series (every series also carries its version)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for key, name in GAUGES.items():
-        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-        out[key] = float(m.group(1)) if m else 0.0
-    return out
+        samples = [s for f in text_string_to_metric_families(r.read().decode()) for s in f.samples]
+    return {key: sum(s.value for s in samples if s.name == name and s.labels.get("state", "") == state)
+            for key, (name, state) in GAUGES.items()}
 
 
 def stream(stub, ids: list[int], k: int | None) -> list[int]:
