@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from blockspec.common.cuda_runner import CudaRunner, unsupported
+from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner
 
@@ -25,12 +26,26 @@ def uses_cuda_runner(cfg, device: torch.device, backend: str = "auto") -> bool:
 
 def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, query_width: int | None = None,
                 tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                backend: str = "auto") -> Runner | CudaRunner:
+                backend: str = "auto", tensor_parallel_size: int = 1) -> Runner | CudaRunner:
     """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a model on
     CUDA that it takes, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
-    `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model)."""
+    `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model). tensor_parallel_size > 1: this
+    process leads the ranks (common/tensor_parallel.py), the others start as its children; the eager runner."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    if tensor_parallel_size > 1:
+        from blockspec.common import tensor_parallel as tp
+
+        why = tp.unsupported(checkpoint.config, tensor_parallel_size)
+        if why is not None or backend == "graphs":
+            raise InvalidArgument("tensor_parallel_size", f"{tensor_parallel_size}: {why or 'the CUDA runner runs one device'}")
+        dev = torch.device(device)
+        max_len = min(max_len or checkpoint.config.max_position_embeddings, checkpoint.config.max_position_embeddings)
+        address = tp.start_followers(tensor_parallel_size, str(checkpoint.path), num_slots, max_len, query_width,
+                                     dtype, dev)
+        tp.init(0, tensor_parallel_size, address, dev)
+        return tp.LeadRunner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, dev,
+                             tp=(0, tensor_parallel_size))
     reason = unsupported(checkpoint.config)
     if uses_cuda_runner(checkpoint.config, torch.device(device), backend):
         if query_width:

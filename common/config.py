@@ -211,7 +211,9 @@ class ModelSection(_Section):
     draft_model_path: str | None = Field(None, description=(
         "the drafter's checkpoint directory (a DFlash drafter or a small causal LM); unset: ngram"))
     spec_decode: SpecDecodeConfig = Field(SpecDecodeConfig(), description="how the drafter drafts")
-    tensor_parallel_size: int = Field(1, ge=1, description="devices per replica (1: no tensor parallelism yet)")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description=(
+        "ranks the target is split over (dense Llama / Qwen2 / Qwen3 targets; docs/operations.md#tensor-parallelism): "
+        "on CUDA one GPU each, cuda:0 to cuda:N-1; on the CPU processes"))
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
         "share of each GPU's memory the roles may hold, split between verifier and drafter and checked at start"))
     max_model_len: int | None = Field(None, ge=MIN_MODEL_LEN, description=(
@@ -234,12 +236,12 @@ class ModelSection(_Section):
         except InvalidArgument as e:
             raise ValueError(e.message) from None
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _single_device(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("tensor parallelism is not supported: one replica runs on one device; use 1")
-        return value
+    @model_validator(mode="after")
+    def _ranks_on_devices(self) -> ModelSection:
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} with tensor_parallel_size {self.tensor_parallel_size}: the ranks "
+                             "take cuda:0 to cuda:N-1; use 'cuda' (CUDA_VISIBLE_DEVICES picks the GPUs)")
+        return self
 
 
 class BlockspecConfig(_Section):

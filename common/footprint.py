@@ -65,13 +65,17 @@ def slot_bytes(cfg: ModelConfig, context: int, dtype: torch.dtype, tap_layers: i
 
 
 def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int, n_taps: int, dtype: torch.dtype,
-                   graphs: bool = False) -> int:
+                   graphs: bool = False, world: int = 1, vocab_bytes: int = 0) -> int:
     """What a verifier holds once built: its weights' bytes, and per slot the KV cache, states and tap features;
     graphs (the CUDA runner): also its spare slot and what its captured steps keep. The start-up check
-    (`Verifier.static_bytes`) and `blockspec plan` both count with this."""
+    (`Verifier.static_bytes`) and `blockspec plan` both count with this. world > 1 (model.tensor_parallel_size): the
+    lead rank's part - a world-th of the layers' weights and of the KV cache, and the embedding and LM head
+    (`vocab_bytes`) whole, which the drafter reads in place (the other ranks hold a world-th of those too)."""
     from blockspec.common.cuda_runner import CudaRunner
 
-    per_slot = sum(slot_bytes(cfg, max_len, dtype, n_taps).values())
+    slots = slot_bytes(cfg, max_len, dtype, n_taps)
+    per_slot = sum(slots.values()) - slots["kv"] + slots["kv"] // world
+    weights = (weights - vocab_bytes) // world + vocab_bytes
     if not graphs:
         return weights + num_slots * per_slot
     return weights + (num_slots + CudaRunner.spare_slots) * per_slot + CudaRunner.graph_bytes(cfg, num_slots)

@@ -103,7 +103,10 @@ class Runner:
         tap_layers: Sequence[int] = (),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: tuple[int, int] = (0, 1),
     ) -> None:
+        """tp: (rank, world size) of a target split over ranks (common/tensor_parallel.py): this rank's shard and its
+        heads' part of the KV cache."""
         cfg = checkpoint.config
         self.device = torch.device(device)
         self.config = cfg
@@ -115,14 +118,19 @@ class Runner:
         bad = [layer for layer in self.tap_layers if not 0 <= layer < cfg.num_layers]
         if bad:
             raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
-        self.model = build_decoder(checkpoint, dtype).to(self.device)
+        self.model = build_decoder(checkpoint, dtype)
+        if tp[1] > 1:
+            from blockspec.common.tensor_parallel import shard
+
+            self.model = shard(self.model, *tp)
+        self.model = self.model.to(self.device)
         if self.device.type == "cpu":
             cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
         if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones
             self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device)
         else:
-            self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype,
-                                     self.device)
+            self.cache = SlotKVCache(cfg.num_layers, num_slots, self.model.cfg.num_kv_heads, self.max_len, cfg.head_dim,
+                                     dtype, self.device)
         self._cos_sin = tuple(t.to(self.device, dtype) for t in rope_table(cfg, self.max_len))
 
     @property
@@ -160,16 +168,22 @@ class Runner:
         B = len(segments)
         return index[:B], index[2 * B :] != 0, index[B : 2 * B], torch.tensor(host_slots, dtype=torch.long)
 
+    def starts(self, segments: Sequence[Segment]) -> list[int]:
+        """Each segment's first position (its slot's length); ValueError where its tokens do not fit."""
+        starts = [self.cache.lengths[s.slot] for s in segments]
+        for seg, start in zip(segments, starts):
+            n = len(seg.token_ids)
+            if n < 1 or start + n > self.max_len:
+                raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {self.max_len}")
+        return starts
+
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
         """Run all segments in one batched forward and advance each slot's length by its token count. tap_dest
         ([slots, max_len, n_taps * hidden]): the tap features go there, at each token's slot and position (as its
         K/V), and the result's tap_rows is None."""
         lengths = [len(s.token_ids) for s in segments]
-        starts = [self.cache.lengths[s.slot] for s in segments]
-        for seg, start, n in zip(segments, starts, lengths):
-            if n < 1 or start + n > self.max_len:
-                raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {self.max_len}")
+        starts = self.starts(segments)
         width = self._width(lengths)
         host_slots = [s.slot for s in segments]
         tokens, real, positions, slots = self._index_tensors(segments, lengths, starts, host_slots, width)

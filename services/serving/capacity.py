@@ -155,9 +155,11 @@ def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> Ca
     taps, _ = verifier_needs(p.method, dflash_cfg)
     verifier_fraction, drafter_fraction = role_fractions(m.gpu_memory_utilization, p.method != "none", replicas)
     weights = parameters(target).total * dtype.itemsize
+    vocab = target.vocab_size * target.hidden_size * (1 if target.tie_word_embeddings else 2) * dtype.itemsize
+    world = m.tensor_parallel_size  # the lead rank's part; the other ranks' is smaller
 
     def verifier_need(s: int, n: int) -> int:
-        return verifier_bytes(target, weights, s, n, len(taps), dtype, graphs)
+        return verifier_bytes(target, weights, s, n, len(taps), dtype, graphs, world, vocab)
 
     per_slot = sum(slot_bytes(target, max_len, dtype, len(taps)).values())
     roles = [_role("verifier", weights, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,

@@ -58,6 +58,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         threads: int | None = None,  # CPU threads; None: one per core that other processes leave free (threads.py)
         backend: str = "auto",  # the verifier's runner (runner.make_runner): auto, eager or graphs
+        tensor_parallel_size: int = 1,  # ranks the target is split over (this process leads; common/tensor_parallel.py)
     ) -> None:
         check_method(method, drafter)
         if prompt_lookup_tokens and (invariant or adaptive_k):  # one verify width / adaptive k's table up to k + 1
@@ -80,7 +81,8 @@ class Engine:
         # Invariant mode: decode and verify share one query width, the widest verify.
         query_width = max_k + 1 if invariant else None
         self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers, dtype=dtype,
-                                 device=device, threads=governor, backend=backend)
+                                 device=device, threads=governor, backend=backend,
+                                 tensor_parallel_size=tensor_parallel_size)
         view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features,
                           self.verifier.tap_buffer)
         self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,

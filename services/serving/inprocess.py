@@ -59,4 +59,4 @@ def build_engine(cfg: BlockspecConfig, p: Plan, device: torch.device | str, dtyp
                   use_path_selector=spec.use_path_selector,
                   adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                   prompt_lookup_tokens=spec.prompt_lookup_tokens, prefill_chunk=cfg.server.prefill_chunk_tokens,
-                  device=device, dtype=dtype, backend=m.runner)
+                  device=device, dtype=dtype, backend=m.runner, tensor_parallel_size=m.tensor_parallel_size)

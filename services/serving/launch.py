@@ -69,7 +69,7 @@ def role_service(args) -> VerifierService | DrafterService:
     device, dtype = resolve_device(args.device, args.dtype)
     if args.role == "verifier":
         return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,
-                                args.invariant, args.gpu_memory_fraction, args.runner)
+                                args.invariant, args.gpu_memory_fraction, args.runner, args.tensor_parallel_size)
     return DrafterService(args.method, args.drafter, args.target, args.max_batch, context_len(args.target, args.max_model_len),
                           not args.no_dynamic_conv, not args.no_path_selector, device, dtype, args.gpu_memory_fraction)
 
@@ -77,9 +77,9 @@ def role_service(args) -> VerifierService | DrafterService:
 def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None,
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                      invariant: bool = False, gpu_fraction: float | None = None,
-                     runner: str = "auto") -> VerifierService:
+                     runner: str = "auto", tensor_parallel_size: int = 1) -> VerifierService:
     """The verifier role; on a GPU with a memory share (`gpu_fraction`), refused before it allocates if its
-    weights, KV cache and tap buffer do not fit the share."""
+    weights, KV cache and tap buffer do not fit the share (tensor_parallel_size > 1: the lead rank's part)."""
     dflash_cfg = None
     if method == "dflash":
         from blockspec.services.drafter.dflash.checkpoint import load_drafter
@@ -88,10 +88,11 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
     tap_layers, max_k = verifier_needs(method, dflash_cfg)
     checkpoint, length = load_checkpoint(target), context_len(target, max_len)
     graphs = uses_cuda_runner(checkpoint.config, torch.device(device), runner)
-    need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype, graphs)
+    need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype, graphs, tensor_parallel_size)
     claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
     verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,
-                        tap_layers=tap_layers, dtype=dtype, device=device, backend=runner)
+                        tap_layers=tap_layers, dtype=dtype, device=device, backend=runner,
+                        tensor_parallel_size=tensor_parallel_size)
     return VerifierService(verifier, str(target))
 
 

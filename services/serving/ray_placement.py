@@ -116,7 +116,8 @@ def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, 
     from ray.util.placement_group import placement_group, remove_placement_group
 
     gpu = ray_gpus(cfg, with_drafter, per_gpu)[0]
-    bundle = {"CPU": 2 if with_drafter else 1, **({"GPU": gpu} if gpu else {})}
+    ranks = cfg.model.tensor_parallel_size  # the verifier's other ranks are its child processes: a CPU each
+    bundle = {"CPU": (2 if with_drafter else 1) + ranks - 1, **({"GPU": gpu} if gpu else {})}
     groups = [placement_group([bundle]) for _ in range(cfg.server.replicas if count is None else count)]
     ready = [pg.ready() for pg in groups]
     done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)  # placed in parallel, one deadline
@@ -217,6 +218,9 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     import ray
 
     p = plan(cfg)  # the config's own errors before Ray starts
+    if cfg.model.tensor_parallel_size > 1 and cfg.model.device.startswith("cuda"):
+        raise InvalidArgument("model.tensor_parallel_size", f"{cfg.model.tensor_parallel_size} on GPUs is served with "
+                                                            "--no-ray (each rank its GPU); on Ray only on the CPU")
     if cfg.model.device.startswith("cuda:"):  # Ray sets each actor's CUDA_VISIBLE_DEVICES: its GPU is "cuda"
         raise InvalidArgument("model.device", f"{cfg.model.device!r}: under Ray use 'cuda' (Ray assigns the GPU), "
                                               "or serve with --no-ray")
@@ -228,7 +232,8 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     else:  # a local cluster: logical CPUs enough for every role bundle, whatever the core count
         most = cfg.server.autoscaling.max_replicas if cfg.server.autoscaling else cfg.server.replicas
         most *= 2 if cfg.server.admin else 1  # a rollout runs two versions side by side
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * most), include_dashboard=False, log_to_driver=False)
+        per_replica = 2 + cfg.model.tensor_parallel_size - 1  # the roles, and a verifier's other ranks
+        ray.init(num_cpus=max(os.cpu_count() or 1, per_replica * most), include_dashboard=False, log_to_driver=False)
 
     with_drafter = p.drafter_argv is not None
 

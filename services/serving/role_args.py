@@ -25,6 +25,8 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--invariant", action="store_true", help="verifier: decode with the verify query width")
     parser.add_argument("--runner", choices=("auto", "eager", "graphs"), default="auto",
                         help="verifier: the target's runner (docs/gpu.md)")
+    parser.add_argument("--tensor-parallel-size", type=bounded(1, 8), default=1,
+                        help="verifier: ranks the target is split over (this process leads, the others are its children)")
     parser.add_argument("--gpu-memory-fraction", type=float, help="this role's share of the GPU's memory (checked at "
                                                                   "start)")
     add_device_args(parser)

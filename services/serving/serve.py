@@ -71,6 +71,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
     m, spec = cfg.model, cfg.model.spec_decode
     _check_dir("model.target_model_path", m.target_model_path)
     _check_context(m.target_model_path, m.max_model_len)
+    _check_tensor_parallel(m.target_model_path, m.tensor_parallel_size)
     _check_lookup_tokens(cfg)
     if spec.enabled and m.draft_model_path:
         _check_dir("model.draft_model_path", m.draft_model_path)
@@ -98,6 +99,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
     verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
     verifier += ["--invariant"] if m.invariant else []
     verifier += ["--runner", m.runner] if m.runner != "auto" else []
+    verifier += ["--tensor-parallel-size", str(m.tensor_parallel_size)] if m.tensor_parallel_size > 1 else []
     shares = (role_fractions(m.gpu_memory_utilization, method != "none", replicas_per_gpu)
               if m.device.startswith("cuda") else None)
     verifier += ["--gpu-memory-fraction", str(shares[0])] if shares else []
@@ -122,6 +124,16 @@ def _check_lookup_tokens(cfg: BlockspecConfig) -> None:
         other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
         raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
                               f"{spec.prompt_lookup_tokens} is not allowed with {other}: true (wider verifies than k + 1)")
+
+
+def _check_tensor_parallel(target: str, world: int) -> None:
+    """model.tensor_parallel_size: a target whose heads and MLP split `world` ways (common/tensor_parallel.py)."""
+    from blockspec.common.models import parse_config as parse_model_config
+    from blockspec.common.tensor_parallel import unsupported
+
+    why = unsupported(parse_model_config(read_config(Path(target)), Path(target)), world)
+    if why is not None:
+        raise InvalidArgument("model.tensor_parallel_size", f"{world}: {why}")
 
 
 def _check_context(target: str, max_model_len: int | None) -> None:

@@ -58,9 +58,11 @@ class Verifier:
         device: torch.device | str = "cpu",
         threads: ThreadGovernor | None = None,
         backend: str = "auto",
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.threads = threads  # polled before each forward: the CPU threads follow the machine's other load
-        self.runner = make_runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, backend)
+        self.runner = make_runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, backend,
+                                  tensor_parallel_size)
         # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden] (a CUDA
         # runner's has a spare slot after them, where its padding rows go).
         self.tap_buffer = self.runner.make_tap_buffer()
@@ -76,13 +78,16 @@ class Verifier:
 
     @staticmethod
     def static_bytes(checkpoint: Checkpoint, num_slots: int, max_len: int, tap_layers: Sequence[int],
-                     dtype: torch.dtype, graphs: bool = False) -> int:
+                     dtype: torch.dtype, graphs: bool = False, tensor_parallel_size: int = 1) -> int:
         """What a verifier of these dimensions holds once built (weights, and per slot the KV cache, a hybrid's
         linear-layer states and the tap buffer: `footprint.slot_bytes`), before it is: a GPU memory share is
         checked against it. graphs (the CUDA runner): also its spare slot and what its captured steps keep
         (`CudaRunner.graph_bytes`)."""
         weights = sum(t.numel() for t in checkpoint.weights.values()) * dtype.itemsize
-        return verifier_bytes(checkpoint.config, weights, num_slots, max_len, len(tap_layers), dtype, graphs)
+        vocab = sum(t.numel() for name, t in checkpoint.weights.items()
+                    if name.endswith(("embed_tokens.weight", "lm_head.weight"))) * dtype.itemsize
+        return verifier_bytes(checkpoint.config, weights, num_slots, max_len, len(tap_layers), dtype, graphs,
+                              tensor_parallel_size, vocab)
 
     @property
     def max_len(self) -> int:

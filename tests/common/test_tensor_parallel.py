@@ -1,0 +1,112 @@
+"""Tensor parallelism on the CPU (gloo, two ranks; common/tensor_parallel.py): speculative output equals plain
+decoding at the same tensor_parallel_size, one prompt and batched, every method; and a rank killed mid-stream ends
+its replica's requests UNAVAILABLE while the other replica serves and the lost one comes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from blockspec.common.models import load_checkpoint
+from blockspec.common.tensor_parallel import shard_config, unsupported
+from blockspec.protos import api_pb2
+from tests.services.test_serve import CONFIG, spawn_serve, stop_serve, wait_for
+
+NEW = 24
+# One process per run: the calling process leads the ranks (torch.distributed's group is per process).
+SCRIPT = """
+import json, sys
+from blockspec.services.serving.engine import Engine
+target, drafter, method, world, prompts = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
+e = Engine(target, drafter, method, max_batch=4, tensor_parallel_size=world, threads=1)
+out = {}
+for k in (0, 3):
+    alone = list(e.complete([e.request(f"a{k}", prompts[0], NEW, k)])[0].token_ids)
+    batched = [list(f.token_ids) for f in e.complete([e.request(f"b{i}-{k}", p, NEW, k) for i, p in enumerate(prompts)])]
+    out[k] = {"alone": alone, "batched": batched}
+print(json.dumps(out))
+""".replace("NEW", str(NEW))
+
+
+def run(target, drafter, method: str, world: int, prompts) -> dict:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(target), str(drafter or ""), method, str(world),
+                           json.dumps(prompts)], capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {int(k): v for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize(("family", "method"), [("qwen3", "dflash"), ("qwen2", "draft_model"), ("llama", "ngram")])
+def test_two_ranks_speculative_equals_plain_at_the_same_size(tiny_models, dflash_drafters, prompts, family, method):
+    drafter = {"dflash": dflash_drafters.get(f"{family}-trained"), "draft_model": tiny_models[family]["other"],
+               "ngram": None}[method]
+    chosen = [p[:40] for p in prompts[:3]]
+    out = run(tiny_models[family]["target"], drafter, method, 2, chosen)
+    assert out[3]["batched"] == out[0]["batched"]  # speculative == plain at tensor_parallel_size 2
+    assert out[3]["alone"] == out[0]["alone"] == out[0]["batched"][0]  # one prompt alone == the same in a batch
+    one = run(tiny_models[family]["target"], None, "ngram", 1, chosen)[0]["batched"]
+    same = sum(a == b for x, y in zip(out[0]["batched"], one) for a, b in zip(x, y))
+    print(f"{family}: tensor_parallel_size 2 agrees with 1 on {same} of {sum(map(len, one))} tokens")
+
+
+def test_what_does_not_split_is_named(tiny_models, tmp_path):
+    cfg = load_checkpoint(tiny_models["qwen3"]["target"], with_weights=False).config
+    assert unsupported(cfg, 1) is None and unsupported(cfg, 2) is None
+    assert "num_attention_heads 4 does not divide by 3" in unsupported(cfg, 3)
+    part = shard_config(cfg, 2)
+    assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (2, 1, cfg.intermediate_size // 2)
+    bad = tmp_path / "tp3.yaml"
+    bad.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=tiny_models["qwen3"]["other"])
+                   .replace("tensor_parallel_size: 1", "tensor_parallel_size: 3"))
+    proc = subprocess.run([sys.executable, "-m", "blockspec.services.cli", "serve", "--config", str(bad), "--no-ray"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "model.tensor_parallel_size: 3: its num_attention_heads 4" in proc.stderr
+
+
+def follower_pids(proc: subprocess.Popen) -> list[int]:
+    return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+            if "blockspec.common.tensor_parallel" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow  # two replicas of two ranks and a drafter each, one replaced: about a minute
+def test_a_rank_killed_mid_stream_ends_its_requests_unavailable_and_the_replica_comes_back(
+        tiny_models, dflash_drafters, tmp_path, prompts):
+    cfg = tmp_path / "tp.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
+                   .replace("  max_batch: 4\n", "  max_batch: 2\n  replicas: 2\n"))
+    info = spawn_serve("--config", str(cfg), "--no-ray")
+    try:
+        stub = info["stub"]
+        assert len(follower_pids(info["proc"])) == 2
+        long = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=400,
+                                       num_speculative_tokens=0)
+        streams = [stub.Generate(long, timeout=120) for _ in range(4)]  # two on each replica
+        for s in streams:
+            next(s)
+        os.kill(follower_pids(info["proc"])[0], signal.SIGKILL)
+        codes = []
+        for s in streams:
+            try:
+                list(s)
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(e.code().name)
+        assert "UNAVAILABLE" in codes and "OK" in codes, codes  # the lost replica's, and the other one's
+        assert wait_for(lambda: len(follower_pids(info["proc"])) == 2, 120)  # the replica again, both ranks
+        time.sleep(1)
+        for i in range(3):  # speculative == plain decoding, at tensor_parallel_size 2
+            tokens = [[t for m in stub.Generate(api_pb2.GenerateRequest(
+                token_ids=api_pb2.TokenIds(ids=prompts[i]), max_tokens=64, **k), timeout=120) for t in m.token_ids]
+                for k in ({}, {"num_speculative_tokens": 0})]
+            assert tokens[0] == tokens[1]
+    finally:
+        stop_serve(info)
