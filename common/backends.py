@@ -35,16 +35,17 @@ def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = No
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if tensor_parallel_size > 1:
         from blockspec.common import tensor_parallel as tp
+        from blockspec.common import tp_ranks
 
         why = tp.unsupported(checkpoint.config, tensor_parallel_size)
         if why is not None or backend == "graphs":
             raise InvalidArgument("tensor_parallel_size", f"{tensor_parallel_size}: {why or 'the CUDA runner runs one device'}")
         dev = torch.device(device)
         max_len = min(max_len or checkpoint.config.max_position_embeddings, checkpoint.config.max_position_embeddings)
-        address = tp.start_followers(tensor_parallel_size, str(checkpoint.path), num_slots, max_len, query_width,
+        address = tp_ranks.start_followers(tensor_parallel_size, str(checkpoint.path), num_slots, max_len, query_width,
                                      dtype, dev)
         tp.init(0, tensor_parallel_size, address, dev)
-        return tp.LeadRunner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, dev,
+        return tp_ranks.LeadRunner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, dev,
                              tp=(0, tensor_parallel_size))
     reason = unsupported(checkpoint.config)
     if uses_cuda_runner(checkpoint.config, torch.device(device), backend):

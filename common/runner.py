@@ -15,6 +15,7 @@ from blockspec.common.hybrid import HybridDecoder
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.models import Checkpoint
 from blockspec.common.state_cache import HybridKVCache
+from blockspec.common.tensor_parallel import shard
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class ForwardResult:
         return list(self.tap_rows.split(list(self.lengths))) if self.tap_rows is not None else []
 
 
-def decoder_class(cfg) -> type[Decoder] | type[HybridDecoder]:
+def decoder_class(cfg) -> type[Decoder | HybridDecoder]:
     """The decoder module a config needs: the hybrid one for Qwen3.5-style layer types."""
     return HybridDecoder if cfg.hybrid else Decoder
 
@@ -120,8 +121,6 @@ class Runner:
             raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
         self.model = build_decoder(checkpoint, dtype)
         if tp[1] > 1:
-            from blockspec.common.tensor_parallel import shard
-
             self.model = shard(self.model, *tp)
         self.model = self.model.to(self.device)
         if self.device.type == "cpu":

@@ -78,14 +78,16 @@ class Release:
 class Fleet:
     """The releases of one server: `active` (new requests), at most one candidate and at most one previous release
     in its grace period. Its methods run on the router's event loop. starter(cfg, prefix) returns start_replica for
-    another version's config (None: this server cannot start roles, and `start` is refused)."""
+    another version's config (None: this server cannot start roles, and `start` is refused); plan(cfg) checks a
+    config and resolves its method (serve.plan)."""
 
     def __init__(self, router: RouterServer, active: Release,
                  starter: Callable[[BlockspecConfig, str], Callable[[int], tuple]] | None = None,
-                 make_loop: Callable[[BlockspecConfig], Callable[[tuple], StepLoop]] | None = None) -> None:
+                 make_loop: Callable[[BlockspecConfig], Callable[[tuple], StepLoop]] | None = None,
+                 plan: Callable | None = None) -> None:
         self.router, self.active = router, active
         self.releases = [active]
-        self.starter, self.loop_for = starter, make_loop
+        self.starter, self.loop_for, self.plan = starter, make_loop, plan
         self.tasks: set[asyncio.Task] = set()
         self.switched_at: float | None = None  # time.monotonic() of the last promote or rollback
         active.version = router.service.version
@@ -135,9 +137,7 @@ class Fleet:
             raise RolloutError(f"version {busy.name} is {busy.state}: promote it or roll it back first")
         if any(r.name == cfg.version for r in self.releases):
             raise RolloutError(f"version {cfg.version} already runs here: give the new one its own model.version")
-        from blockspec.services.serving.serve import plan
-
-        plan(cfg)  # the config's own errors (a missing checkpoint, a bad method) now, naming the key
+        self.plan(cfg)  # the config's own errors (a missing checkpoint, a bad method) now, naming the key
         previous = self._with("grace")
         if previous is not None:  # a rollback goes to the newest only: the older one finishes its streams now
             log.info("rollout: version %s leaves its grace period early: a new version starts", previous.name)
@@ -209,7 +209,8 @@ class Fleet:
                 raise RuntimeError(f"a replica did not start: {failed[0]}")
             release.next_index = count
             loops = [await asyncio.to_thread(release.make_loop, pair) for pair in started]
-            facts = await asyncio.to_thread(_facts, release.cfg, loops[0])
+            method = self.plan(release.cfg).method
+            facts = await asyncio.to_thread(_facts, release.cfg, method, loops[0])
             release.version = await start_version(loops, facts, self.router.service.metrics)
             release.roles = {id(s): pair for s, pair in zip(release.version.schedulers, started, strict=True)}
             self.router.service.versions[release.name] = release.version
@@ -310,12 +311,10 @@ class Fleet:
                     close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
 
 
-def _facts(cfg: BlockspecConfig, loop: StepLoop):
+def _facts(cfg: BlockspecConfig, method: str, loop: StepLoop):
     from blockspec.services.serving.launch import role_facts
-    from blockspec.services.serving.serve import plan
 
-    spec = cfg.model.spec_decode
-    return role_facts((loop.verifier, loop.drafter), plan(cfg).method, spec.num_speculative_tokens, cfg.version)
+    return role_facts((loop.verifier, loop.drafter), method, cfg.model.spec_decode.num_speculative_tokens, cfg.version)
 
 
 def run_checks(cfg: BlockspecConfig, where: str) -> list:

@@ -380,7 +380,8 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         state["replicas"] = start_roles()
         router_over = router_over or (lambda replicas, keys, tls: _split_router(cfg, p, host, grpc_port, replicas,
                                                                                  keys, tls))
-        return asyncio.run(route(cfg, router_over, http.server_port, state, keys, tls, _readiness(state), starter))
+        return asyncio.run(route(cfg, router_over, http.server_port, state, keys, tls, _readiness(state), starter,
+                                 plan))
     finally:
         http.shutdown()
         fleet = state.get("fleet")

@@ -14,6 +14,7 @@ import time
 import grpc
 import psutil
 import pytest
+import torch
 
 from blockspec.common.models import load_checkpoint
 from blockspec.common.tensor_parallel import shard_config, unsupported
@@ -26,7 +27,9 @@ SCRIPT = """
 import json, sys
 from blockspec.services.serving.engine import Engine
 target, drafter, method, world, prompts = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
-e = Engine(target, drafter, method, max_batch=4, tensor_parallel_size=world, threads=1)
+device = sys.argv[6]
+e = Engine(target, drafter, method, max_batch=4, tensor_parallel_size=world, device=device,
+           threads=1 if device == "cpu" else None)
 out = {}
 for k in (0, 3):
     alone = list(e.complete([e.request(f"a{k}", prompts[0], NEW, k)])[0].token_ids)
@@ -36,9 +39,9 @@ print(json.dumps(out))
 """.replace("NEW", str(NEW))
 
 
-def run(target, drafter, method: str, world: int, prompts) -> dict:
+def run(target, drafter, method: str, world: int, prompts, device: str = "cpu") -> dict:
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(target), str(drafter or ""), method, str(world),
-                           json.dumps(prompts)], capture_output=True, text=True, timeout=300, check=False,
+                           json.dumps(prompts), device], capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {int(k): v for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
@@ -57,6 +60,15 @@ def test_two_ranks_speculative_equals_plain_at_the_same_size(tiny_models, dflash
     print(f"{family}: tensor_parallel_size 2 agrees with 1 on {same} of {sum(map(len, one))} tokens")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL between them); the device "
+                                                           "machines lent here have one")
+def test_on_two_gpus_speculative_equals_plain_at_the_same_size(tiny_models, prompts):
+    chosen = [p[:40] for p in prompts[:3]]
+    out = run(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", 2, chosen, "cuda")
+    assert out[3]["batched"] == out[0]["batched"] and out[3]["alone"] == out[0]["batched"][0]
+
+
 def test_what_does_not_split_is_named(tiny_models, tmp_path):
     cfg = load_checkpoint(tiny_models["qwen3"]["target"], with_weights=False).config
     assert unsupported(cfg, 1) is None and unsupported(cfg, 2) is None
@@ -73,7 +85,7 @@ def test_what_does_not_split_is_named(tiny_models, tmp_path):
 
 def follower_pids(proc: subprocess.Popen) -> list[int]:
     return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-            if "blockspec.common.tensor_parallel" in " ".join(p.cmdline())]
+            if "blockspec.common.tp_ranks" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow  # two replicas of two ranks and a drafter each, one replaced: about a minute

@@ -10,20 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.test_serve import CONFIG, generate, role_pids, spawn_serve, stop_serve, wait_for
+from tests.services.test_serve import CONFIG, generate, metric, role_pids, spawn_serve, stop_serve, wait_for
 
 
 def gauge(port: int, name: str, labels: str = "") -> float | None:
-    """The sum of `name`'s series on /metrics whose labels include `labels` (`{state="ready"}`; every series also
-    carries its version)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-              if s.name == name and wanted.items() <= s.labels.items()]
-    return sum(values) if values else None
+        return metric(r.read().decode(), name, labels)
 
 
 AUTOSCALING = ("  max_batch: 1\n  autoscaling: {min_replicas: 1, max_replicas: 2, target_waiting_per_replica: 1, "

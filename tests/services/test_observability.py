@@ -4,7 +4,6 @@ receiver (the opentelemetry-proto service) and scraped by Debian's real `prometh
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +19,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from blockspec.common import tracing
 from blockspec.protos import api_pb2
 from tests.services.router.test_server import collect
-from tests.services.test_serve import CONFIG, spawn_serve, stop_serve
+from tests.services.test_serve import CONFIG, metric, spawn_serve, stop_serve
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -56,8 +55,7 @@ def metrics_text(port: int) -> str:
 
 
 def sample(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric(text, name, labels) or 0.0
 
 
 @pytest.fixture(scope="module")

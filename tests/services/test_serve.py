@@ -29,6 +29,17 @@ CONFIG = (SEED.replace('"/data/models/target_model"', '"{target}"').replace('"/d
           .replace("  port: 8000\n", "  port: 0\n  grpc_port: 0\n  max_batch: 4\n"))
 
 
+def metric(text: str, name: str, labels: str = "") -> float | None:
+    """The sum of `name`'s series in Prometheus text whose labels include `labels` (`{state="ready"}`; every series
+    also carries its serving version); None where none has them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == name and wanted.items() <= s.labels.items()]
+    return sum(values) if values else None
+
+
 def http_status(port: int, path: str = "/health") -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:

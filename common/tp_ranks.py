@@ -1,0 +1,112 @@
+"""The ranks of a target split with tensor parallelism (common/tensor_parallel.py): rank 0 leads in the verifier's
+process (`LeadRunner`), the others are its child processes (`start_followers`, `python -m blockspec.common.tp_ranks`)
+that run each step the lead sends (`follow`) and end with it."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from blockspec.common.runner import ForwardResult, Runner, Segment
+from blockspec.common.tensor_parallel import exit_on_lost_rank, free_port, init
+
+log = logging.getLogger(__name__)
+
+
+class LeadRunner(Runner):
+    """Rank 0's runner: before each forward it sends the step - each segment and its slot's length - to the other
+    ranks, which run the same forward on their shards (`follow`)."""
+
+    def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
+        starts = self.starts(segments)  # a step that does not fit is refused before the others see it
+        try:
+            dist.broadcast_object_list([[(s.slot, tuple(s.token_ids), s.last_only, start)
+                                         for s, start in zip(segments, starts)]], src=0)
+            return super().forward(segments, tap_dest)
+        except Exception as e:  # a rank gone, or one failed: the ranks are out of step for good
+            exit_on_lost_rank(e)
+            raise
+
+    def close(self) -> None:
+        """The other ranks stop (the lead's process ends after this)."""
+        with contextlib.suppress(RuntimeError):
+            dist.broadcast_object_list([None], src=0)
+
+
+def follow(runner: Runner) -> None:
+    """A rank other than 0: run each step the lead sends, until it sends None; a lead that is gone ends this
+    process."""
+    while True:
+        step = [None]
+        try:
+            dist.broadcast_object_list(step, src=0)
+            if step[0] is None:
+                return
+            segments = []
+            for slot, tokens, last_only, start in step[0]:
+                runner.cache.set_length(slot, start)
+                segments.append(Segment(slot, tokens, last_only))
+            runner.forward(segments)
+        except Exception as e:  # noqa: BLE001 - the lead gone, or this rank failed: the ranks are out of step
+            exit_on_lost_rank(e)
+
+
+def run_follower(rank: int, world: int, address: str, target: str, num_slots: int, max_len: int,
+                 query_width: int | None, dtype: str, device: str, threads: int, lead: int) -> None:
+    """A follower process's whole life: load, join, follow; it ends with its lead (pid `lead`) however that ends."""
+    from blockspec.common.models import load_checkpoint
+
+    def watch() -> None:
+        while os.getppid() == lead:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lead-watch", daemon=True).start()
+    torch.set_num_threads(threads)
+    dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    init(rank, world, address, dev)
+    runner = Runner(load_checkpoint(target), num_slots, max_len, query_width, (), getattr(torch, dtype), dev,
+                    tp=(rank, world))
+    follow(runner)
+    dist.destroy_process_group()
+
+
+_followers: list[subprocess.Popen] = []
+
+
+def start_followers(world: int, target: str, num_slots: int, max_len: int, query_width: int | None,
+                    dtype: torch.dtype, device: torch.device) -> str:
+    """Ranks 1..world-1 as child processes of this one (`python -m blockspec.common.tp_ranks`; each ends with
+    this process); the process group's address, for this process to join as rank 0."""
+    address = f"127.0.0.1:{free_port()}"
+    threads = max(1, torch.get_num_threads() // world)
+    for rank in range(1, world):
+        args = [rank, world, address, target, num_slots, max_len, query_width, str(dtype).split(".")[-1],
+                device.type, threads, os.getpid()]
+        _followers.append(subprocess.Popen([sys.executable, "-m", "blockspec.common.tp_ranks", json.dumps(args)]))
+    if len(_followers) == world - 1:
+        atexit.register(_stop_followers)
+    return address
+
+
+def _stop_followers() -> None:
+    for proc in _followers:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    run_follower(*json.loads(sys.argv[1]))
