@@ -107,7 +107,7 @@ def chat_target(tiny_models, tmp_path_factory) -> Path:
 def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""
     from blockspec.common.models import load_checkpoint
-    from blockspec.services.build.distill import DistillConfig, greedy_continuations, train_drafter
+    from blockspec.services.build.distill import DistillConfig, continuations, train_drafter
     from blockspec.services.build.tiny import build_tiny_drafter
     from blockspec.services.drafter.dflash import draft_vocab
 
@@ -117,7 +117,7 @@ def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]
     text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
     ids = tokenizer.encode(text)
     prompts = [ids[97 * i : 97 * i + 24] for i in range(64)]
-    sequences = greedy_continuations(target, prompts, 64, progress=False)
+    sequences = continuations(target, prompts, 64, progress=False)
     train_drafter(target, root / "qwen3-trained", sequences, [24] * len(prompts), DistillConfig(steps=150), progress=False)
     out["qwen3-trained"] = root / "qwen3-trained"
     # The same drafter with a draft vocabulary: the 128 most frequent tokens of its supervision, of 320.

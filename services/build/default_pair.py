@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from blockspec.services.build.assistant import AssistantConfig, train_assistant
-from blockspec.services.build.distill import DistillConfig, greedy_continuations, train_drafter
+from blockspec.services.build.distill import DistillConfig, continuations, train_drafter
 
 log = logging.getLogger(__name__)
 
@@ -88,33 +88,40 @@ def _tiny_target(out: Path, seed: int) -> list[int]:
 def distill(target: Path, out: Path, token_ids, n_prompts: int, prompt_len: int, new_tokens: int,
             cfg: DistillConfig, progress: bool = True, prompt_seeds: tuple[int, ...] | None = None) -> None:
     """Prompts = random windows of `token_ids` (n_prompts per seed in `prompt_seeds`, default the config's
-    seed); supervision = the target's greedy continuations."""
-    sequences = supervision(target, token_ids, n_prompts, prompt_len, new_tokens, prompt_seeds or (cfg.seed,), progress)
+    seed); supervision = the target's continuations at the config's temperatures."""
+    sequences = supervision(target, token_ids, n_prompts, prompt_len, new_tokens, prompt_seeds or (cfg.seed,), progress,
+                            cfg.temperatures)
     train_drafter(target, out, sequences, [prompt_len] * len(sequences), cfg, progress)
 
 
 def supervision(target: Path, token_ids, n_prompts: int, prompt_len: int, new_tokens: int,
-                prompt_seeds: tuple[int, ...], progress: bool = True) -> list[list[int]]:
-    """n_prompts random windows of `token_ids` per seed, each followed by the target's greedy continuation."""
+                prompt_seeds: tuple[int, ...], progress: bool = True,
+                temperatures: tuple[float, ...] = (0.0,)) -> list[list[int]]:
+    """n_prompts random windows of `token_ids` per seed, each followed by the target's continuation (window i's at
+    temperatures[i % n], 0: greedy)."""
     sequences = []
     for seed in prompt_seeds:
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, len(token_ids) - prompt_len, size=n_prompts)
         prompts = [[int(t) for t in token_ids[s : s + prompt_len]] for s in starts]
-        sequences += cached_continuations(target, prompts, new_tokens, progress)
+        sequences += cached_continuations(target, prompts, new_tokens, progress, temperatures, seed)
     return sequences
 
 
-def cached_continuations(target: Path, prompts: list[list[int]], new_tokens: int, progress: bool = True) -> list[list[int]]:
-    """greedy_continuations, cached on disk by (target weights, prompts, new_tokens): a rerun is cheap."""
-    key = hashlib.sha256(json.dumps([prompts, new_tokens]).encode())
+def cached_continuations(target: Path, prompts: list[list[int]], new_tokens: int, progress: bool = True,
+                         temperatures: tuple[float, ...] = (0.0,), seed: int = 0) -> list[list[int]]:
+    """`continuations`, cached on disk by (target weights, prompts, new_tokens, and where any is sampled the
+    temperatures and seed): a rerun is cheap."""
+    greedy = all(t == 0 for t in temperatures)
+    key = hashlib.sha256(json.dumps([prompts, new_tokens] + ([] if greedy else [list(temperatures), seed])).encode())
     for f in sorted(Path(target).glob("*.safetensors")):
         key.update(f.read_bytes())
     cache = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "supervision"
     path = cache / f"{key.hexdigest()[:24]}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    sequences = greedy_continuations(target, prompts, new_tokens, batch=32, progress=progress)
+    sequences = continuations(target, prompts, new_tokens, batch=32, progress=progress, temperatures=temperatures,
+                              seed=seed)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(sequences))
@@ -136,6 +143,9 @@ BASE_SUPERVISION = 8192  # prompts whose greedy continuations supervise the ship
 BASE_REFINE = replace(BASE_DISTILL, lr=1e-3, warmup_steps=50, seed=1, feature_dtype="float16")
 # Stage 3: warm start from stage 2, four times the supervision (prompt seeds 0-3), half its learning rate.
 BASE_STAGE3 = replace(BASE_REFINE, lr=5e-4, seed=2)
+# Stage 4, for requests that sample: warm start from stage 3; the target's continuations greedy and sampled at T 0.7
+# and 1.0 in turn (prompt seed 4), and the soft term on its distribution at each drafted slot.
+BASE_SAMPLED = replace(BASE_STAGE3, temperatures=(0.0, 0.7, 1.0), kl_weight=1.0, seed=4, steps=3000)
 
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:

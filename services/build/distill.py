@@ -1,5 +1,7 @@
-"""Distil a DFlash-2 drafter from a target: sequence-level distillation on the target's own greedy
-continuations, random anchors, decay-weighted block cross-entropy plus the path selector's loss."""
+"""Distil a DFlash-2 drafter from a target: sequence-level distillation on the target's own continuations (greedy,
+or sampled at the temperatures requests use), random anchors, decay-weighted block cross-entropy, a soft term on the
+target's distribution at each drafted slot (KL(p || q), from its top tokens), plus the path selector's loss; the
+training state saved every `checkpoint_every` steps, so that a rerun resumes."""
 
 from __future__ import annotations
 
@@ -47,6 +49,12 @@ class DistillConfig:
     seed: int = 0
     init_from: str | None = None  # warm start from this drafter checkpoint (same shapes): a refinement stage
     feature_dtype: str = "float32"  # tap features kept in memory as this ("float16" halves a large run's RAM)
+    # The supervision: continuation i is the target's at temperatures[i % n] (0: greedy), seeded by (seed, i).
+    temperatures: tuple[float, ...] = (0.0,)
+    kl_weight: float = 0.0  # weight of the soft term: cross-entropy to the target's distribution at each slot
+    kl_temperature: float = 1.0  # the target's distribution for that term: softmax(logits / this)
+    kl_top_k: int = 32  # kept per position: the target's top tokens and their probabilities (renormalised)
+    checkpoint_every: int = 250  # steps between saves of the training state (out_dir/train_state.pt)
 
 
 def default_taps(num_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -68,14 +76,17 @@ def drafter_config(target_dir: str | Path, cfg: DistillConfig) -> DFlashConfig:
     )
 
 
-def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int = 16,
-                         progress: bool = True) -> list[list[int]]:
-    """The supervision: prompt + the target's own greedy continuation, for every prompt."""
+def continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int = 16,
+                  progress: bool = True, temperatures: Sequence[float] = (0.0,), seed: int = 0) -> list[list[int]]:
+    """The supervision: prompt + the target's own continuation, for every prompt; prompt i's sampled at
+    temperatures[i % n] (0: greedy) with the seed (seed, i), so that the same arguments give the same sequences."""
+    from blockspec.common.sampling import SamplingParams
     from blockspec.services.serving.engine import Engine
 
     engine = Engine(target_dir, None, "none", max_batch=batch, max_len=max(len(p) for p in prompts) + new_tokens,
                     threads=torch.get_num_threads())
-    requests = [engine.request(str(i), p, new_tokens) for i, p in enumerate(prompts)]
+    requests = [engine.request(str(i), p, new_tokens, sampling=SamplingParams(
+        temperature=temperatures[i % len(temperatures)], seed=(seed << 32) + i)) for i, p in enumerate(prompts)]
     with tqdm(total=len(prompts), desc="target continuations", unit="seq", disable=not progress) as bar:
         done = engine.complete(requests, on_finish=lambda _: bar.update())
     return [list(r.prompt_ids) + list(e.token_ids) for r, e in zip(requests, done)]
@@ -83,33 +94,45 @@ def greedy_continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]
 
 @torch.inference_mode()
 def tap_features(runner: Runner, sequences: Sequence[Sequence[int]], batch: int = 8,
-                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+                 dtype: torch.dtype = torch.float32, top_k: int = 0, temperature: float = 1.0):
     """Target tap features [len, n_taps * H] of every position of every sequence: views of one tensor of
     `dtype`, filled batch by batch: per-batch fp32 results kept until the end take far more memory, and
-    per-sequence copies fragment the heap."""
+    per-sequence copies fragment the heap. top_k > 0: also the target's next-token distribution at every position
+    (softmax(logits / temperature)) as its top_k ids [len, top_k] and probabilities [len, top_k] (fp16, renormalised);
+    returns (features, ids, probs), each a list over the sequences."""
     lengths = [len(seq) for seq in sequences]
     width = len(runner.tap_layers) * runner.config.hidden_size
     store = torch.empty(sum(lengths), width, dtype=dtype)  # [all sequences' tokens, n_taps * H]
+    ids = torch.empty(sum(lengths), top_k, dtype=torch.int32) if top_k else None
+    probs = torch.empty(sum(lengths), top_k, dtype=torch.float16) if top_k else None
     offset = 0
     for i in range(0, len(sequences), batch):
         chunk = sequences[i : i + batch]
         slots = [runner.cache.allocate() for _ in chunk]
-        # last_only: the LM head over one row per sequence; the taps cover every row.
-        rows = runner.forward([Segment(s, list(seq), last_only=True) for s, seq in zip(slots, chunk)]).tap_rows
+        # last_only without top_k: the LM head over one row per sequence; the taps cover every row.
+        out = runner.forward([Segment(s, list(seq), last_only=not top_k) for s, seq in zip(slots, chunk)])
+        rows = out.tap_rows
         store[offset : offset + len(rows)] = rows
+        if top_k:
+            p, j = torch.softmax(torch.cat(out.logits) / temperature, dim=-1).topk(top_k, dim=-1)
+            ids[offset : offset + len(rows)] = j
+            probs[offset : offset + len(rows)] = p / p.sum(-1, keepdim=True)
         offset += len(rows)
         for s in slots:
             runner.cache.release(s)
-    return list(store.split(lengths))
+    if not top_k:
+        return list(store.split(lengths))
+    return list(store.split(lengths)), list(ids.split(lengths)), list(probs.split(lengths))
 
 
 class _Batcher:
     """Random anchors in the continuation part of the sequences; builds the drafter's training inputs."""
 
-    def __init__(self, sequences, prompt_lens, features, block_size, rng: np.random.Generator) -> None:
+    def __init__(self, sequences, prompt_lens, features, block_size, rng: np.random.Generator, soft=None) -> None:
         self.block_size, self.rng = block_size, rng
         # An anchor a needs labels a+1 .. a+B-1 inside the sequence, from the target's own continuation.
-        self.items = [(seq, feat, p - 1) for seq, feat, p in zip(sequences, features, prompt_lens)
+        soft = list(zip(*soft)) if soft is not None else [None] * len(sequences)  # per sequence: (ids, probs)
+        self.items = [(seq, feat, p - 1, s) for seq, feat, p, s in zip(sequences, features, prompt_lens, soft)
                       if len(seq) - block_size >= p - 1 >= 1]
         if not self.items:
             raise ValueError("no sequence is long enough for one block")
@@ -118,19 +141,26 @@ class _Batcher:
         pick = self.rng.choice(len(self.items), size=min(n_seq, len(self.items)), replace=False)
         length = max(len(self.items[i][0]) for i in pick)
         feats = torch.zeros(len(pick), length, self.items[pick[0]][1].shape[-1])  # [b, S, n_taps * H], zero-padded
-        seq_of, anchors, blocks = [], [], []
+        seq_of, anchors, blocks, soft_ids, soft_p = [], [], [], [], []
         for b, i in enumerate(pick):
-            seq, feat, first = self.items[i]
+            seq, feat, first, soft = self.items[i]
             feats[b, : len(seq)] = feat
             for a in self.rng.integers(first, len(seq) - self.block_size + 1, size=n_anchor):
                 seq_of.append(b)
                 anchors.append(int(a))
                 blocks.append(seq[a : a + self.block_size])
-        return feats, torch.tensor(seq_of), torch.tensor(anchors), torch.tensor(blocks)  # blocks [R, B]: anchor + labels
+                if soft is not None:  # slot k's label is token a + k: the target's distribution at position a + k - 1
+                    soft_ids.append(soft[0][a : a + self.block_size - 1])
+                    soft_p.append(soft[1][a : a + self.block_size - 1])
+        soft = (torch.stack(soft_ids).long(), torch.stack(soft_p).float()) if soft_ids else None  # [R, B - 1, K]
+        # blocks [R, B]: anchor + labels
+        return feats, torch.tensor(seq_of), torch.tensor(anchors), torch.tensor(blocks), soft
 
 
-def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: DistillConfig) -> tuple[torch.Tensor, dict]:
-    feats, seq_of, anchors, blocks = batch
+def draft_block(model: DFlashDrafter, embedding, lm_head, cos, sin, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's forward over a batch's blocks [anchor, MASK...] -> (hidden, logits) of the draft slots
+    [R, B - 1, H] and [R, B - 1, V]."""
+    feats, seq_of, anchors, blocks, _ = batch
     dc = model.cfg
     S, B = feats.shape[1], dc.block_size
     ctx_h = model.context(feats)  # [b, S, H]
@@ -141,13 +171,26 @@ def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: D
     block_ids[:, 0] = blocks[:, 0]
     ctx = DrafterContext(layer_kv, visible, (cos[positions][:, None], sin[positions][:, None]), dc, positions)
     hidden = model(model.block_embeds(embedding, block_ids), ctx)[:, 1:]  # [R, B - 1, H]
-    logits = model.draft_logits(hidden, lm_head)  # [R, B - 1, V]
+    return hidden, model.draft_logits(hidden, lm_head)
+
+
+def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: DistillConfig) -> tuple[torch.Tensor, dict]:
+    _, _, _, blocks, soft = batch
+    B = model.cfg.block_size
+    hidden, logits = draft_block(model, embedding, lm_head, cos, sin, batch)
     labels = blocks[:, 1:]  # [R, B - 1]
     weights = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / cfg.decay_gamma)  # slot k weight, k = 1..B-1
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     loss = (ce * weights).sum() / (weights.sum() * labels.shape[0])
     stats = {"ce": float(ce.detach().mean()), "top1": float((logits.argmax(-1) == labels).float().mean())}
-    if dc.selector_rank:
+    if cfg.kl_weight and soft is not None:  # cross-entropy to the target's distribution: KL(p || q) + H(p)
+        ids, p = soft
+        log_q = F.log_softmax(logits.float(), dim=-1).gather(-1, ids)  # [R, B - 1, K]
+        soft_ce = -(p * log_q).sum(-1)
+        loss = loss + cfg.kl_weight * (soft_ce * weights).sum() / (weights.sum() * labels.shape[0])
+        entropy = -(p * p.clamp_min(1e-12).log()).sum(-1)
+        stats["kl"] = float((soft_ce - entropy).detach().mean())
+    if model.cfg.selector_rank:
         sel = model.candidate_selector
         unary, candidates = logits.topk(sel.top_k, dim=-1)  # [R, B - 1, top_k]
         hit = candidates == labels[..., None]
@@ -164,12 +207,18 @@ def train_drafter(
     target_dir: str | Path, out_dir: str | Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
     cfg: DistillConfig, progress: bool = True,
 ) -> DFlashDrafter:
-    """Train on prepared supervision (prompt + greedy continuation), save to out_dir, return the drafter."""
+    """Train on prepared supervision (prompt + the target's continuation), save to out_dir, return the drafter. Every
+    cfg.checkpoint_every steps the training state (weights, optimiser, schedule, random streams) goes to
+    out_dir/train_state.pt; a rerun with the same config and supervision continues from it, and ends with the drafter
+    the uninterrupted run would have given."""
     torch.manual_seed(cfg.seed)
     dcfg = drafter_config(target_dir, cfg)
     runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
                     tap_layers=dcfg.target_layer_ids)
-    features = tap_features(runner, sequences, dtype=getattr(torch, cfg.feature_dtype))
+    top_k = cfg.kl_top_k if cfg.kl_weight else 0
+    taps = tap_features(runner, sequences, dtype=getattr(torch, cfg.feature_dtype), top_k=top_k,
+                        temperature=cfg.kl_temperature)
+    features, soft = (taps[0], taps[1:]) if top_k else (taps, None)
     embedding, lm_head = runner.embedding.detach(), runner.lm_head.detach()
     model = DFlashDrafter(dcfg).train()
     if cfg.init_from:
@@ -180,11 +229,14 @@ def train_drafter(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
                                               * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
-    batcher = _Batcher(sequences, prompt_lens, features, dcfg.block_size, np.random.default_rng(cfg.seed))
-    bar = tqdm(range(cfg.steps), desc="train-drafter", disable=not progress)
+    batcher = _Batcher(sequences, prompt_lens, features, dcfg.block_size, np.random.default_rng(cfg.seed), soft)
+    state_file = Path(out_dir) / "train_state.pt"
+    identity = {"config": repr(cfg), "supervision": _digest(sequences, prompt_lens)}
+    first = _resume(state_file, identity, model, opt, sched, batcher)
+    bar = tqdm(range(first, cfg.steps), desc="train-drafter", disable=not progress, initial=first, total=cfg.steps)
     started, tokens = time.perf_counter(), 0
-    loss = torch.zeros(())
-    for _ in bar:
+    loss, stats = torch.zeros(()), {}
+    for step in bar:
         batch = batcher.sample(cfg.batch_sequences, cfg.anchors_per_sequence)
         loss, stats = block_loss(model, embedding, lm_head, cos, sin, batch, cfg)
         opt.zero_grad(set_to_none=True)
@@ -194,7 +246,65 @@ def train_drafter(
         sched.step()
         tokens += batch[3].numel()
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{stats['top1']:.2f}", tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
+        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            _save_state(state_file, identity, step + 1, model, opt, sched, batcher)
     model.eval().requires_grad_(False)
     save_drafter(model, out_dir, {"blockspec_training": {"distill": {k: v for k, v in vars(cfg).items()},
                                                          "sequences": len(sequences), "final_loss": float(loss.detach()), **stats}})
+    state_file.unlink(missing_ok=True)
     return model
+
+
+@torch.no_grad()
+def soft_overlap(model: DFlashDrafter, target_dir: str | Path, sequences: Sequence[Sequence[int]],
+                 prompt_lens: Sequence[int], cfg: DistillConfig, batches: int = 4) -> float:
+    """Mean over draft slots of sum_x min(p(x), q(x)): q the drafter's softmax, p the target's distribution (its
+    cfg.kl_top_k tokens, renormalised), on anchors drawn with a fixed seed: the acceptance the rejection rule would
+    give a q sampled at the target's temperature."""
+    dcfg = model.cfg
+    runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
+                    tap_layers=dcfg.target_layer_ids)
+    features, *soft = tap_features(runner, sequences, top_k=cfg.kl_top_k, temperature=cfg.kl_temperature)
+    batcher = _Batcher(sequences, prompt_lens, features, dcfg.block_size, np.random.default_rng(1234), soft)
+    cos, sin = rope_table(dcfg, runner.max_len + dcfg.block_size)
+    total, n = 0.0, 0
+    for _ in range(batches):
+        batch = batcher.sample(cfg.batch_sequences, cfg.anchors_per_sequence)
+        q = torch.softmax(draft_block(model, runner.embedding, runner.lm_head, cos, sin, batch)[1].float(), dim=-1)
+        ids, p = batch[4]
+        total += float(torch.minimum(p, q.gather(-1, ids)).sum(-1).sum())
+        n += ids.shape[0] * ids.shape[1]
+    return total / n
+
+
+def _digest(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([list(map(list, sequences)), list(prompt_lens)]).encode()).hexdigest()
+
+
+def _save_state(path: Path, identity: dict, step: int, model, opt, sched, batcher: _Batcher) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({**identity, "step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                "sched": sched.state_dict(), "batcher_rng": batcher.rng.bit_generator.state,
+                "torch_rng": torch.get_rng_state()}, tmp)
+    tmp.replace(path)  # whole or not at all: a kill mid-save leaves the previous state
+
+
+def _resume(path: Path, identity: dict, model, opt, sched, batcher: _Batcher) -> int:
+    """The step to start from: a saved state's, where it belongs to this config and supervision (else 0)."""
+    if not path.is_file():
+        return 0
+    state = torch.load(path, weights_only=False)
+    if {k: state.get(k) for k in identity} != identity:
+        log.warning("%s belongs to another config or supervision: training from the start", path)
+        return 0
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    batcher.rng.bit_generator.state = state["batcher_rng"]
+    torch.set_rng_state(state["torch_rng"])
+    log.info("resuming %s at step %d", path, state["step"])
+    return state["step"]

@@ -41,13 +41,23 @@ def add_model_commands(sub) -> None:
     td.add_argument("--target", required=True)
     td.add_argument("--out", required=True)
     td.add_argument("--text-file", nargs="+", required=True, help="text files or directories: prompt source")
-    td.add_argument("--prompts", type=bounded(1), default=512, help="prompts whose greedy continuations supervise")
+    td.add_argument("--prompts", type=bounded(1), default=512, help="prompts whose continuations supervise")
     td.add_argument("--prompt-len", type=bounded(1), default=64)
     td.add_argument("--new-tokens", type=bounded(1), default=128)
     td.add_argument("--steps", type=bounded(1), default=2000)
     td.add_argument("--block-size", type=bounded(2, 64), default=8, help="anchor + draft slots (k up to block size - 1)")
     td.add_argument("--layers", type=bounded(1, 64), default=1)
     td.add_argument("--seed", type=bounded(0, 2**32 - 1), default=0)
+    td.add_argument("--temperatures", type=_temperatures, default=(0.0,),
+                    help="comma list: prompt i's continuation is sampled at the i %% n-th (0: greedy; default 0). "
+                         "Requests that sample at T 0.7 want a drafter trained on such continuations, e.g. 0,0.7,1")
+    td.add_argument("--kl-weight", type=float, default=0.0,
+                    help="weight of the soft term: cross-entropy to the target's distribution at each drafted slot "
+                         "(its top tokens; default 0: the sampled tokens only)")
+    td.add_argument("--kl-temperature", type=float, default=1.0, help="the target's distribution for that term: "
+                                                                       "softmax(logits / this) (default 1)")
+    td.add_argument("--init-from", help="a drafter of the same shapes to start from (a refinement run)")
+    td.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3; lower for --init-from)")
     td.set_defaults(func=cmd_train_drafter)
     dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "
                         "(draft_vocab.json in its directory; docs/models.md)")
@@ -101,10 +111,23 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     ids = tokenizer.encode("\n".join(_read_texts(args.text_file)))
     if len(ids) < args.prompt_len + 1:
         raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")
-    cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed)
+    cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed,
+                        temperatures=args.temperatures, kl_weight=args.kl_weight, kl_temperature=args.kl_temperature,
+                        init_from=args.init_from, lr=args.lr)
     distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)
     print(f"drafter: {args.out}")
     return 0
+
+
+def _temperatures(value: str) -> tuple[float, ...]:
+    try:
+        temps = tuple(float(t) for t in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma list of numbers, e.g. 0,0.7,1") from None
+    bad = [t for t in temps if not (t == 0 or 1e-5 <= t <= 100)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]}: each temperature is 0 (greedy) or in [1e-5, 100]")
+    return temps
 
 
 def _read_texts(names: list[str]) -> list[str]:

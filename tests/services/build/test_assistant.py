@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.services.build.assistant import AssistantConfig, train_assistant
-from blockspec.services.build.distill import greedy_continuations
+from blockspec.services.build.distill import continuations as target_continuations
 from blockspec.services.cli.main import main
 
 SMALL = AssistantConfig(hidden_size=32, intermediate_size=64, num_layers=1, steps=200, batch_sequences=16,
@@ -25,7 +25,7 @@ def continuations(tiny_pair) -> list[list[int]]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = "\n".join((stdlib / n).read_text(encoding="utf-8") for n in ("textwrap.py", "string.py"))
     ids = AutoTokenizer.from_pretrained(str(tiny_pair.target)).encode(text)
-    return greedy_continuations(tiny_pair.target, [ids[41 * i : 41 * i + 16] for i in range(240)], 32, progress=False)
+    return target_continuations(tiny_pair.target, [ids[41 * i : 41 * i + 16] for i in range(240)], 32, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,51 @@
+"""Stage 4 of the shipped drafter (`default_pair.BASE_SAMPLED`) on this machine: warm start from models/base/drafter,
+supervision = the shipped target's continuations of random windows of its training corpus, greedy and sampled at
+T 0.7 and 1.0 in turn, with the soft term on the target's distribution. The corpus is the target's training files
+(services/build/corpus.py) encoded with its tokenizer, cached; the continuations are cached as `build-default`'s are;
+the training state is saved every 250 steps (a rerun resumes).
+
+    .venv/bin/python benchmarks/cpu-2core-avx2/sampled-drafter/train.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from blockspec.services.build import corpus
+from blockspec.services.build.default_pair import BASE_SAMPLED, BASE_SUPERVISION, distill
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def train_ids(target: Path) -> np.ndarray:
+    cache = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec")) / "base-train-ids.npy"
+    if cache.is_file():
+        return np.load(cache, mmap_mode="r")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    train, _ = corpus.split_files(corpus.all_files())
+    texts = list(corpus.iter_texts(train))
+    ids = [np.asarray(e.ids + [tok.eos_token_id], dtype=np.uint16)
+           for start in range(0, len(texts), 256)
+           for e in tok.backend_tokenizer.encode_batch(texts[start : start + 256], add_special_tokens=False)]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.save(cache, np.concatenate(ids))
+    return np.load(cache, mmap_mode="r")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    target, drafter = ROOT / "models" / "base" / "target", ROOT / "models" / "base" / "drafter"
+    cfg = replace(BASE_SAMPLED, init_from=str(drafter))
+    distill(target, out, train_ids(target), BASE_SUPERVISION, 64, 128, cfg, prompt_seeds=(cfg.seed,))
+    print(f"drafter: {out}")
+
+
+if __name__ == "__main__":
+    main()
