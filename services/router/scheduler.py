@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -59,6 +60,7 @@ class Scheduler:
         self._queues: dict[str, asyncio.Queue[TokenEvent | FinishEvent]] = {}  # key -> the stream's events
         self._serial = 0
         self.step_started: float | None = None  # monotonic time of the step in flight (watchdog)
+        self.lost_at = -math.inf  # monotonic time of the last step that found a role's process gone
         self.waiting = 0  # requests waiting for a slot or prefilling, at the last step (autoscaling's signal)
         self._fallbacks_seen = 0
         self.steps = 0
@@ -173,6 +175,8 @@ class Scheduler:
             events = loop.step(emit=lambda first: self._post(self._deliver, first, None))
         except Exception as error:
             gone = role_gone(error)
+            if gone:
+                self.lost_at = time.monotonic()  # new requests go to the other replicas from now on (`lost`)
             log.exception("step failed (%s); failing the running requests", "a role is gone" if gone else "an error")
             reason = "unavailable" if gone else "error"
             events = [FinishEvent(e.request_id, reason, e.token_ids, e.stats) for e in loop.cancel_all()]
@@ -271,10 +275,19 @@ class Scheduler:
                  self.step_loop.num_running, self._fallbacks_seen)
         self._interval_tokens, self._interval_started = 0, now
 
+    @property
+    def lost(self) -> bool:
+        """Whether a step found one of its roles' processes gone within LOST_HOLD_S: its requests ended UNAVAILABLE,
+        and new ones go elsewhere while the supervisor replaces it."""
+        return time.monotonic() - self.lost_at < LOST_HOLD_S
+
     def stalled(self, limit_s: float) -> bool:
         """True when a step has been running for longer than limit_s: the engine is not making progress."""
         started = self.step_started
         return started is not None and time.monotonic() - started > limit_s
+
+
+LOST_HOLD_S = 10.0  # a replica whose step found a role gone takes no new request this long (the supervisor replaces it)
 
 
 def role_gone(error: BaseException) -> bool:

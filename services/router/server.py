@@ -325,7 +325,7 @@ class GenerationService(api_grpc.GenerationServicer):
     async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int,
                       version: Version):
         """Submit to the version's least loaded replica and stream its events back."""
-        open_ = [s for s in version.schedulers if s not in version.draining] or version.schedulers
+        open_ = [s for s in version.schedulers if s not in version.draining and not s.lost] or version.schedulers
         scheduler = min(open_, key=lambda s: s.load)  # balance replicas by queue length
         stream = await self._submit(scheduler, request, tenant, context)
         metrics = version.metrics

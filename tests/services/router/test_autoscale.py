@@ -95,3 +95,32 @@ def test_a_drained_replica_finishes_its_stream_and_takes_no_new_one(tiny_models,
         assert added.replica == str(int(other.replica) + 1) and len(r.router.schedulers) == 2
     finally:
         r.close()
+
+
+def test_a_replica_whose_step_found_a_role_gone_takes_no_new_request(tiny_models, prompts, references):
+    """Scheduler.lost: from the step that found a role gone until LOST_HOLD_S later, new requests go to the other
+    replica (before the supervisor's check notices the process)."""
+    import time
+
+    from blockspec.protos import api_pb2
+    from blockspec.services.router import scheduler as scheduler_module
+    from blockspec.services.serving.engine import Engine
+    from tests.services.router.test_server import RouterThread, collect
+
+    def engine():
+        return Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
+
+    r = RouterThread(engine(), replicas=(engine(),))
+    try:
+        first, second = r.router.schedulers
+        first.lost_at = time.monotonic()
+        before = first.steps
+        for i in range(4):
+            ids, _, _ = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[i]),
+                                                                        max_tokens=8), timeout=120))
+            assert ids == references["qwen3"][i][:8]
+        assert first.steps == before and second.steps > 0
+        first.lost_at -= scheduler_module.LOST_HOLD_S  # the hold over: it is in the rotation again
+        assert not first.lost
+    finally:
+        r.close()
