@@ -5,7 +5,6 @@ that run each step the lead sends (`follow`) and end with it."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
@@ -38,15 +37,10 @@ class LeadRunner(Runner):
             exit_on_lost_rank(e)
             raise
 
-    def close(self) -> None:
-        """The other ranks stop (the lead's process ends after this)."""
-        with contextlib.suppress(RuntimeError):
-            dist.broadcast_object_list([None], src=0)
-
 
 def follow(runner: Runner) -> None:
-    """A rank other than 0: run each step the lead sends, until it sends None; a lead that is gone ends this
-    process."""
+    """A rank other than 0: run each step the lead sends; a lead that is gone (its process ended: the next collective
+    fails, or the parent watch sees it) ends this process."""
     while True:
         step = [None]
         try:
