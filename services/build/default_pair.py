@@ -38,6 +38,11 @@ class PairPaths:
         return self.root / "drafter"
 
     @property
+    def drafter_sampled(self) -> Path:
+        """The drafter refined for requests that sample (stage 4, BASE_SAMPLED): `--drafter` for chat traffic."""
+        return self.root / "drafter-sampled"
+
+    @property
     def assistant(self) -> Path:
         """An optional small causal LM (`build-assistant`): the `draft_model` method and transformers' assisted
         generation run with it."""
@@ -164,6 +169,9 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128,
             replace(BASE_STAGE3, init_from=str(paths.drafter)), prompt_seeds=(0, 1, 2, 3))
     write_base_draft_vocab(paths, train_ids)
+    distill(paths.target, paths.drafter_sampled, train_ids, BASE_SUPERVISION, 64, 128,
+            replace(BASE_SAMPLED, init_from=str(paths.drafter)), prompt_seeds=(BASE_SAMPLED.seed,))
+    shutil.copy(paths.drafter / "draft_vocab.json", paths.drafter_sampled / "draft_vocab.json")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))

@@ -35,8 +35,9 @@ def test_card_keeps_the_size_promises():
     assert len(ids) == card["draft_vocab"]["size"] == card["draft_vocab"]["vocab_size"] // 2 and int(ids[0]) == 0
 
 
-def test_dflash_on_the_shipped_pair_equals_the_target_alone():
-    engine = Engine(PAIR / "target", PAIR / "drafter", "dflash", max_batch=4)
+@pytest.mark.parametrize("drafter", ["drafter", "drafter-sampled"])
+def test_dflash_on_the_shipped_pair_equals_the_target_alone(drafter):
+    engine = Engine(PAIR / "target", PAIR / drafter, "dflash", max_batch=4)
     assert engine.proposer.vocab_ids is not None  # the shipped draft vocabulary is in use
     prompts = heldout_prompts(engine.tokenizer)
     expected = [hf_greedy(PAIR / "target", p, 64) for p in prompts]
