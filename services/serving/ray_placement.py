@@ -59,6 +59,12 @@ class RoleActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this actor, as CUDA_VISIBLE_DEVICES names them."""
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
 
 def _node_id() -> str:
     import ray
@@ -104,6 +110,12 @@ def replicas_per_gpu(cfg: BlockspecConfig, with_drafter: bool, cluster: dict) ->
     if gpus < 1:
         raise InvalidArgument("model.device", f"{cfg.model.device!r}, but the Ray cluster has no GPU "
                                               f"({cluster.get('GPU', 0):g}); serve on 'cpu' or join a cluster with GPUs")
+    ranks = cfg.model.tensor_parallel_size
+    if ranks > 1:  # a replica takes `ranks` whole GPUs on one node
+        if gpus < ranks:
+            raise InvalidArgument("model.tensor_parallel_size", f"{ranks} ranks take a GPU each; the Ray cluster has "
+                                                                f"{gpus}")
+        return 1
     return -(-most // gpus)
 
 
@@ -117,6 +129,8 @@ def place_replicas(ray, cfg: BlockspecConfig, with_drafter: bool, per_gpu: int, 
 
     gpu = ray_gpus(cfg, with_drafter, per_gpu)[0]
     ranks = cfg.model.tensor_parallel_size  # the verifier's other ranks are its child processes: a CPU each
+    if ranks > 1 and gpu:  # and a whole GPU each, on one node (one bundle is placed on one node)
+        gpu = ranks
     bundle = {"CPU": (2 if with_drafter else 1) + ranks - 1, **({"GPU": gpu} if gpu else {})}
     groups = [placement_group([bundle]) for _ in range(cfg.server.replicas if count is None else count)]
     ready = [pg.ready() for pg in groups]
@@ -138,14 +152,23 @@ def start_replica(ray, cfg: BlockspecConfig, pg, verifier_argv, drafter_argv, pe
 
     _, v_gpu, d_gpu = ray_gpus(cfg, drafter_argv is not None, per_gpu)
 
-    def actor(cls, argv, gpu: float, restarts: int):
+    def actor(cls, argv, gpu: float, restarts: int, env: dict | None = None):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
         # A socket path named after this process: a restarted actor binds the same one (grpc removes the stale file).
         path = role_socket(f"{argv[1]}-{index}") if cfg.server.unix_sockets else None
         return ray.remote(cls).options(scheduling_strategy=strategy, num_cpus=1, num_gpus=gpu, max_restarts=restarts,
-                                       max_task_retries=0, runtime_env={"env_vars": role_env()}).remote(
-            [*argv, *(("--unix-socket", path) if path else ())])
+                                       max_task_retries=0, runtime_env={"env_vars": {**role_env(), **(env or {})}}
+                                       ).remote([*argv, *(("--unix-socket", path) if path else ())])
 
+    ranks = cfg.model.tensor_parallel_size
+    if ranks > 1 and v_gpu:  # the verifier actor holds the ranks' GPUs (rank r on its r-th); the drafter joins rank 0's
+        verifier = actor(VerifierActor, verifier_argv, ranks, 0)
+        if drafter_argv is None:
+            return verifier, None
+        first = ray.get(verifier.gpu_ids.remote(), timeout=ROLE_START_TIMEOUT_S)[0]  # once the verifier has loaded
+        drafter = actor(DrafterActor, drafter_argv, 0, -1, {"CUDA_VISIBLE_DEVICES": first,
+                                                            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+        return verifier, drafter
     verifier = actor(VerifierActor, verifier_argv, v_gpu, 0)
     drafter = actor(DrafterActor, drafter_argv, d_gpu, -1) if drafter_argv else None  # Ray restarts a dead drafter
     return verifier, drafter
@@ -218,9 +241,6 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
     import ray
 
     p = plan(cfg)  # the config's own errors before Ray starts
-    if cfg.model.tensor_parallel_size > 1 and cfg.model.device.startswith("cuda"):
-        raise InvalidArgument("model.tensor_parallel_size", f"{cfg.model.tensor_parallel_size} on GPUs is served with "
-                                                            "--no-ray (each rank its GPU); on Ray only on the CPU")
     if cfg.model.device.startswith("cuda:"):  # Ray sets each actor's CUDA_VISIBLE_DEVICES: its GPU is "cuda"
         raise InvalidArgument("model.device", f"{cfg.model.device!r}: under Ray use 'cuda' (Ray assigns the GPU), "
                                               "or serve with --no-ray")

@@ -69,6 +69,24 @@ def test_on_two_gpus_speculative_equals_plain_at_the_same_size(tiny_models, prom
     assert out[3]["batched"] == out[0]["batched"] and out[3]["alone"] == out[0]["batched"][0]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices: on Ray a replica's placement group "
+                                                           "holds a GPU per rank; the device machines lent here have one")
+def test_on_ray_a_replica_takes_a_gpu_per_rank_and_stays_exact(tiny_models, dflash_drafters, tmp_path, prompts):
+    cfg = tmp_path / "tp-ray.yaml"
+    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+                   .replace("tensor_parallel_size: 1", "tensor_parallel_size: 2").replace('device: "cpu"', 'device: "cuda"'))
+    info = spawn_serve("--config", str(cfg))
+    try:
+        for i in range(3):
+            tokens = [[t for m in info["stub"].Generate(api_pb2.GenerateRequest(
+                token_ids=api_pb2.TokenIds(ids=prompts[i]), max_tokens=64, **k), timeout=120) for t in m.token_ids]
+                for k in ({}, {"num_speculative_tokens": 0})]
+            assert tokens[0] == tokens[1]
+    finally:
+        stop_serve(info)
+
+
 def test_what_does_not_split_is_named(tiny_models, tmp_path):
     cfg = load_checkpoint(tiny_models["qwen3"]["target"], with_weights=False).config
     assert unsupported(cfg, 1) is None and unsupported(cfg, 2) is None

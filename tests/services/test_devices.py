@@ -194,6 +194,10 @@ def test_ray_shares_gpus_past_one_replica_each_and_refuses_what_the_cluster_cann
     assert replicas_per_gpu(three, False, {"CPU": 5.0, "GPU": 4.0}) == 1  # plain decoding: one role a replica
     with pytest.raises(InvalidArgument, match="model.device: 'cuda', but the Ray cluster has no GPU"):
         replicas_per_gpu(three, True, {"CPU": 16.0})
+    split = replicas_config(tiny_models, dflash_drafters, 2, tensor_parallel_size=2, **cuda)  # a GPU per rank
+    assert replicas_per_gpu(split, True, {"CPU": 16.0, "GPU": 4.0}) == 1
+    with pytest.raises(InvalidArgument, match="model.tensor_parallel_size: 2 ranks take a GPU each; the Ray cluster has 1"):
+        replicas_per_gpu(split, True, {"CPU": 16.0, "GPU": 1.0})
 
 
 def test_ray_places_each_replica_on_one_gpu_and_names_replicas_it_cannot_place(tiny_models, dflash_drafters):
