@@ -132,6 +132,7 @@ class Fleet:
         if self.starter is None:
             raise RolloutError("this server cannot start roles (--inprocess or --verifier-address): no rollout")
         cfg = self.parse(text)
+        self.releases = [r for r in self.releases if r.state != "failed"]  # stopped already; kept for the status
         busy = self._with("starting", "checking", "ready")
         if busy is not None:
             raise RolloutError(f"version {busy.name} is {busy.state}: promote it or roll it back first")
@@ -204,6 +205,9 @@ class Fleet:
                                          return_exceptions=True)
             started = [p for p in pairs if not isinstance(p, BaseException)]
             release.pairs.extend(started)
+            if release.state == "retiring":  # withdrawn while its roles loaded
+                await self._stop_release(release)
+                return
             failed = [p for p in pairs if isinstance(p, BaseException)]
             if failed:
                 raise RuntimeError(f"a replica did not start: {failed[0]}")
@@ -214,11 +218,16 @@ class Fleet:
             release.version = await start_version(loops, facts, self.router.service.metrics)
             release.roles = {id(s): pair for s, pair in zip(release.version.schedulers, started, strict=True)}
             self.router.service.versions[release.name] = release.version
+            if release.state == "retiring":
+                await self._stop_release(release)
+                return
             release.state = "checking"
             await self._check(release)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever kept it from serving: said in status, the roles stopped
+            if release.state == "retiring":  # withdrawn meanwhile: its stop is under way
+                return
             log.error("rollout: version %s did not come up: %s", release.name, e)
             release.error = str(e)
             release.state = "failed"
@@ -234,6 +243,8 @@ class Fleet:
                                           release.candidate_socket)
         release.check_server = server
         release.checks = await asyncio.to_thread(run_checks, release.cfg, f"unix:{release.candidate_socket}")
+        if release.state == "retiring":  # withdrawn while its checks ran: it is stopping already
+            return
         failed = [c for c in release.checks if c.status == "fail"]
         release.state = "failed" if failed else "ready"
         release.error = "; ".join(f"{c.name}: {c.detail}" for c in failed)
