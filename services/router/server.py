@@ -325,6 +325,9 @@ class GenerationService(api_grpc.GenerationServicer):
     async def _stream(self, request: Request, tenant: str, msg, context, span, clock: _StreamClock, started: int,
                       version: Version):
         """Submit to the version's least loaded replica and stream its events back."""
+        if not version.schedulers:  # a version being stopped (a withdrawn rollout's, asked on its check socket)
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, f"version {version.name} has no replica serving; "
+                              "the request can be sent again")
         open_ = [s for s in version.schedulers if s not in version.draining and not s.lost] or version.schedulers
         scheduler = min(open_, key=lambda s: s.load)  # balance replicas by queue length
         stream = await self._submit(scheduler, request, tenant, context)
