@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from blockspec.common.config import BlockspecConfig, load_yaml, parse_config
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.router.app import SERVICE_NAME, RouterServer, close_roles, register_generation, start_version
+from blockspec.services.router.app import SERVICE_NAME, RouterServer, register_generation, start_version
 from blockspec.services.router.server import GenerationService, Version
 from blockspec.services.router.step_loop import StepLoop
 
@@ -311,15 +311,13 @@ class Fleet:
             self._retire(release)
 
     async def close(self) -> None:
+        """Cancel the rollout work in flight and close the check sockets; every version's replicas stop with the
+        router (RouterServer.stop), their roles with serve."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for release in self.releases:
             self._close_check_server(release)
-            if release is not self.active and release.version is not None:
-                for scheduler in release.version.schedulers:
-                    await scheduler.stop()
-                    close_roles((scheduler.step_loop.verifier, scheduler.step_loop.drafter))
 
 
 def _facts(cfg: BlockspecConfig, method: str, loop: StepLoop):
