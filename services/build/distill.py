@@ -1,6 +1,7 @@
 """Distil a DFlash-2 drafter from a target: sequence-level distillation on the target's own continuations (greedy,
 or sampled at the temperatures requests use), random anchors, decay-weighted block cross-entropy, a soft term on the
-target's distribution at each drafted slot (KL(p || q), from its top tokens), plus the path selector's loss; the
+target's distribution at each drafted slot (KL(p || q), from its top tokens), plus the path selector's loss (on the
+continuation's token, and with the soft term also on the target's distribution over the selector's candidates); the
 training state saved every `checkpoint_every` steps, so that a rerun resumes."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class DistillConfig:
     decay_gamma: float = 4.0  # slot weight exp(-(k - 1) / gamma): later slots matter less
     selector_loss_weight: float = 0.5
     seed: int = 0
-    init_from: str | None = None  # warm start from this drafter checkpoint (same shapes): a refinement stage
+    init_from: str | None = None  # warm start from this drafter checkpoint: a refinement stage (layers may be added)
     feature_dtype: str = "float32"  # tap features kept in memory as this ("float16" halves a large run's RAM)
     # The supervision: continuation i is the target's at temperatures[i % n] (0: greedy), seeded by (seed, i).
     temperatures: tuple[float, ...] = (0.0,)
@@ -200,6 +201,15 @@ def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: D
             sel_loss = F.cross_entropy(scores[found], hit[found].float().argmax(-1))
             loss = loss + cfg.selector_loss_weight * sel_loss
             stats["selector"] = float(sel_loss.detach())
+        if cfg.kl_weight and soft is not None:  # and to the target's distribution over the candidates
+            ids, p = soft
+            on = (candidates[..., :, None] == ids[..., None, :]).float() @ p[..., None]  # [R, B - 1, top_k, 1]
+            on = on.squeeze(-1)
+            mass = on.sum(-1, keepdim=True)
+            kept = mass.squeeze(-1) > 0
+            soft_sel = -((on / mass.clamp_min(1e-12)) * F.log_softmax(scores, dim=-1)).sum(-1)[kept].mean()
+            loss = loss + cfg.selector_loss_weight * cfg.kl_weight * soft_sel
+            stats["selector_soft"] = float(soft_sel.detach())
     return loss, stats
 
 
@@ -222,9 +232,7 @@ def train_drafter(
     embedding, lm_head = runner.embedding.detach(), runner.lm_head.detach()
     model = DFlashDrafter(dcfg).train()
     if cfg.init_from:
-        from blockspec.services.drafter.dflash.checkpoint import load_drafter
-
-        model.load_state_dict(load_drafter(cfg.init_from).state_dict())
+        warm_start(model, cfg.init_from)
     cos, sin = rope_table(dcfg, runner.max_len + dcfg.block_size)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
@@ -253,6 +261,25 @@ def train_drafter(
                                                          "sequences": len(sequences), "final_loss": float(loss.detach()), **stats}})
     state_file.unlink(missing_ok=True)
     return model
+
+
+@torch.no_grad()
+def warm_start(model: DFlashDrafter, source: str | Path) -> None:
+    """Load the drafter at `source` into `model`, which may have more layers: the source's layers come first, and
+    each added layer starts as the identity (its attention and MLP output projections zero), so the grown drafter
+    drafts exactly as the source did before its first step. Any other difference in shape is refused."""
+    from blockspec.services.drafter.dflash.checkpoint import load_drafter
+
+    old = load_drafter(source)
+    if old.cfg.num_layers > model.cfg.num_layers:
+        raise ValueError(f"{source}: {old.cfg.num_layers} layers; cannot start a drafter of {model.cfg.num_layers}")
+    missing, unexpected = model.load_state_dict(old.state_dict(), strict=False)
+    added = {f"layers.{i}." for i in range(old.cfg.num_layers, model.cfg.num_layers)}
+    if unexpected or any(not any(k.startswith(a) for a in added) for k in missing):
+        raise ValueError(f"{source}: its weights do not fit this drafter (missing {missing}, unexpected {unexpected})")
+    for layer in model.layers[old.cfg.num_layers:]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
 
 
 @torch.no_grad()

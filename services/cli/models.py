@@ -56,7 +56,7 @@ def add_model_commands(sub) -> None:
                          "(its top tokens; default 0: the sampled tokens only)")
     td.add_argument("--kl-temperature", type=float, default=1.0, help="the target's distribution for that term: "
                                                                        "softmax(logits / this) (default 1)")
-    td.add_argument("--init-from", help="a drafter of the same shapes to start from (a refinement run)")
+    td.add_argument("--init-from", help="a drafter to start from (a refinement run); with more --layers, the added ones start as the identity")
     td.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3; lower for --init-from)")
     td.set_defaults(func=cmd_train_drafter)
     dv = sub.add_parser("draft-vocab", help="restrict a DFlash drafter's LM head to the most frequent tokens of a text "

@@ -4,10 +4,12 @@ the drafter the uninterrupted run gives."""
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +47,8 @@ def test_the_soft_term_is_trained_and_an_interrupted_run_resumes_to_the_same_dra
     lens = [len(p) for p in prompts]
     whole = train_drafter(target, tmp_path / "whole", sequences, lens, SMALL, progress=False)
     meta = load_drafter(tmp_path / "whole")  # noqa: F841 - it loads: a drafter the roles can serve
+    trained = json.loads((tmp_path / "whole" / "config.json").read_text())["blockspec_training"]
+    assert trained["kl"] >= 0 and trained["selector_soft"] > 0  # both soft terms: the drafter's and the selector's
     assert not (tmp_path / "whole" / "train_state.pt").exists()
 
     real, calls = distill.block_loss, []
@@ -73,3 +77,33 @@ def test_the_soft_term_is_trained_and_an_interrupted_run_resumes_to_the_same_dra
     assert distill._resume(tmp_path / "other" / "train_state.pt", {"config": repr(stale), "supervision": "x"},
                            None, None, None, None) == 0
 
+
+
+def test_a_warm_start_may_add_layers_that_start_as_the_identity(supervision, tmp_path):
+    from blockspec.common.decoder import rope_table
+    from blockspec.common.models import load_checkpoint
+    from blockspec.common.runner import Runner
+    from blockspec.services.drafter.dflash.model import DFlashDrafter
+
+    target, prompts, sequences = supervision
+    lens = [len(p) for p in prompts]
+    one = train_drafter(target, tmp_path / "one", sequences, lens, replace(SMALL, steps=3, kl_weight=0.0), progress=False)
+    grown = DFlashDrafter(distill.drafter_config(target, replace(SMALL, num_layers=2))).eval()
+    distill.warm_start(grown, tmp_path / "one")
+    assert len(grown.layers) == 2 and grown.layers[1].mlp.down_proj.weight.abs().sum() == 0
+    runner = Runner(load_checkpoint(target), num_slots=8, max_len=max(map(len, sequences)) + 1,
+                    tap_layers=one.cfg.target_layer_ids)
+    batcher = distill._Batcher(sequences, lens, distill.tap_features(runner, sequences), one.cfg.block_size,
+                               np.random.default_rng(0))
+    cos, sin = rope_table(one.cfg, runner.max_len + one.cfg.block_size)
+    batch = batcher.sample(4, 4)
+    with torch.no_grad():
+        before = distill.draft_block(one, runner.embedding, runner.lm_head, cos, sin, batch)[1]
+        after = distill.draft_block(grown, runner.embedding, runner.lm_head, cos, sin, batch)[1]
+    assert torch.allclose(before, after, atol=1e-5)  # the added layer changes nothing until it trains
+    # Training the grown drafter from there moves the new layer.
+    trained = train_drafter(target, tmp_path / "two", sequences, lens,
+                            replace(SMALL, steps=3, num_layers=2, init_from=str(tmp_path / "one")), progress=False)
+    assert trained.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="2 layers; cannot start a drafter of 1"):
+        distill.warm_start(DFlashDrafter(one.cfg), tmp_path / "two")
