@@ -1,7 +1,7 @@
 """Distil a DFlash-2 drafter from a target: sequence-level distillation on the target's own continuations (greedy,
 or sampled at the temperatures requests use), random anchors, decay-weighted block cross-entropy, a soft term on the
 target's distribution at each drafted slot (KL(p || q), from its top tokens), plus the path selector's loss (on the
-continuation's token, and with the soft term also on the target's distribution over the selector's candidates); the
+continuation's token, and optionally on the target's distribution over the selector's candidates); the
 training state saved every `checkpoint_every` steps, so that a rerun resumes."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class DistillConfig:
     kl_weight: float = 0.0  # weight of the soft term: cross-entropy to the target's distribution at each slot
     kl_temperature: float = 1.0  # the target's distribution for that term: softmax(logits / this)
     kl_top_k: int = 32  # kept per position: the target's top tokens and their probabilities (renormalised)
+    selector_kl_weight: float = 0.0  # the selector's soft term: cross-entropy to that distribution over its candidates
     checkpoint_every: int = 250  # steps between saves of the training state (out_dir/train_state.pt)
 
 
@@ -201,14 +202,14 @@ def block_loss(model: DFlashDrafter, embedding, lm_head, cos, sin, batch, cfg: D
             sel_loss = F.cross_entropy(scores[found], hit[found].float().argmax(-1))
             loss = loss + cfg.selector_loss_weight * sel_loss
             stats["selector"] = float(sel_loss.detach())
-        if cfg.kl_weight and soft is not None:  # and to the target's distribution over the candidates
+        if cfg.selector_kl_weight and soft is not None:  # and to the target's distribution over the candidates
             ids, p = soft
             on = (candidates[..., :, None] == ids[..., None, :]).float() @ p[..., None]  # [R, B - 1, top_k, 1]
             on = on.squeeze(-1)
             mass = on.sum(-1, keepdim=True)
             kept = mass.squeeze(-1) > 0
             soft_sel = -((on / mass.clamp_min(1e-12)) * F.log_softmax(scores, dim=-1)).sum(-1)[kept].mean()
-            loss = loss + cfg.selector_loss_weight * cfg.kl_weight * soft_sel
+            loss = loss + cfg.selector_kl_weight * soft_sel
             stats["selector_soft"] = float(soft_sel.detach())
     return loss, stats
 
@@ -225,7 +226,7 @@ def train_drafter(
     dcfg = drafter_config(target_dir, cfg)
     runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
                     tap_layers=dcfg.target_layer_ids)
-    top_k = cfg.kl_top_k if cfg.kl_weight else 0
+    top_k = cfg.kl_top_k if cfg.kl_weight or cfg.selector_kl_weight else 0
     taps = tap_features(runner, sequences, dtype=getattr(torch, cfg.feature_dtype), top_k=top_k,
                         temperature=cfg.kl_temperature)
     features, soft = (taps[0], taps[1:]) if top_k else (taps, None)

@@ -56,6 +56,13 @@ def add_model_commands(sub) -> None:
                          "(its top tokens; default 0: the sampled tokens only)")
     td.add_argument("--kl-temperature", type=float, default=1.0, help="the target's distribution for that term: "
                                                                        "softmax(logits / this) (default 1)")
+    td.add_argument("--kl-top-k", type=bounded(1, 1024), default=32,
+                    help="the target's most likely tokens kept for the soft terms, renormalised (default 32)")
+    td.add_argument("--selector-top-k", type=bounded(1, 32), default=16,
+                    help="candidates per slot of the path selector (default 16; sampling drafts from them)")
+    td.add_argument("--selector-kl-weight", type=float, default=0.0,
+                    help="weight of the selector's soft term: cross-entropy to the target's distribution over its "
+                         "candidates (default 0)")
     td.add_argument("--init-from", help="a drafter to start from (a refinement run); with more --layers, the added ones start as the identity")
     td.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3; lower for --init-from)")
     td.set_defaults(func=cmd_train_drafter)
@@ -113,7 +120,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")
     cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed,
                         temperatures=args.temperatures, kl_weight=args.kl_weight, kl_temperature=args.kl_temperature,
-                        init_from=args.init_from, lr=args.lr)
+                        kl_top_k=args.kl_top_k, selector_top_k=args.selector_top_k,
+                        selector_kl_weight=args.selector_kl_weight, init_from=args.init_from, lr=args.lr)
     distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)
     print(f"drafter: {args.out}")
     return 0

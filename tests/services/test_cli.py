@@ -182,7 +182,8 @@ def test_a_stop_sequence_in_the_last_step_ends_the_text(capsys, tiny_models, tok
     (["build-assistant", "--steps", "0"], "argument --steps: 0 is out of range: at least 1"),  # was: the default 4,000
     *[(["train-drafter", "--target", "t", "--out", "o", "--text-file", "f", flag, value], f"argument {flag}: {value} is out")
       for flag, value in (("--prompts", "0"), ("--prompt-len", "0"), ("--steps", "0"), ("--block-size", "1"),
-                          ("--layers", "0"), ("--seed", "-1"), ("--new-tokens", "0"))],
+                          ("--layers", "0"), ("--seed", "-1"), ("--new-tokens", "0"), ("--kl-top-k", "0"),
+                          ("--selector-top-k", "33"))],
     # An address whose port gRPC would wrap (99999 -> 34463), or none at all
     (["generate", "hi", "--server", "127.0.0.1:99999"], "argument --server: '127.0.0.1:99999' is not HOST:PORT"),
     (["bench", "--server", ""], "argument --server: '' is not HOST:PORT"),

@@ -18,7 +18,7 @@ from blockspec.services.build.distill import DistillConfig, continuations, train
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 
 SMALL = DistillConfig(steps=12, batch_sequences=4, anchors_per_sequence=4, checkpoint_every=5, warmup_steps=2,
-                      temperatures=(0.0, 0.7, 1.0), kl_weight=1.0, kl_top_k=8)
+                      temperatures=(0.0, 0.7, 1.0), kl_weight=1.0, kl_top_k=8, selector_kl_weight=0.5)
 
 
 @pytest.fixture(scope="module")
