@@ -56,6 +56,7 @@ class DistillConfig:
     kl_temperature: float = 1.0  # the target's distribution for that term: softmax(logits / this)
     kl_top_k: int = 32  # kept per position: the target's top tokens and their probabilities (renormalised)
     selector_kl_weight: float = 0.0  # the selector's soft term: cross-entropy to that distribution over its candidates
+    selector_only: bool = False  # train the path selector only, the drafter's layers as init_from left them
     checkpoint_every: int = 250  # steps between saves of the training state (out_dir/train_state.pt)
 
 
@@ -235,7 +236,13 @@ def train_drafter(
     if cfg.init_from:
         warm_start(model, cfg.init_from)
     cos, sin = rope_table(dcfg, runner.max_len + dcfg.block_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if cfg.selector_only:
+        if not (cfg.init_from and dcfg.selector_rank):
+            raise ValueError("selector_only trains the path selector of a drafter it starts from (init_from)")
+        model.requires_grad_(False)
+        model.candidate_selector.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
                                               * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
     batcher = _Batcher(sequences, prompt_lens, features, dcfg.block_size, np.random.default_rng(cfg.seed), soft)

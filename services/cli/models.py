@@ -63,6 +63,8 @@ def add_model_commands(sub) -> None:
     td.add_argument("--selector-kl-weight", type=float, default=0.0,
                     help="weight of the selector's soft term: cross-entropy to the target's distribution over its "
                          "candidates (default 0)")
+    td.add_argument("--selector-only", action="store_true",
+                    help="train the path selector only (needs --init-from): the drafter's layers stay as they are")
     td.add_argument("--init-from", help="a drafter to start from (a refinement run); with more --layers, the added ones start as the identity")
     td.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3; lower for --init-from)")
     td.set_defaults(func=cmd_train_drafter)
@@ -113,6 +115,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from blockspec.services.build.default_pair import distill
     from blockspec.services.build.distill import DistillConfig
 
+    if args.selector_only and not args.init_from:
+        raise InvalidArgument("--selector-only", "trains the path selector of a drafter: give it --init-from")
     tokenizer = load_checkpoint(args.target).tokenizer
     out_dir(args.out)  # before the training, not after it
     ids = tokenizer.encode("\n".join(_read_texts(args.text_file)))
@@ -121,7 +125,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed,
                         temperatures=args.temperatures, kl_weight=args.kl_weight, kl_temperature=args.kl_temperature,
                         kl_top_k=args.kl_top_k, selector_top_k=args.selector_top_k,
-                        selector_kl_weight=args.selector_kl_weight, init_from=args.init_from, lr=args.lr)
+                        selector_kl_weight=args.selector_kl_weight, selector_only=args.selector_only,
+                        init_from=args.init_from, lr=args.lr)
     distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)
     print(f"drafter: {args.out}")
     return 0

@@ -240,6 +240,9 @@ def test_bad_files_and_places_are_one_line_naming_them(capsys, tmp_path, tiny_mo
     code, _, err = run_cli(capsys, "train-drafter", "--target", str(tiny_models["qwen3"]["target"]),
                            "--out", str(deep), "--text-file", str(deep))
     assert code == 2 and f"--out: cannot make directory '{deep}'" in err
+    code, _, err = run_cli(capsys, "train-drafter", "--target", "t", "--out", str(tmp_path / "o"), "--text-file", "f",
+                           "--selector-only")
+    assert code == 2 and "--selector-only: trains the path selector of a drafter: give it --init-from" in err
 
 
 def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models, capsys):
