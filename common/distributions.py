@@ -116,6 +116,13 @@ def gumbel(seed: int, position: int, stream: int, n: int, offset: int = 0) -> to
     return -torch.log(-torch.log(u))
 
 
+def gumbel_at(seed: int, position: int, stream: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """gumbel(seed, position, stream, V)[token_ids] for any V above the ids, computed at those tokens only: the
+    generator's numbers come in order, so only those up to the largest id are drawn."""
+    u = uniforms(seed, position, stream, int(token_ids.max()) + 1)[token_ids]
+    return -torch.log(-torch.log(u))
+
+
 def sample(logp: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int:
     """Gumbel-max sample of one row of log-probabilities [V]."""
     return int((logp + gumbel(seed, position, stream, logp.shape[-1], offset)).argmax())
@@ -142,8 +149,7 @@ class DraftPick:
     probs: torch.Tensor | None  # [m] the distribution sampled from (rejection rule); None: deterministic pick
 
 
-def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams, position: int,
-               vocab_size: int) -> DraftPick:
+def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams, position: int) -> DraftPick:
     """Choose one draft token among scores [m] over token_ids [m] for the token at `position`.
 
     greedy: the best score. strict: the Gumbel-max with the target's own noise at that position, so a
@@ -155,8 +161,8 @@ def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingPa
     scores, token_ids = scores.cpu(), token_ids.cpu()  # a GPU drafter's: the noise is drawn on the host
     z = scores.double() / params.temperature
     if params.rule == "strict":
-        noise = gumbel(params.seed, position, STREAM_TARGET, vocab_size)[token_ids]
+        noise = gumbel_at(params.seed, position, STREAM_TARGET, token_ids)
         return DraftPick(int((z + noise).argmax()), None)
     logq = z.log_softmax(-1)
-    noise = gumbel(params.seed, position, STREAM_DRAFT, vocab_size)[token_ids]
+    noise = gumbel_at(params.seed, position, STREAM_DRAFT, token_ids)
     return DraftPick(int((logq + noise).argmax()), logq.exp().float())

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from blockspec.common.distributions import STREAM_DRAFT, DraftDist, gumbel, log_probs, process, sample, uniforms
+from blockspec.common.distributions import STREAM_DRAFT, DraftDist, gumbel, gumbel_at, log_probs, process, sample, uniforms
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import SamplingParams, validate
 from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
@@ -62,6 +62,9 @@ def test_noise_is_a_function_of_seed_stream_and_position_only():
     for other in (uniforms(8, 100, 0, 50), uniforms(7, 101, 0, 50), uniforms(7, 100, 1, 50)):
         assert not torch.equal(a, other)
     assert bool(((a > 0) & (a < 1)).all())
+    # A draft's noise at its candidates only is the same numbers, bit for bit, as the whole vocabulary's there.
+    ids = torch.tensor([4095, 3, 700, 0, 3])
+    assert torch.equal(gumbel_at(7, 100, 1, ids), gumbel(7, 100, 1, 4096)[ids])
     # Gumbel-max samples p: 20,000 positions of one seed against a 4-token distribution.
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     counts = Counter(sample(p.log(), 3, pos, 0) for pos in range(20_000))

@@ -217,7 +217,6 @@ class DFlashProposer:
     def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
         """A walk `pick` following each request's sampling (common/distributions.draft_pick); greedy rows take
         the best score. Rejection rows record the q they sampled from in q_rows."""
-        vocab = self.embedding.shape[0]  # the target's vocabulary (the noise is drawn over all of it)
 
         def pick(t: int, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
             index = scores.argmax(-1)
@@ -225,7 +224,7 @@ class DFlashProposer:
                 if inp.sampling.greedy:
                     continue
                 m = min(Q_WIDTH, scores.shape[-1])  # candidates come sorted by the drafter's logits
-                choice = draft_pick(scores[r, :m], candidates[r, :m], inp.sampling, len(inp.token_ids) + t, vocab)
+                choice = draft_pick(scores[r, :m], candidates[r, :m], inp.sampling, len(inp.token_ids) + t)
                 index[r] = choice.index
                 if choice.probs is not None:
                     q_rows[r].append((candidates[r, :m].cpu(), choice.probs))  # q lives on the host

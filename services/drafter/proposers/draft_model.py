@@ -63,7 +63,7 @@ class DraftModelProposer:
         if inp.sampling.greedy:
             return int(logits.argmax())
         ids = logits.topk(min(Q_WIDTH, logits.shape[-1])).indices  # q lives on the draft model's top tokens
-        pick = draft_pick(logits[ids], ids, inp.sampling, position, logits.shape[-1])
+        pick = draft_pick(logits[ids], ids, inp.sampling, position)
         if pick.probs is not None:
             q_rows.append((ids.cpu(), pick.probs))  # q lives on the host
         return int(ids[pick.index])
