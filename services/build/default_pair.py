@@ -39,7 +39,7 @@ class PairPaths:
 
     @property
     def drafter_sampled(self) -> Path:
-        """The drafter refined for requests that sample (stage 4, BASE_SAMPLED): `--drafter` for chat traffic."""
+        """The drafter refined for requests that sample (stages 4-6, SAMPLED_STAGES): `--drafter` for chat traffic."""
         return self.root / "drafter-sampled"
 
     @property
@@ -148,9 +148,15 @@ BASE_SUPERVISION = 8192  # prompts whose greedy continuations supervise the ship
 BASE_REFINE = replace(BASE_DISTILL, lr=1e-3, warmup_steps=50, seed=1, feature_dtype="float16")
 # Stage 3: warm start from stage 2, four times the supervision (prompt seeds 0-3), half its learning rate.
 BASE_STAGE3 = replace(BASE_REFINE, lr=5e-4, seed=2)
-# Stage 4, for requests that sample: warm start from stage 3; the target's continuations greedy and sampled at T 0.7
-# and 1.0 in turn (prompt seed 4), and the soft term on its distribution at each drafted slot.
+# Stages 4-6, for requests that sample (models/base/drafter-sampled), on the target's continuations of prompt seed 4,
+# greedy and sampled at T 0.7 and 1.0 in turn. 4: warm start from stage 3, the soft term on the target's distribution
+# at each drafted slot. 5: a second layer (it starts as the identity), the soft term weighed 3 over the target's top 64.
+# 6: the path selector widened to 32 candidates and trained on the target's distribution over them too.
+SAMPLED_PROMPT_SEED = 4
 BASE_SAMPLED = replace(BASE_STAGE3, temperatures=(0.0, 0.7, 1.0), kl_weight=1.0, seed=4, steps=3000)
+BASE_SAMPLED_DEEP = replace(BASE_SAMPLED, num_layers=2, kl_weight=3.0, kl_top_k=64)
+BASE_SAMPLED_SELECT = replace(BASE_SAMPLED_DEEP, selector_top_k=32, selector_kl_weight=1.5, lr=3e-4, steps=2500, seed=5)
+SAMPLED_STAGES = (BASE_SAMPLED, BASE_SAMPLED_DEEP, BASE_SAMPLED_SELECT)
 
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
@@ -169,9 +175,7 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     distill(paths.target, paths.drafter, train_ids, BASE_SUPERVISION, 64, 128,
             replace(BASE_STAGE3, init_from=str(paths.drafter)), prompt_seeds=(0, 1, 2, 3))
     write_base_draft_vocab(paths, train_ids)
-    distill(paths.target, paths.drafter_sampled, train_ids, BASE_SUPERVISION, 64, 128,
-            replace(BASE_SAMPLED, init_from=str(paths.drafter)), prompt_seeds=(BASE_SAMPLED.seed,))
-    shutil.copy(paths.drafter / "draft_vocab.json", paths.drafter_sampled / "draft_vocab.json")
+    distill_sampled(paths.target, paths.drafter, paths.drafter_sampled, train_ids)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(paths.target))
@@ -179,6 +183,16 @@ def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> No
     (paths.root / "heldout_prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     write_card(paths, [tok.encode(p) for p in prompts], max_tokens=128)
     build_assistant(paths, work, AssistantConfig(), threads)
+
+
+def distill_sampled(target: Path, drafter: Path, out: Path, train_ids, first: int = 0) -> None:
+    """Stages 4-6 (SAMPLED_STAGES[first:]) into `out`: each warm-starts from the one before (stage 4 from `drafter`,
+    stage 3's), and `out` takes the drafter's draft vocabulary. A stage interrupted resumes from its saved state when
+    run again with `first` at it."""
+    for i, cfg in enumerate(SAMPLED_STAGES[first:], first):
+        distill(target, out, train_ids, BASE_SUPERVISION, 64, 128, replace(cfg, init_from=str(drafter if i == 0 else out)),
+                prompt_seeds=(SAMPLED_PROMPT_SEED,))
+    shutil.copy(drafter / "draft_vocab.json", out / "draft_vocab.json")
 
 
 def write_base_draft_vocab(paths: PairPaths, train_ids) -> dict:

@@ -1,23 +1,23 @@
-"""Stage 4 of the shipped drafter (`default_pair.BASE_SAMPLED`) on this machine: warm start from models/base/drafter,
-supervision = the shipped target's continuations of random windows of its training corpus, greedy and sampled at
-T 0.7 and 1.0 in turn, with the soft term on the target's distribution. The corpus is the target's training files
-(services/build/corpus.py) encoded with its tokenizer, cached; the continuations are cached as `build-default`'s are;
-the training state is saved every 250 steps (a rerun resumes).
+"""Stages 4-6 of the shipped drafter (`default_pair.SAMPLED_STAGES`, models/base/drafter-sampled) on this machine:
+from models/base/drafter, on the shipped target's continuations of random windows of its training corpus, greedy and
+sampled at T 0.7 and 1.0 in turn, with the soft terms on the target's distribution; stage 5 adds a second layer, stage
+6 widens the path selector. The corpus is the target's training files (services/build/corpus.py) encoded with its
+tokenizer, cached; the continuations are cached as `build-default`'s are; each stage saves its training state every
+250 steps (rerun from the interrupted stage, FIRST = 0, 1 or 2, to resume it).
 
-    .venv/bin/python benchmarks/cpu-2core-avx2/sampled-drafter/train.py OUT_DIR
+    .venv/bin/python benchmarks/cpu-2core-avx2/sampled-drafter/train.py OUT_DIR [FIRST]
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from blockspec.services.build import corpus
-from blockspec.services.build.default_pair import BASE_SAMPLED, BASE_SUPERVISION, distill
+from blockspec.services.build.default_pair import distill_sampled
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -40,10 +40,9 @@ def train_ids(target: Path) -> np.ndarray:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    out, first = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
     target, drafter = ROOT / "models" / "base" / "target", ROOT / "models" / "base" / "drafter"
-    cfg = replace(BASE_SAMPLED, init_from=str(drafter))
-    distill(target, out, train_ids(target), BASE_SUPERVISION, 64, 128, cfg, prompt_seeds=(cfg.seed,))
+    distill_sampled(target, drafter, out, train_ids(target), first)
     print(f"drafter: {out}")
 
 
