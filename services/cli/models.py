@@ -54,7 +54,7 @@ def add_model_commands(sub) -> None:
     td.add_argument("--kl-weight", type=float, default=0.0,
                     help="weight of the soft term: cross-entropy to the target's distribution at each drafted slot "
                          "(its top tokens; default 0: the sampled tokens only)")
-    td.add_argument("--kl-temperature", type=float, default=1.0, help="the target's distribution for that term: "
+    td.add_argument("--kl-temperature", type=float, default=1.0, help="the target's distribution for the soft terms: "
                                                                        "softmax(logits / this) (default 1)")
     td.add_argument("--kl-top-k", type=bounded(1, 1024), default=32,
                     help="the target's most likely tokens kept for the soft terms, renormalised (default 32)")
