@@ -348,3 +348,19 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] and enabled():
         return _kernels.module.argmax_rows(x.contiguous())
     return x.argmax(dim=-1).tolist()
+
+
+def gumbel_argmax(logp: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int | None:
+    """distributions.sample's Gumbel-max of one fp64 row of log-probabilities on the CPU, in one C++ loop that draws
+    the noise of only the tokens that could win (the same uniforms, the same formula); None where it does not apply
+    (the kernels off or not built, another dtype or device)."""
+    if (logp.dtype == torch.float64 and logp.device.type == "cpu" and logp.dim() == 1 and logp.numel()
+            and position < 2**64 and enabled()):
+        return _kernels.module.gumbel_argmax(logp.contiguous(), seed, position, stream, offset)
+    return None
+
+
+def philox_uniform(seed: int, position: int, stream: int, index: int = 0) -> float | None:
+    """distributions.uniforms(seed, position, stream, index + 1)[index] without the ones before it; None where the
+    kernels are off (or the position takes the counter's fourth word)."""
+    return _kernels.module.philox_uniform(seed, stream, position, index) if position < 2**64 and enabled() else None

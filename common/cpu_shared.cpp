@@ -260,3 +260,36 @@ static void attend_head_hd(int64_t hd, A&&... a) {
 }
 
 static constexpr int64_t ATTEND_CHUNK = 16;  // queries per parallel task (a KV head's queries split in such chunks)
+
+// The sampling noise of common/distributions.py (`uniforms`): uniform `index` of numpy's Philox4x64-10 keyed
+// (seed, stream) with the counter at (0, 0, position). numpy advances the counter's first word before each block of 4
+// outputs, so uniform i is word i % 4 of the block at counter (i / 4 + 1, 0, position): any token's noise is drawn
+// without the ones before it. Doubles as numpy makes them (the top 53 bits), at least the smallest normal double.
+static inline uint64_t mulhilo(uint64_t a, uint64_t b, uint64_t* hi) {
+  const unsigned __int128 product = static_cast<unsigned __int128>(a) * b;
+  *hi = uint64_t(product >> 64);
+  return uint64_t(product);
+}
+
+// One block of 4 outputs: the counter (block + 1, 0, position).
+static inline void philox_block(uint64_t seed, uint64_t stream, uint64_t position, uint64_t block, uint64_t* c) {
+  c[0] = block + 1; c[1] = 0; c[2] = position; c[3] = 0;
+  uint64_t k0 = seed, k1 = stream;
+  for (int round = 0; round < 10; ++round) {
+    uint64_t hi0, hi1;
+    const uint64_t lo0 = mulhilo(0xD2E7470EE14C6C93ULL, c[0], &hi0), lo1 = mulhilo(0xCA5A826395121157ULL, c[2], &hi1);
+    c[0] = hi1 ^ c[1] ^ k0; c[1] = lo1; c[2] = hi0 ^ c[3] ^ k1; c[3] = lo0;
+    k0 += 0x9E3779B97F4A7C15ULL;
+    k1 += 0xBB67AE8584CAA73BULL;
+  }
+}
+
+static inline double philox_double(uint64_t word) {
+  return std::max(double(word >> 11) * (1.0 / 9007199254740992.0), 2.2250738585072014e-308);
+}
+
+static double philox_uniform(uint64_t seed, uint64_t stream, uint64_t position, uint64_t index) {
+  uint64_t c[4];
+  philox_block(seed, stream, position, index / 4, c);
+  return philox_double(c[index % 4]);
+}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from blockspec.common import cpu_kernels
 from blockspec.common.sampling import SamplingParams
 
 Q_WIDTH = 32  # draft distributions keep at most this many tokens per position (the proposer's top ones)
@@ -86,6 +87,25 @@ def log_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return z.log_softmax(-1)
 
 
+class LogProbRows:
+    """log_probs(processed, params) read a row at a time, each computed when first read: the acceptance rules stop
+    at the first rejected draft, and rows after it are never needed. Row i equals log_probs of that row alone."""
+
+    def __init__(self, processed: torch.Tensor, params: SamplingParams) -> None:
+        self.processed, self.params, self._rows = processed, params, {}
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.processed.shape
+
+    def __getitem__(self, index: int | tuple) -> torch.Tensor:
+        """Row i ([V], fp64), or (i, ...) indexing into it, as on the tensor of all rows."""
+        i, *rest = index if isinstance(index, tuple) else (index,)
+        if i not in self._rows:
+            self._rows[i] = log_probs(self.processed[i : i + 1], self.params)[0]
+        return self._rows[i][tuple(rest)] if rest else self._rows[i]
+
+
 def uniforms(seed: int, position: int, stream: int, n: int) -> torch.Tensor:
     """n uniforms in (0, 1) (fp64) from a counter-based generator keyed by (seed, stream) at `position`.
 
@@ -123,8 +143,19 @@ def gumbel_at(seed: int, position: int, stream: int, token_ids: torch.Tensor) ->
     return -torch.log(-torch.log(u))
 
 
+def uniform(seed: int, position: int, stream: int, index: int = 0) -> float:
+    """uniforms(seed, position, stream, index + 1)[index]: one number (in C++ where the CPU kernels run)."""
+    fast = cpu_kernels.philox_uniform(seed, position, stream, index)
+    return fast if fast is not None else float(uniforms(seed, position, stream, index + 1)[index])
+
+
 def sample(logp: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int:
-    """Gumbel-max sample of one row of log-probabilities [V]."""
+    """Gumbel-max sample of one row of log-probabilities [V]: argmax(logp + gumbel(seed, position, stream, V,
+    offset)). On the CPU one C++ loop (`cpu_kernels.gumbel_argmax`) computes the same argmax, drawing the noise of
+    the tokens that could win only."""
+    fast = cpu_kernels.gumbel_argmax(logp, seed, position, stream, offset)
+    if fast is not None:
+        return fast
     return int((logp + gumbel(seed, position, stream, logp.shape[-1], offset)).argmax())
 
 

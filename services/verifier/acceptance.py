@@ -9,12 +9,13 @@ target's token after dk is the *bonus token*. Either way a step commits accepted
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.distributions import STREAM_ACCEPT, STREAM_TARGET, DraftDist, sample, uniforms
+from blockspec.common.distributions import STREAM_ACCEPT, STREAM_TARGET, DraftDist, sample, uniform
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,11 @@ def greedy_accept(draft_ids: Sequence[int], target_ids: Sequence[int]) -> Accept
     return Acceptance(num_accepted=n, token_ids=tuple(int(t) for t in target_ids[: n + 1]))
 
 
-def strict_accept(draft_ids: Sequence[int], logp: torch.Tensor, seed: int, position: int) -> Acceptance:
+def strict_accept(draft_ids: Sequence[int], logp, seed: int, position: int) -> Acceptance:
     """Strict rule: the target's token at every position is the Gumbel-max of p with noise keyed by
     (seed, absolute position) - what plain decoding with that seed produces - and a draft token is
-    accepted iff it equals it. logp [k + 1, V]; row i samples the token at `position` + i."""
+    accepted iff it equals it. logp [k + 1, V] (a tensor or `distributions.LogProbRows`); row i samples the token
+    at `position` + i."""
     tokens = []
     for i in range(len(draft_ids) + 1):  # lazily: stop at the first mismatch
         tokens.append(sample(logp[i], seed, position + i, STREAM_TARGET))
@@ -46,21 +48,24 @@ def strict_accept(draft_ids: Sequence[int], logp: torch.Tensor, seed: int, posit
     return Acceptance(num_accepted=len(tokens) - 1, token_ids=tuple(tokens))
 
 
-def rejection_accept(draft_ids: Sequence[int], logp: torch.Tensor, q: DraftDist | None, seed: int,
+def rejection_accept(draft_ids: Sequence[int], logp, q: DraftDist | None, seed: int,
                      position: int) -> Acceptance:
     """Rejection rule (Leviathan et al. / Chen et al.): accept draft x with probability min(1, p(x) / q(x));
     at the first rejection the *recovered token* is sampled from norm(max(0, p - q)); when all k are
-    accepted the *bonus token* is sampled from p. q=None: a deterministic proposer (q one-hot)."""
+    accepted the *bonus token* is sampled from p. q=None: a deterministic proposer (q one-hot).
+    logp: log p rows [k + 1, V], a tensor or `distributions.LogProbRows` (rows past the first rejection unread)."""
     vocab = logp.shape[-1]
     for i, x in enumerate(draft_ids):
-        p = logp[i].exp()
-        q_row = q.dense(i, vocab) if q is not None else torch.nn.functional.one_hot(torch.tensor(x), vocab).double()
-        if float(q_row[x]) <= 0:  # the draft is not from q: accepting on p alone would not be lossless
+        row = logp[i]
+        # q(x) and p(x) alone for the test: the whole rows only where the draft is rejected
+        q_x = 1.0 if q is None else sum(pr for t, pr in zip(q.token_ids[i].tolist(), q.probs[i].tolist()) if t == x)
+        if q_x <= 0:  # the draft is not from q: accepting on p alone would not be lossless
             raise ValueError(f"draft token {x} at position {position + i} has q = 0: the draft and its distribution "
                              "do not match")
-        u = float(uniforms(seed, position + i, STREAM_ACCEPT, 1)[0])
-        if u * float(q_row[x]) < float(p[x]):
+        if uniform(seed, position + i, STREAM_ACCEPT) * q_x < math.exp(float(row[x])):
             continue
+        p = row.exp()
+        q_row = q.dense(i, vocab) if q is not None else torch.nn.functional.one_hot(torch.tensor(x), vocab).double()
         residual = (p - q_row).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q: nothing to recover towards; p itself is the answer
             residual = p

@@ -12,7 +12,7 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.backends import make_runner
 from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
-from blockspec.common.distributions import DraftDist, log_probs, process
+from blockspec.common.distributions import DraftDist, LogProbRows, process
 from blockspec.common.footprint import verifier_bytes
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Segment
@@ -228,7 +228,7 @@ class Verifier:
         processed = process(logits.cpu(), state.token_ids, state.prompt_len, draft_ids, sp)
         if sp.greedy:
             return greedy_accept(draft_ids, cpu_kernels.argmax_rows(processed))
-        logp, position = log_probs(processed, sp), len(state.token_ids)
+        logp, position = LogProbRows(processed, sp), len(state.token_ids)  # rows as the rule reads them
         if sp.rule == "strict":
             return strict_accept(draft_ids, logp, sp.seed, position)
         return rejection_accept(draft_ids, logp, q, sp.seed, position)

@@ -4,12 +4,24 @@ validation errors, and the acceptance rules at the function level."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
 import torch
 
-from blockspec.common.distributions import STREAM_DRAFT, DraftDist, gumbel, gumbel_at, log_probs, process, sample, uniforms
+from blockspec.common import cpu_kernels
+from blockspec.common.distributions import (
+    STREAM_DRAFT,
+    DraftDist,
+    LogProbRows,
+    gumbel,
+    gumbel_at,
+    log_probs,
+    process,
+    sample,
+    uniforms,
+)
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import SamplingParams, validate
 from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
@@ -89,6 +101,43 @@ def test_noise_is_philox_keyed_by_seed_and_stream_at_the_position():
     worker.start()
     worker.join()
     assert all(np.array_equal(u.numpy(), made(*case)) for u, case in zip(seen, cases))
+
+
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")
+def test_the_kernels_draw_numpys_noise_and_sample_what_the_tensor_maths_samples():
+    """The C++ draws a uniform by its counter alone (numpy's numbers, bit for bit), and its Gumbel-max, which skips the
+    tokens that cannot win, picks what argmax(logp + gumbel) picks: peaked, flat, tied and partly impossible rows."""
+    rng = random.Random(0)
+    for _ in range(300):
+        seed, stream = rng.choice([0, 2**64 - 1, rng.getrandbits(64)]), rng.randrange(3)
+        position, index = rng.choice([0, rng.randrange(10**6), 2**63 + rng.randrange(9)]), rng.randrange(300)
+        assert cpu_kernels.philox_uniform(seed, position, stream, index) == float(uniforms(seed, position, stream,
+                                                                                           index + 1)[index])
+    torch.manual_seed(0)
+    for trial in range(600):
+        vocab, scale = rng.choice([1, 2, 7, 320, 4096]), rng.choice([0.1, 1.0, 5.0, 40.0])
+        logits = torch.randn(vocab, dtype=torch.float64) * scale
+        if trial % 3 == 0:
+            logits[torch.rand(vocab) < 0.7] = -math.inf
+        if trial % 10 == 0:
+            logits[:] = 0.0
+        logp = logits.log_softmax(-1) if bool(torch.isfinite(logits).any()) else logits
+        seed, position, stream, offset = rng.getrandbits(64), rng.randrange(10**5), rng.randrange(3), trial % 2
+        want = int((logp + gumbel(seed, position, stream, vocab, offset)).argmax())
+        assert cpu_kernels.gumbel_argmax(logp, seed, position, stream, offset) == want
+        assert sample(logp, seed, position, stream, offset) == want
+    assert cpu_kernels.gumbel_argmax(logp, 1, 2**70, 0) is None  # past the counter word it takes: numpy's path
+
+
+def test_log_prob_rows_are_computed_as_read_and_equal_the_whole_rows():
+    sp = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=1)
+    processed = torch.randn(6, 320) * 3
+    rows = LogProbRows(processed, sp)
+    assert rows.shape == processed.shape and not rows._rows
+    whole = log_probs(processed, sp)
+    torch.testing.assert_close(rows[3], whole[3], rtol=0, atol=1e-12)
+    assert float(rows[3, 7]) == float(rows[3][7])
+    assert set(rows._rows) == {3}
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

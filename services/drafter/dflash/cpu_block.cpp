@@ -1,8 +1,9 @@
 // The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_shared.cpp
-// (vf, loadv, exp_neg, linear_into) and cpu_bf16.cpp (linear_bf16_into, linear_i8_into).
+// (vf, loadv, exp_neg, linear_into, philox_uniform) and cpu_bf16.cpp (linear_bf16_into, linear_i8_into).
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 // Scratch space kept from call to call, one set per thread: the block's vectors alone are tens of KB, which a
@@ -292,18 +293,30 @@ static int64_t top_logits_ranked(const float* lg, int64_t V, int64_t top_k, floa
 }
 #endif
 
-// The selector's greedy walk: per slot the top_k logits (highest first, the lower token id first among
-// equals), then the candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)>; the choice is the next
-// slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [vocab, rank] -> [R, S].
-// ids (or null): the token id of each logit column, increasing (a draft vocabulary: V < vocab columns).
+// How a request's walk picks at each slot (distributions.draft_pick): temperature 0 the best score; else with
+// z = score / temperature (fp64) and g the Gumbel noise of (seed, stream, position + slot) at each candidate's token,
+// strict the argmax of z + g, rejection the argmax of log_softmax(z) + g, and q = softmax(z) written out.
+struct RowSampling {
+  double temperature;
+  uint64_t seed, stream, position;
+  bool rejection;
+};
+
+// The selector's walk: per slot the top_k logits (highest first, the lower token id first among equals), then the
+// candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)> (or a sample, `sampling` per row where not null); the
+// choice is the next slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [vocab, rank]
+// -> [R, S]. ids (or null): the token id of each logit column, increasing (a draft vocabulary: V < vocab columns).
+// q_ids / q_probs [R, S, top_k] (where not null): a rejection row's candidates and q at every slot.
 static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, int64_t V, int64_t H,
                       const torch::Tensor& proj, const torch::Tensor& A, const torch::Tensor& Bc,
-                      const int64_t* anchor, int64_t top_k, const int64_t* ids, int64_t* tokens) {
+                      const int64_t* anchor, int64_t top_k, const int64_t* ids, int64_t* tokens,
+                      const RowSampling* sampling = nullptr, int64_t* q_ids = nullptr, float* q_probs = nullptr) {
   const int64_t rank = proj.size(0);
   const float* pw = proj.data_ptr<float>();
   const float* ap = A.data_ptr<float>();
   const float* bp = Bc.data_ptr<float>();
-  std::vector<float> val(top_k + 1), q(rank);
+  std::vector<float> val(top_k + 1), q(rank), scores(top_k);
+  std::vector<double> z(top_k);
   std::vector<int64_t> idx(top_k + 1);
   for (int64_t r = 0; r < R; ++r) {
     int64_t prev = anchor[r];
@@ -345,8 +358,25 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
       for (int64_t b = 0; b < n; ++b) {
         float pair = 0.f;
         for (int64_t j = 0; j < rank; ++j) pair += q[j] * bp[idx[b] * rank + j];
-        const float score = val[b] + pair;
-        if (score > best_score || b == 0) { best_score = score; best = b; }
+        scores[b] = val[b] + pair;
+        if (scores[b] > best_score || b == 0) { best_score = scores[b]; best = b; }
+      }
+      const RowSampling* rs = sampling ? sampling + r : nullptr;
+      if (rs && rs->temperature > 0) {
+        double top = -INFINITY, sum = 0.0, best_key = -INFINITY;
+        for (int64_t b = 0; b < n; ++b) top = std::max(top, z[b] = double(scores[b]) / rs->temperature);
+        for (int64_t b = 0; b < n; ++b) sum += std::exp(z[b] - top);
+        const double shift = rs->rejection ? top + std::log(sum) : 0.0;  // log_softmax, or z itself (strict)
+        for (int64_t b = 0; b < n; ++b) {
+          const double u = philox_uniform(rs->seed, rs->stream, rs->position + t, uint64_t(idx[b]));
+          const double key = (z[b] - shift) - std::log(-std::log(u));
+          if (key > best_key || b == 0) { best_key = key; best = b; }
+        }
+        if (rs->rejection && q_ids)
+          for (int64_t b = 0; b < n; ++b) {
+            q_ids[(r * S + t) * top_k + b] = idx[b];
+            q_probs[(r * S + t) * top_k + b] = float(std::exp(z[b] - shift));
+          }
       }
       prev = idx[best];
       tokens[r * S + t] = prev;
@@ -412,16 +442,56 @@ struct Proposer {
                  hidden_norm, kv_w, kv_heads, hd, eps);
   }
 
-  std::optional<std::vector<std::vector<int64_t>>> propose(const std::vector<torch::Tensor>& features,
-                                            const std::vector<int64_t>& ctx_slots, const std::vector<int64_t>& starts,
-                                            const std::vector<int64_t>& ends, const std::vector<int64_t>& anchors,
-                                            const std::vector<int64_t>& slots, const std::vector<int64_t>& lens,
-                                            int64_t B, int64_t S) const {
+  using Rows = std::vector<std::vector<int64_t>>;
+
+  std::optional<Rows> propose(const std::vector<torch::Tensor>& features, const std::vector<int64_t>& ctx_slots,
+                              const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
+                              const std::vector<int64_t>& anchors, const std::vector<int64_t>& slots,
+                              const std::vector<int64_t>& lens, int64_t B, int64_t S) const {
+    if (!current()) return std::nullopt;
+    return run(features, ctx_slots, starts, ends, anchors, slots, lens, B, S, nullptr, nullptr, nullptr);
+  }
+
+  // `propose` where requests sample: per request its temperature (0: greedy), seed, noise stream, the position of
+  // its first draft and whether it is a rejection row -> (tokens, q_ids, q_probs), the q rows [R, S, top_k]
+  // meaningful for rejection rows only.
+  std::optional<std::tuple<Rows, torch::Tensor, torch::Tensor>> propose_sampled(
+      const std::vector<torch::Tensor>& features, const std::vector<int64_t>& ctx_slots,
+      const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, const std::vector<int64_t>& anchors,
+      const std::vector<int64_t>& slots, const std::vector<int64_t>& lens, int64_t B, int64_t S,
+      const std::vector<double>& temperatures, const std::vector<uint64_t>& seeds,
+      const std::vector<uint64_t>& streams, const std::vector<uint64_t>& positions,
+      const std::vector<bool>& rejection) const {
+    if (!current()) return std::nullopt;
+    const int64_t R = int64_t(anchors.size());
+    TORCH_CHECK(int64_t(temperatures.size()) == R && int64_t(seeds.size()) == R && int64_t(streams.size()) == R &&
+                int64_t(positions.size()) == R && int64_t(rejection.size()) == R, "one sampling entry per request");
+    std::vector<RowSampling> sampling(R);
+    for (int64_t r = 0; r < R; ++r) sampling[r] = {temperatures[r], seeds[r], streams[r], positions[r], rejection[r]};
+    const int64_t width = std::min(top_k, vocab_columns());
+    auto q_ids = torch::zeros({R, S, width}, torch::kLong);
+    auto q_probs = torch::zeros({R, S, width}, torch::kFloat);
+    Rows tokens = run(features, ctx_slots, starts, ends, anchors, slots, lens, B, S, sampling.data(),
+                      q_ids.data_ptr<int64_t>(), q_probs.data_ptr<float>());
+    return std::make_tuple(std::move(tokens), q_ids, q_probs);
+  }
+
+ private:
+  bool current() const {
     for (size_t i = 0; i < watched.size(); ++i)
-      if (watched[i]._version() != versions[i]) return std::nullopt;
+      if (watched[i]._version() != versions[i]) return false;
+    return true;
+  }
+
+  int64_t vocab_columns() const { return lm_head.dim() >= 3 ? lm_head.size(0) * 64 : lm_head.size(0); }
+
+  Rows run(const std::vector<torch::Tensor>& features, const std::vector<int64_t>& ctx_slots,
+           const std::vector<int64_t>& starts, const std::vector<int64_t>& ends, const std::vector<int64_t>& anchors,
+           const std::vector<int64_t>& slots, const std::vector<int64_t>& lens, int64_t B, int64_t S,
+           const RowSampling* sampling, int64_t* q_ids, float* q_probs) const {
     if (!features.empty()) context(features, ctx_slots, starts, ends);
     const int64_t R = int64_t(anchors.size()), H = embedding.size(1);
-    const int64_t V = lm_head.dim() >= 3 ? lm_head.size(0) * 64 : lm_head.size(0);  // panels or [V, H]
+    const int64_t V = vocab_columns();  // LM head panels or [V, H]
     const float* emb = embedding.data_ptr<float>();
     float* x = scratch<10>(R * B * H);
     for (int64_t r = 0; r < R; ++r)
@@ -440,8 +510,8 @@ struct Proposer {
       for (int64_t i = 0; i < R * S * V; ++i) logits[i] = float(softcap) * std::tanh(logits[i] / float(softcap));
     std::vector<int64_t> flat(R * S);
     walk_rows(rows, logits, R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
-              column_ids(ids, V), flat.data());
-    std::vector<std::vector<int64_t>> tokens(R);
+              column_ids(ids, V), flat.data(), sampling, q_ids, q_probs);
+    Rows tokens(R);
     for (int64_t r = 0; r < R; ++r) tokens[r].assign(flat.begin() + r * S, flat.begin() + (r + 1) * S);
     return tokens;
   }
@@ -457,7 +527,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, int64_t,
                     int64_t, int64_t, int64_t, double, torch::Tensor, double, double, torch::Tensor, torch::Tensor,
                     torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>>())
-      .def("__call__", &Proposer::propose, py::call_guard<py::gil_scoped_release>());
+      .def("__call__", &Proposer::propose, py::call_guard<py::gil_scoped_release>())
+      .def("sampled", &Proposer::propose_sampled, py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>());
   m.def("linear_i8", &linear_i8, py::call_guard<py::gil_scoped_release>());
   m.def("int8_supported", &int8_supported);

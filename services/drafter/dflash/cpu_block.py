@@ -12,8 +12,9 @@ on first use like `common/cpu_kernels.py`):
 * `context`: the context K/V of newly committed positions (fc, norm, K/V projections, K norm, RoPE),
   written into the cache;
 * `walk`: the path selector's greedy walk (top-k candidates per slot, pairwise scores, argmax);
-* `propose`: a whole greedy proposal in one call: the missing context, the block of every request, the
-  LM head over the draft slots and the walk.
+* `propose`: a whole proposal in one call: the missing context, the block of every request, the
+  LM head over the draft slots and the walk, greedy or sampling (the noise of `common/distributions.py`, drawn
+  from the same counter-based generator at each candidate's token; the q a rejection draft came from).
 
 Linear layers use the packed small-batch kernel of `common.cpu_kernels`; attention has its own loop (every
 query of a block sees the same keys: scores a vector of queries at a time, no horizontal sums); everything
@@ -22,7 +23,7 @@ order. A proposal only decides what the target verifies, so this changes speed, 
 
 Scope: fp32, CPU, inference, head_dim 16, 32, 64, 128 or 256, hidden and intermediate sizes multiples
 of 16. Projections whose output count is not whole panels of 64 run as plain dot products. Elsewhere
-(training, GPU, bf16 models, sampling, a kernel that cannot be built or is switched off) the proposer
+(training, GPU, bf16 models, a kernel that cannot be built or is switched off) the proposer
 runs the torch module; `tests/services/drafter/test_dflash_cpu_block.py` holds the two together.
 
 bf16 weights (`bf16=True`; the proposer asks for them unless BLOCKSPEC_DRAFTER_BF16=0): the
@@ -190,11 +191,16 @@ class CpuDrafter:
         self._bound = (None, None)
 
     def propose(self, pending: Sequence[tuple[int, int, int, torch.Tensor]], anchors: list[int], slots: list[int],
-                lens: list[int], lm_head_panels: torch.Tensor, block: int) -> list[list[int]]:
-        """A greedy proposal in one call (after `bind`) -> block - 1 tokens per request: first the context each
+                lens: list[int], lm_head_panels: torch.Tensor, block: int, sampling: tuple | None = None):
+        """A proposal in one call (after `bind`) -> block - 1 tokens per request: first the context each
         request lacks (`pending`: slot, start, end, its tap features [>= end, n_taps * H]), then per request r the block
         [anchors[r], MASK x (block - 1)] after lens[r] context positions of slot slots[r], the LM head over
         its draft slots and the walk. The caller sets the cache lengths.
+
+        sampling (None: every walk greedy): per request (temperatures, seeds, noise streams, positions of the
+        first draft, rejection flags), lists; each walk then picks as `distributions.draft_pick` does, with the
+        same noise (drawn in the C++ at the candidates' tokens), and the call returns (tokens, q_ids, q_probs): the
+        candidates and q [R, block - 1, top_k] of every slot, meaningful in rejection rows.
 
         The fixed arguments are bound once per set of prepared weights and LM head (a C++ `Proposer`, which also
         checks the versions of the weights its packed copies come from: None back means one changed in place, and
@@ -204,10 +210,11 @@ class CpuDrafter:
         if self._bound[0] is not lm_head_panels or self._bound[1] is None:
             self._bound = (lm_head_panels, self._fixed(lm_head_panels))
         ctx_slots, starts, ends, features = zip(*pending) if pending else ((), (), (), ())
-        rows = self._bound[1](features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
+        args = (features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
+        rows = self._bound[1](*args) if sampling is None else self._bound[1].sampled(*args, *sampling)
         if rows is None:  # a weight changed in place since the binding
             self._bound = (None, None)
-            return self.propose(pending, anchors, slots, lens, lm_head_panels, block)
+            return self.propose(pending, anchors, slots, lens, lm_head_panels, block, sampling)
         return rows
 
     def _fixed(self, lm_head_panels: torch.Tensor):

@@ -12,7 +12,7 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.contracts import Draft, ProposeInput
 from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import Q_WIDTH, DraftDist, draft_pick
+from blockspec.common.distributions import Q_WIDTH, STREAM_DRAFT, STREAM_TARGET, DraftDist, draft_pick
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
@@ -149,12 +149,20 @@ class DFlashProposer:
                 rows = self._blocks.propose([i.token_ids[-1] for i in live], slot_ids, ctx_lens, B, pending)
             return self._drafts(inputs, live, rows, None)
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
-        panels = cpu.lm_head_panels(self.lm_head) if cpu is not None and greedy and self.use_path_selector else None
+        fused = cpu is not None and self.use_path_selector and (greedy or self.cfg.selector_top_k <= Q_WIDTH)
+        panels = cpu.lm_head_panels(self.lm_head) if fused else None
         if panels is not None:  # the whole proposal in one C++ call (no autograd state to enter: it runs after
             # every target forward, on cold caches, where each Python step around it costs several times its warm cost)
-            rows = cpu.propose(pending, [i.token_ids[-1] for i in live], slot_ids, ctx_lens, panels, B)
+            anchors = [i.token_ids[-1] for i in live]
+            if greedy:
+                rows, dists = cpu.propose(pending, anchors, slot_ids, ctx_lens, panels, B), None
+            else:  # the walk samples in the C++, as `_sampler` does
+                rows, q_ids, q_probs = cpu.propose(pending, anchors, slot_ids, ctx_lens, panels, B,
+                                                   self._walk_sampling(live))
+                dists = [DraftDist(q_ids[r], q_probs[r]) if i.sampling.rule == "rejection" and not i.sampling.greedy
+                         else None for r, i in enumerate(live)]
             self._advance(pending)
-            return self._drafts(inputs, live, rows, None)
+            return self._drafts(inputs, live, rows, dists)
         with torch.inference_mode():
             return self._propose_apart(inputs, live, ctx_lens, slot_ids, pending, B, slots_used, greedy, cpu)
 
@@ -187,7 +195,9 @@ class DFlashProposer:
             tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
         else:
             tokens = self.greedy_tokens(hidden, logits, anchors, pick)
-        return self._drafts(inputs, live, tokens.tolist(), q_rows)  # one tolist for the batch
+        dists = [DraftDist(torch.stack([c for c, _ in q]), torch.stack([p for _, p in q])) if q else None
+                 for q in q_rows]
+        return self._drafts(inputs, live, tokens.tolist(), dists)  # one tolist for the batch
 
     def greedy_tokens(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, pick=None) -> torch.Tensor:
         """The draft tokens [R, S] from the draft slots' hidden [R, S, H] and logits [R, S, V]: the path selector's
@@ -202,17 +212,26 @@ class DFlashProposer:
 
     @staticmethod
     def _drafts(inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], rows: list[list[int]],
-                q_rows: list[list] | None) -> list[Draft]:
-        """One Draft per input: rows[r] (k tokens or more) for live request r (with the q it sampled from,
-        if any; q_rows None: none did), nothing for the others."""
-        if q_rows is None and len(live) == len(inputs):  # every input drafted (live is inputs, in order)
+                dists: list[DraftDist | None] | None) -> list[Draft]:
+        """One Draft per input: rows[r] (k tokens or more) for live request r (with dists[r], the q its rows
+        were sampled from, where it sampled; dists None: none did), nothing for the others."""
+        if dists is None and len(live) == len(inputs):  # every input drafted (live is inputs, in order)
             return [Draft(tuple(row[: i.k])) for i, row in zip(inputs, rows)]
         drafts = {}
         for r, (i, row) in enumerate(zip(live, rows)):
-            q = q_rows[r][: i.k] if q_rows else None
-            dist = DraftDist(torch.stack([c for c, _ in q]), torch.stack([p for _, p in q])) if q else None
-            drafts[i.request_id] = Draft(tuple(row[: i.k]), dist)
+            dist = dists[r] if dists else None
+            drafts[i.request_id] = Draft(tuple(row[: i.k]), dist.head(i.k) if dist is not None else None)
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
+
+    @staticmethod
+    def _walk_sampling(live: Sequence[ProposeInput]) -> tuple[list, ...]:
+        """Per request, how the C++ walk picks (CpuDrafter.propose): temperature (0: the best score), seed, noise
+        stream (strict: the target's, coupling; rejection: the drafter's own), the first draft's position, whether
+        it records q. The same draws as `_sampler`'s `draft_pick`."""
+        sampled = [i.sampling if not i.sampling.greedy else None for i in live]
+        return ([s.temperature if s else 0.0 for s in sampled], [s.seed if s else 0 for s in sampled],
+                [(STREAM_TARGET if s.rule == "strict" else STREAM_DRAFT) if s else 0 for s in sampled],
+                [len(i.token_ids) for i in live], [bool(s) and s.rule == "rejection" for s in sampled])
 
     def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
         """A walk `pick` following each request's sampling (common/distributions.draft_pick); greedy rows take
