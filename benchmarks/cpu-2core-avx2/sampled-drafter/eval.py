@@ -1,6 +1,6 @@
 """The drafters side by side on the shipped target: the 16 held-out prompts, k = 5, 128 new tokens, greedy and sampled
 at T 0.7 and 1.0 under `rejection`; tau and acceptance per drafter at seed 0, and for the sampled settings tau at each
-of --seeds and their mean (a seed's sampled text decides which contexts the drafter meets, so one seed's tau moves by
+of --seeds and their mean, and seed 0 again with adaptive k (k up to 5, 0 where drafting does not pay) (a seed's sampled text decides which contexts the drafter meets, so one seed's tau moves by
 about 0.1-0.2); per draft slot, over all the seeds, the measured acceptance (of the drafts that reached the slot) next
 to the mean of sum_x min(p(x), q(x)) over the same drafts: the acceptance the rejection rule would give for that q,
 so that the gap between q and p is visible slot by slot, and p's mass on q's candidates (what any q over them could
@@ -77,6 +77,7 @@ def measure(drafter: Path | None, seeds: list[int]) -> dict:
     base = ROOT / "models" / "base"
     engine = Engine(base / "target", drafter, "dflash" if drafter else "none", max_batch=1)
     prompts = [engine.encode(json.loads(line)) for line in (base / "heldout_prompts.jsonl").read_text().splitlines()]
+    adaptive = Engine(base / "target", drafter, "dflash", max_batch=1, adaptive_k=True) if drafter else None
     out = {}
     for name, temperature in SETTINGS.items():
         meter = SlotMeter() if drafter else None
@@ -89,6 +90,9 @@ def measure(drafter: Path | None, seeds: list[int]) -> dict:
         out[name] = {**runs[0], "tau_by_seed": {s: r["tau"] for s, r in runs.items()},
                      "tau_mean": round(sum(r["tau"] for r in runs.values()) / len(runs), 3),
                      "tokens_per_s_mean": round(sum(r["tokens_per_s"] for r in runs.values()) / len(runs), 1)}
+        if adaptive is not None:
+            out[name]["adaptive_k_seed_0"] = run(adaptive, prompts, f"{name}-adaptive",
+                                                 SamplingParams(temperature=temperature, seed=0, rule="rejection"), None)
         if meter is not None:
             out[name]["slots"] = [{"reached": r, "accepted": round(a / r, 3), "sum_min_p_q": round(o / r, 3),
                                    "p_on_candidates": round(c / r, 3)}
