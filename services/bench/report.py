@@ -13,11 +13,12 @@ from blockspec.services.bench.modes import Mode, Row
 
 
 def describe(machine: str, pair: str, prompts: int, max_tokens: int, waves: int, rounds: int, sliced: bool,
-             rates: Sequence[float] = (), cap: int = 0, drafter_kernel: str | None = None) -> str:
+             rates: Sequence[float] = (), cap: int = 0, drafter_kernel: str | None = None,
+             sampling: str = "greedy") -> str:
     """The report's first paragraph: the machine, the pair (and where the dflash drafter's proposals run), the
-    workload and how each figure was taken."""
+    workload (sampling: how its requests decode, in words) and how each figure was taken."""
     pair += f" (the dflash drafter: {drafter_kernel})" if drafter_kernel else ""
-    text = (f"Machine: {machine}. Pair: {pair}. {prompts} prompts x {max_tokens} new tokens, greedy; a pass at "
+    text = (f"Machine: {machine}. Pair: {pair}. {prompts} prompts x {max_tokens} new tokens, {sampling}; a pass at "
             f"concurrency c serves max({prompts}, {waves} c) requests (the prompts cycled), c at a time. Each row is "
             f"the pass with the median tokens/s of {rounds} interleaved passes (its latencies are that pass's).")
     if sliced:

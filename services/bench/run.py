@@ -9,7 +9,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.bench.costs import CPU, CostSampler, Device
 from blockspec.services.bench.latency import ChunkGaps, latency
 from blockspec.services.bench.modes import ENGINE_METHODS, Mode, Row
@@ -44,15 +45,38 @@ def accepted_per_position(counts: Sequence[Sequence[int]], k: int = 0) -> np.nda
     return total
 
 
+def request_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Request i's sampling in a pass: the bench's settings, seeded seed + i where they sample; the same in every mode
+    and pass, so each mode decodes the same requests."""
+    return sampling if sampling.greedy else replace(sampling, seed=(sampling.seed + i) % 2**64)
+
+
+def compared(sampling: SamplingParams, mode: Mode) -> bool:
+    """Whether `mode`'s outputs must equal plain decoding's (the `exact` column): greedy, and `strict` sampling in the
+    engine's modes (the text for a seed is the target's own). Under `rejection` the text also depends on the drafts;
+    transformers samples with its own noise."""
+    return sampling.greedy or (sampling.rule == "strict" and mode.name in ENGINE_METHODS)
+
+
+def describe_sampling(sampling: SamplingParams) -> str:
+    """The sampling settings in a report's first paragraph."""
+    if sampling.greedy:
+        return "greedy"
+    return (f"sampled at temperature {sampling.temperature:g} (top-k {sampling.top_k or 'off'}, top-p "
+            f"{sampling.top_p:g}), rule `{sampling.rule}`, request i seeded {sampling.seed} + i; `exact` compares "
+            f"{'the engine modes' if sampling.rule == 'strict' else 'nothing (under rejection the text follows the drafts)'}")
+
+
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None,
-                arrivals: Sequence[float] | None = None) -> tuple[float, list, list[float], list[float]]:
+                arrivals: Sequence[float] | None = None,
+                sampling: SamplingParams = GREEDY) -> tuple[float, list, list[float], list[float]]:
     """One pass: (seconds, the finish events in request order, each request's time to first token, the gaps
     between the chunks of every stream). Closed loop (arrivals None): every request queued at once, its TTFT from
     admission. Open loop: request i arrives arrivals[i] seconds into the pass (bench_rate.open_loop), its TTFT from
     arrival."""
     from blockspec.services.router.step_loop import FinishEvent
 
-    requests = [engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)]
+    requests = [engine.request(str(i), p, max_tokens, k, request_sampling(sampling, i)) for i, p in enumerate(prompts)]
     chunks = ChunkGaps()
     started = time.perf_counter()
     if arrivals is None:
@@ -91,8 +115,8 @@ def check_lengths(target: Path, prompts: Sequence[Sequence[int]], max_tokens: in
 
 
 def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_tokens: int,
-                  concurrency: int, device: Device = CPU,
-                  arrivals: Sequence[float] | None = None) -> Callable[[], tuple[Row, list]]:
+                  concurrency: int, device: Device = CPU, arrivals: Sequence[float] | None = None,
+                  sampling: SamplingParams = GREEDY) -> Callable[[], tuple[Row, list]]:
     """A warmed-up engine for `mode` (`drafter`: the DFlash drafter, or for draft_model the assistant); each call of
     the result is one timed pass over the prompts, at most `concurrency` in flight (arrivals: open loop)."""
     from blockspec.services.drafter.proposers.replay import ReplayProposer
@@ -104,7 +128,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
                     prompt_lookup=mode.lookup, prompt_lookup_tokens=mode.lookup_tokens, device=device[0], dtype=device[1],
                     threads=torch.get_num_threads())  # a fixed count: every mode measured alike
     try:
-        _engine_run(engine, prompts[:1], 8, mode.k or None)  # warm-up
+        _engine_run(engine, prompts[:1], 8, mode.k or None, sampling=sampling)  # warm-up
     except InvalidArgument as e:
         if e.field != "k":
             raise
@@ -112,11 +136,11 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     replay = None
     if mode.replay:  # one untimed run of the whole workload records the drafts every timed pass gives back
         replay = engine.loop.drafter = ReplayProposer(engine.loop.drafter)
-        _engine_run(engine, prompts, max_tokens, mode.k or None)
+        _engine_run(engine, prompts, max_tokens, mode.k or None, sampling=sampling)
         replay.recording = False
 
     def run() -> tuple[Row, list]:
-        elapsed, done, ttft, gaps = _engine_run(engine, prompts, max_tokens, mode.k or None, arrivals)
+        elapsed, done, ttft, gaps = _engine_run(engine, prompts, max_tokens, mode.k or None, arrivals, sampling)
         if replay is not None and replay.misses:
             log.warning("%s: %d proposals were not in the record and drafted nothing", mode.label, replay.misses)
             replay.misses = 0
@@ -141,14 +165,17 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
 
 
 def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Path | None,
-              device: Device = CPU) -> Callable[[], tuple[Row, list]]:
-    """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted. The
+              device: Device = CPU, sampling: SamplingParams = GREEDY) -> Callable[[], tuple[Row, list]]:
+    """transformers `generate` one prompt at a time (concurrency 1): alone, prompt lookup, assisted; sampling with
+    the same temperature, top-k and top-p (torch's generator seeded with the bench's seed at each pass). The
     models load and warm up here; each call of the result is one timed pass over the prompts."""
     from transformers import AutoModelForCausalLM
 
     dev, dtype = device
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(dev).eval()
     kwargs: dict = {"do_sample": False, "max_new_tokens": max_tokens}
+    if not sampling.greedy:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if mode.name == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = mode.k
     elif mode.name.startswith("hf-assisted"):
@@ -163,6 +190,8 @@ def hf_runner(target: Path, mode: Mode, prompts, max_tokens: int, assistant: Pat
 
     def run() -> tuple[Row, list]:
         outputs = []
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed % 2**63)
         with torch.inference_mode():
             started = time.perf_counter()
             for p in prompts:
@@ -209,27 +238,31 @@ def timed_passes(runners: dict, rounds: int, bar=None, after_round: Callable[[],
     return medians
 
 
-def against_plain(passes: dict, rate: float | None = None, plain: Mode = Mode("none")) -> list[Row]:
+def against_plain(passes: dict, rate: float | None = None, plain: Mode = Mode("none"),
+                  compare: Callable[[Mode], bool] = lambda mode: True) -> list[Row]:
     """timed_passes' median rows, each compared with the `plain` mode's tokens/s; exact when every pass of the mode
-    gave plain decoding's first pass's outputs (without a plain mode: no ratio, exact unknown)."""
+    gave plain decoding's first pass's outputs (without a plain mode: no ratio, exact unknown; for a mode `compare`
+    refuses, e.g. one sampling under `rejection`: exact unknown)."""
     base, (plain_outputs, *_) = passes.get(plain, (None, (None,)))
-    for row, outputs in passes.values():
+    for mode, (row, outputs) in passes.items():
         row.request_rate = rate
         if base is not None:
-            row.exact = all(o == plain_outputs for o in outputs)
+            row.exact = all(o == plain_outputs for o in outputs) if compare(mode) else None
             row.speedup = row.tokens_per_s / base.tokens_per_s
     return [row for row, _ in passes.values()]
 
 
 def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], modes: list[Mode], concurrency: list[int],
               max_tokens: int, out: Path, assistant: Path | None = None, progress: bool = True, rounds: int = 3,
-              waves: int = 4, device: Device = CPU, request_rates: Sequence[float] = (), max_concurrency: int = 16) -> dict:
+              waves: int = 4, device: Device = CPU, request_rates: Sequence[float] = (), max_concurrency: int = 16,
+              sampling: SamplingParams = GREEDY) -> dict:
     """Run every mode at every concurrency (transformers modes at 1), `rounds` passes each (draft_model
     and the hf-assisted modes with `assistant` as their draft model),
     interleaved, each pass over `workload(prompts, concurrency, waves)`; report the median pass; check
     exactness against plain decoding; measure the cost model; write bench.md / bench.json / plots into `out`.
     With request_rates, the engine modes also run open loop (bench_rate): requests arriving at each rate, at most
-    max_concurrency in flight, over `workload(prompts, max_concurrency, waves)`."""
+    max_concurrency in flight, over `workload(prompts, max_concurrency, waves)`. sampling: every request's (request i
+    seeded seed + i); the cost model stays greedy's."""
     from blockspec.services.bench.rate import arrival_times, check_rates
     from blockspec.services.bench.report import describe, markdown, plots  # it imports Mode and Row from here
 
@@ -250,9 +283,12 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
 
     def runner(m: Mode, work: list, c: int, arrivals: list[float] | None = None):
         if m.name not in ENGINE_METHODS:
-            return hf_runner(target, m, work, max_tokens, assistant, device)
+            return hf_runner(target, m, work, max_tokens, assistant, device, sampling)
         return engine_runner(target, assistant if m.name == "draft_model" else drafter, m, work, max_tokens, c, device,
-                             arrivals)
+                             arrivals, sampling)
+
+    def compare(m: Mode) -> bool:
+        return compared(sampling, m)
 
     rows, rate_rows = [], []
     total = rounds * (sum(len(ms) for _, ms in plan) + len(engine_modes) * len(request_rates))
@@ -261,7 +297,7 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
             work = workload(prompts, c, waves)
             # The ceiling's costs, timed among the concurrency-1 passes they are compared with.
             sample = (lambda: sampler.sample(COST_REPEATS)) if sampler is not None and c == 1 else None
-            rows += against_plain(timed_passes({m: runner(m, work, c) for m in ms}, rounds, bar, sample))
+            rows += against_plain(timed_passes({m: runner(m, work, c) for m in ms}, rounds, bar, sample), compare=compare)
         for rate in request_rates:
             work = workload(prompts, max_concurrency, waves)
             arrivals = arrival_times(len(work), rate)
@@ -269,18 +305,18 @@ def run_bench(target: Path, drafter: Path | None, prompts: list[list[int]], mode
                 log.warning("at %g requests/s the %d requests of a pass arrive over %.0f s; %d modes x %d rounds",
                             rate, len(work), arrivals[-1], len(engine_modes), rounds)
             rate_rows += against_plain(timed_passes({m: runner(m, work, max_concurrency, arrivals) for m in engine_modes},
-                                               rounds, bar), rate)
+                                               rounds, bar), rate, compare=compare)
     if sampler is not None and not sampler.slices:  # no concurrency-1 passes: timed once, at the end
         sampler.sample(COST_REPEATS * rounds)
     costs = sampler.model() if sampler is not None else None
     kernel = getattr(sampler.engine.proposer, "kernel", None) if sampler is not None else None
     header = describe(machine(device), f"{target} + {drafter}", len(prompts), max_tokens, waves, rounds,
                       sliced=sampler is not None and 1 in concurrency, rates=request_rates, cap=max_concurrency,
-                      drafter_kernel=kernel)
+                      drafter_kernel=kernel, sampling=describe_sampling(sampling))
     report = markdown(rows, costs, header, rate_rows)
     (out / "bench.md").write_text(report)
     result = {"machine": machine(device), "target": str(target), "drafter": str(drafter), "drafter_kernel": kernel,
-              "prompts": len(prompts), "waves": waves,
+              "prompts": len(prompts), "waves": waves, "sampling": asdict(sampling),
               "max_tokens": max_tokens, "rows": [asdict(r) for r in rows], "rate_rows": [asdict(r) for r in rate_rows],
               "request_rates": list(request_rates), "max_concurrency": max_concurrency, "costs": asdict(costs) if costs else None}
     (out / "bench.json").write_text(json.dumps(result, indent=1))

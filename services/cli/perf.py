@@ -12,7 +12,18 @@ from blockspec.common.argtypes import address, bounded
 from blockspec.common.device import add_device_args
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli.args import add_tls_client_args, client_tls, out_dir, read_prompts, set_threads, threads
+from blockspec.common.sampling import RULES, SamplingParams, validate
+from blockspec.services.cli.args import (
+    UINT32,
+    UINT64,
+    add_tls_client_args,
+    as_flag,
+    client_tls,
+    out_dir,
+    read_prompts,
+    set_threads,
+    threads,
+)
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
@@ -48,6 +59,14 @@ def add_perf_commands(sub) -> None:
                     "on any server, the baseline of the ratios and of `exact`; default 0 and the server's default k, "
                     "0 alone on a server without a drafter)")
     add_tls_client_args(bn)
+    samp = bn.add_argument_group("sampling (default: greedy; docs/sampling.md)")
+    samp.add_argument("--temperature", type=float, default=0.0, help="every request's; 0 = greedy (default)")
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--top-k", type=bounded(0, UINT32), default=0, help="0 = off")
+    samp.add_argument("--seed", type=bounded(0, UINT64), default=0, help="request i of a pass is seeded SEED + i, in "
+                      "every mode and pass (default 0)")
+    samp.add_argument("--rule", choices=RULES, default="rejection", help="verification rule; `exact` compares outputs "
+                      "with plain decoding's under strict only")
     bn.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNG plots")
     bn.add_argument("--threads", type=threads, help="torch CPU threads")
     bn.add_argument("--rounds", type=int, default=3, help="timed passes per mode, interleaved; the median pass is "
@@ -79,10 +98,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     concurrency = _int_list("--concurrency", args.concurrency)
     rounds = _int_list("--rounds", str(args.rounds))[0]
     waves = _int_list("--waves", str(args.waves))[0]
+    try:
+        sampling = validate(SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                           seed=args.seed, rule=args.rule), UINT32)
+    except InvalidArgument as e:  # sampling.X is --X
+        raise InvalidArgument(as_flag(e.field), e.message) from None
     rates = _rate_list(args.request_rates) if args.request_rates else []
     cap = _int_list("--max-concurrency", str(args.max_concurrency))[0]
     if args.server is not None:
-        return _bench_server(args, concurrency, rounds, waves, rates, cap)
+        return _bench_server(args, concurrency, rounds, waves, rates, cap, sampling)
     from blockspec.common.models import load_checkpoint
 
     target = Path(args.target)
@@ -93,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(target, Path(args.drafter) if args.drafter else None, prompts, modes,
                        concurrency, args.max_tokens, out, Path(args.assistant) if args.assistant else None,
                        rounds=rounds, waves=waves, device=resolve_device(args.device, args.dtype),
-                       request_rates=rates, max_concurrency=cap)
+                       request_rates=rates, max_concurrency=cap, sampling=sampling)
     print(result["markdown"])
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {', '.join(result['plots'])}")
     return 0
@@ -109,7 +133,7 @@ def _connect(args: argparse.Namespace):
 
 
 def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int, waves: int, rates: list[float],
-                  cap: int) -> int:
+                  cap: int, sampling: SamplingParams) -> int:
     """`bench --server`: the workload over a running server's gRPC API, each --server-k value (0: plain decoding, the
     baseline of the ratios and of `exact`) `rounds` times, interleaved, closed and open loop."""
     import grpc
@@ -120,7 +144,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     out = out_dir(args.out)
     try:
         rows, rate_rows, prompts = server_passes(args.server, _bench_prompts(args), args.max_tokens, ks, concurrency,
-                                                 rounds, waves, rates, cap, _connect(args))
+                                                 rounds, waves, rates, cap, _connect(args), sampling)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise InvalidArgument("--server-k" if "num_speculative_tokens" in e.details() else "request",
@@ -131,8 +155,10 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
         print(f"blockspec: error: server {args.server}: {e}", file=sys.stderr)
         return 1
     from blockspec.services.bench.report import markdown, plots
+    from blockspec.services.bench.run import describe_sampling
 
-    header = (f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens, greedy; a pass at concurrency c "
+    header = (f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens, "
+              f"{describe_sampling(sampling).replace('the engine modes', 'every k')}; a pass at concurrency c "
               f"serves max({len(prompts)}, {waves} c) requests, c streams at a time. Each row is the pass with the median "
               f"tokens/s of {rounds} interleaved passes; `server` is plain decoding (num_speculative_tokens 0), the "
               "ratios' baseline.")
@@ -140,6 +166,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(report)
     result = {"server": args.server, "prompts": len(prompts), "max_tokens": args.max_tokens, "waves": waves,
+              "sampling": asdict(sampling),
               "rows": [asdict(r) for r in rows], "rate_rows": [asdict(r) for r in rate_rows]}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     paths = plots(rows, out, rate_rows)

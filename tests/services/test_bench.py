@@ -204,6 +204,28 @@ def test_the_cost_model_times_each_target_forward_after_a_decode():
     assert events == forwards * 4 + proposals * 4
 
 
+@pytest.mark.parametrize("rule", ["strict", "rejection"])
+def test_bench_samples_every_request_and_compares_outputs_where_the_rule_fixes_them(tiny_pair, tmp_path, rule):
+    """`bench --temperature`: every mode decodes the same seeded requests (request i seeded SEED + i). Under strict the
+    engine modes must reproduce plain decoding's sampled text; under rejection, and for transformers' own sampler,
+    `exact` is unknown."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def wrap(self, text):\\n"\n"class TextWrapper:\\n    "\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(tiny_pair.target), "--drafter", str(tiny_pair.drafter), "--prompts-file",
+                 str(prompts), "--max-tokens", "12", "--modes", "dflash:3,hf", "--concurrency", "1", "--out", str(out),
+                 "--threads", "1", "--rounds", "1", "--waves", "1", "--temperature", "1.0", "--top-k", "40",
+                 "--rule", rule, "--seed", "3"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["sampling"] | {"temperature": 1.0, "top_k": 40, "rule": rule, "seed": 3} == result["sampling"]
+    exact = {r["mode"]: r["exact"] for r in result["rows"]}
+    assert exact == ({"none": True, "dflash": True, "hf": None} if rule == "strict" else
+                     {"none": None, "dflash": None, "hf": None})
+    assert f"sampled at temperature 1 (top-k 40, top-p 1), rule `{rule}`" in (out / "bench.md").read_text()
+    dflash = next(r for r in result["rows"] if r["mode"] == "dflash")
+    assert dflash["acceptance_rate"] is not None and dflash["tokens"] > 0
+
+
 def test_bench_flags_are_checked(capsys, tmp_path):
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "--concurrency" in capsys.readouterr().err
@@ -223,6 +245,8 @@ def test_bench_flags_are_checked(capsys, tmp_path):
     assert "--max-concurrency" in capsys.readouterr().err
     for flag, value in (("--concurrency", "1,1"), ("--request-rates", "5,5.0")):
         assert main(["bench", flag, value]) == 2 and f"{flag}: each value once" in capsys.readouterr().err
+    assert main(["bench", "--temperature", "-1"]) == 2 and "--temperature: must be" in capsys.readouterr().err
+    assert main(["bench", "--top-p", "1.5"]) == 2 and "--top-p" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "--max-tokens", "0"])
     assert e.value.code == 2 and "--max-tokens: 0 is out of range: at least 1" in capsys.readouterr().err

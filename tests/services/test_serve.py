@@ -333,6 +333,12 @@ def test_bench_measures_the_server_with_latency(server, tmp_path, capsys):
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(saved["rows"]) == 4 and len(saved["rows"][0]["rounds"]) == 2
     assert (tmp_path / "out" / "tokens_per_s.png").is_file()
+    # Sampled requests, request i seeded SEED + i: under strict every k must give plain decoding's text.
+    assert main(["bench", "--server", f"127.0.0.1:{server['grpc']}", "--server-k", "0,3", "--concurrency", "1",
+                 "--rounds", "1", "--temperature", "0.8", "--rule", "strict", "--seed", "7", *common]) == 0
+    sampled = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert sampled["sampling"]["temperature"] == 0.8 and [r["exact"] for r in sampled["rows"]] == [True, True]
+    assert "rule `strict`, request i seeded 7 + i" in (tmp_path / "out" / "bench.md").read_text()
 
 
 def test_a_server_with_api_keys_serves_only_clients_that_send_one(tiny_models, dflash_drafters, tokenizer, tmp_path,
