@@ -300,11 +300,29 @@ int64_t gumbel_argmax(torch::Tensor logp, uint64_t seed, uint64_t position, uint
   return best;
 }
 
+// distributions.gumbel_at for many rows at once: row n's noise at token ids[n, j] for (seeds[n], streams[n],
+// positions[n]) -> [N, m] fp64, -log(-log(u)) of each token's uniform (drawn by its counter alone).
+torch::Tensor gumbel_rows(torch::Tensor ids, const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& streams,
+                          const std::vector<uint64_t>& positions) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == torch::kLong && ids.is_contiguous(), "gumbel_rows: ids [N, m]");
+  const int64_t N = ids.size(0), m = ids.size(1);
+  TORCH_CHECK(int64_t(seeds.size()) == N && int64_t(streams.size()) == N && int64_t(positions.size()) == N,
+              "gumbel_rows: one seed, stream and position per row");
+  auto out = torch::empty({N, m}, torch::kDouble);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  double* g = out.data_ptr<double>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < m; ++j)
+      g[n * m + j] = -std::log(-std::log(philox_uniform(seeds[n], streams[n], positions[n], uint64_t(id[n * m + j]))));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_rows", &decoder_rows, py::call_guard<py::gil_scoped_release>());
   m.def("small_linear", &small_linear, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows);
   m.def("gumbel_argmax", &gumbel_argmax);
+  m.def("gumbel_rows", &gumbel_rows);
   m.def("philox_uniform", &philox_uniform);
   m.def("silu_mul", &silu_mul);
   m.def("cached_attention", &cached_attention);

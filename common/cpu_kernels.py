@@ -364,3 +364,13 @@ def philox_uniform(seed: int, position: int, stream: int, index: int = 0) -> flo
     """distributions.uniforms(seed, position, stream, index + 1)[index] without the ones before it; None where the
     kernels are off (or the position takes the counter's fourth word)."""
     return _kernels.module.philox_uniform(seed, stream, position, index) if position < 2**64 and enabled() else None
+
+
+def gumbel_rows(token_ids: torch.Tensor, seeds: Sequence[int], streams: Sequence[int],
+                positions: Sequence[int]) -> torch.Tensor | None:
+    """distributions.gumbel_at of many rows in one C++ loop: token_ids [N, m] (CPU int64), row n keyed by seeds[n],
+    streams[n] at positions[n] -> [N, m] fp64; None where the kernels are off (or a position takes the counter's
+    fourth word)."""
+    if not enabled() or any(p >= 2**64 for p in positions):
+        return None
+    return _kernels.module.gumbel_rows(token_ids.contiguous(), list(seeds), list(streams), list(positions))

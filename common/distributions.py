@@ -197,3 +197,53 @@ def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingPa
     logq = z.log_softmax(-1)
     noise = gumbel_at(params.seed, position, STREAM_DRAFT, token_ids)
     return DraftPick(int((logq + noise).argmax()), logq.exp().float())
+
+
+class WalkSampler:
+    """`draft_pick` for a batch of walks at once, with no transfer between the slots: the walk calls `begin` with every
+    slot's candidates [R, S, m] (token ids) before its first pick, and then once per slot t with that slot's scores
+    [R, K] (K >= m: the first m columns are the candidates'); back comes each row's index. The noise of every
+    candidate is drawn on the host in one go (the candidates come over once) and moved to their device. Row r follows
+    params[r], its slot t at position positions[r] + t: greedy the best of all K scores; strict the argmax of
+    z + g(STREAM_TARGET) with z = scores / T (fp64); rejection the argmax of log_softmax(z) + g(STREAM_DRAFT), q =
+    softmax(z) kept for `q`. The numbers `draft_pick` draws, batched."""
+
+    def __init__(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> None:
+        self.params, self.positions = list(params), list(positions)
+        self.noise: torch.Tensor | None = None
+        self._logq: list[torch.Tensor] = []
+
+    def begin(self, candidates: torch.Tensor) -> None:
+        self.candidates = candidates
+        R, S, m = candidates.shape
+        dev = candidates.device
+        sampled = [not p.greedy for p in self.params]
+        self.greedy = torch.tensor([not x for x in sampled], device=dev)
+        self.strict = torch.tensor([x and p.rule == "strict" for x, p in zip(sampled, self.params)], device=dev)
+        self.temps = torch.tensor([p.temperature if x else 1.0 for x, p in zip(sampled, self.params)],
+                                  dtype=torch.float64, device=dev)
+        ids = candidates.cpu().reshape(R * S, m)
+        seeds = [p.seed if x else 0 for x, p in zip(sampled, self.params) for _ in range(S)]
+        streams = [(STREAM_TARGET if p.rule == "strict" else STREAM_DRAFT) if x else 0
+                   for x, p in zip(sampled, self.params) for _ in range(S)]
+        positions = [first + t for first in self.positions for t in range(S)]
+        noise = cpu_kernels.gumbel_rows(ids, seeds, streams, positions)
+        if noise is None:
+            noise = torch.zeros(R * S, m, dtype=torch.float64)
+            for n in range(R * S):
+                if sampled[n // S]:
+                    noise[n] = gumbel_at(seeds[n], positions[n], streams[n], ids[n])
+        self.noise = noise.reshape(R, S, m).to(dev)
+        self._logq = []
+
+    def __call__(self, t: int, scores: torch.Tensor) -> torch.Tensor:
+        m = self.noise.shape[-1]
+        z = scores[:, :m].double() / self.temps[:, None]
+        logq = z.log_softmax(-1)
+        self._logq.append(logq)
+        key = torch.where(self.strict[:, None], z, logq) + self.noise[:, t]
+        return torch.where(self.greedy, scores.argmax(-1), key.argmax(-1))
+
+    def q(self) -> torch.Tensor:
+        """q [R, S, m] (float32, on the host) of every slot picked so far: meaningful in the rejection rows."""
+        return torch.stack(self._logq, 1).exp().float().cpu()

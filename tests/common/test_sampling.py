@@ -15,6 +15,8 @@ from blockspec.common.distributions import (
     STREAM_DRAFT,
     DraftDist,
     LogProbRows,
+    WalkSampler,
+    draft_pick,
     gumbel,
     gumbel_at,
     log_probs,
@@ -23,7 +25,7 @@ from blockspec.common.distributions import (
     uniforms,
 )
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.sampling import SamplingParams, validate
+from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
 
 
@@ -127,6 +129,38 @@ def test_the_kernels_draw_numpys_noise_and_sample_what_the_tensor_maths_samples(
         assert cpu_kernels.gumbel_argmax(logp, seed, position, stream, offset) == want
         assert sample(logp, seed, position, stream, offset) == want
     assert cpu_kernels.gumbel_argmax(logp, 1, 2**70, 0) is None  # past the counter word it takes: numpy's path
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["c++-noise", "numpy-noise"])
+def test_the_batched_walk_sampler_picks_what_draft_pick_picks(kernels):
+    """WalkSampler (every row and slot of a walk at once) against draft_pick (one row, one slot): the same index and,
+    for rejection rows, the same q; greedy rows take the best of all the scores, past the first Q_WIDTH too."""
+    if kernels and not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels could not be built here")
+    params = [SamplingParams(temperature=0.7, seed=11), SamplingParams(temperature=1.3, seed=2**64 - 1, rule="strict"),
+              GREEDY, SamplingParams(temperature=1.0, top_k=5, seed=4)]
+    positions, S, K, m = [17, 3, 40, 0], 4, 40, 32
+    torch.manual_seed(0)
+    candidates = torch.stack([torch.randperm(4096)[:K] for _ in range(len(params) * S)]).reshape(len(params), S, K)
+    scores = torch.randn(len(params), S, K) * 3
+    before = cpu_kernels.enabled()
+    cpu_kernels.set_enabled(kernels)
+    try:
+        sampler = WalkSampler(params, positions)
+        sampler.begin(candidates[..., :m])
+        picked = torch.stack([sampler(t, scores[:, t]) for t in range(S)], 1)
+    finally:
+        cpu_kernels.set_enabled(before)
+    q = sampler.q()
+    for r, sp in enumerate(params):
+        for t in range(S):
+            if sp.greedy:
+                assert int(picked[r, t]) == int(scores[r, t].argmax())
+                continue
+            want = draft_pick(scores[r, t, :m], candidates[r, t, :m], sp, positions[r] + t)
+            assert int(picked[r, t]) == want.index
+            if want.probs is not None:
+                torch.testing.assert_close(q[r, t], want.probs, rtol=0, atol=1e-7)
 
 
 def test_log_prob_rows_are_computed_as_read_and_equal_the_whole_rows():

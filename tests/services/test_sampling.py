@@ -190,12 +190,15 @@ def test_strict_rule_gives_the_same_text_with_and_without_speculation(pair, voca
     params = SamplingParams(temperature=0.8, top_p=0.95, rule="strict")
     texts, accepted = {}, Counter()
     drafters = {"dflash": paths.drafter, "draft_model": paths.target, "dflash-vocab": vocab_drafter,
-                "dflash-lookup": paths.drafter}
+                "dflash-lookup": paths.drafter, "dflash-torch": paths.drafter, "dflash-noselector": paths.drafter}
     for method, k in (("none", 0), ("ngram", 4), ("draft_model", 3), ("dflash", 5), ("dflash", 1), ("dflash-vocab", 5),
-                      ("dflash-lookup", 5)):
+                      ("dflash-lookup", 5), ("dflash-torch", 5), ("dflash-noselector", 5)):
         counts_by_seed = {}
         engine = Engine(paths.target, drafters.get(method), method.split("-")[0], max_batch=50,
-                        max_len=len(prompt) + 40, prompt_lookup=method.endswith("-lookup"))
+                        max_len=len(prompt) + 40, prompt_lookup=method.endswith("-lookup"),
+                        use_path_selector=not method.endswith("-noselector"))
+        if method == "dflash-torch":  # the torch walk (WalkSampler), as on a GPU
+            engine.proposer._cpu = None
         assert (getattr(engine.proposer, "vocab_ids", None) is not None) == method.endswith("-vocab")
         requests = [engine.request(str(seed), prompt, 32, k, SamplingParams(**{**vars(params), "seed": seed}))
                     for seed in range(50)]

@@ -400,6 +400,27 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
   return out;
 }
 
+// `walk` where requests sample (RowSampling per request, as Proposer.propose_sampled takes them) -> (tokens [R, S],
+// q_ids, q_probs [R, S, top_k]: the candidates and q of every slot, meaningful in rejection rows).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> walk_sampled(
+    torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
+    torch::Tensor anchor, int64_t top_k, torch::Tensor ids, const std::vector<double>& temperatures,
+    const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& streams, const std::vector<uint64_t>& positions,
+    const std::vector<bool>& rejection) {
+  const int64_t R = logits.size(0), S = logits.size(1);
+  TORCH_CHECK(int64_t(temperatures.size()) == R && int64_t(seeds.size()) == R && int64_t(streams.size()) == R &&
+              int64_t(positions.size()) == R && int64_t(rejection.size()) == R, "one sampling entry per request");
+  std::vector<RowSampling> sampling(R);
+  for (int64_t r = 0; r < R; ++r) sampling[r] = {temperatures[r], seeds[r], streams[r], positions[r], rejection[r]};
+  auto out = torch::empty({R, S}, anchor.options());
+  auto q_ids = torch::zeros({R, S, top_k}, torch::kLong);
+  auto q_probs = torch::zeros({R, S, top_k}, torch::kFloat);
+  walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
+            anchor.data_ptr<int64_t>(), top_k, column_ids(ids, logits.size(2)), out.data_ptr<int64_t>(),
+            sampling.data(), q_ids.data_ptr<int64_t>(), q_probs.data_ptr<float>());
+  return std::make_tuple(out, q_ids, q_probs);
+}
+
 // A whole greedy proposal in one call. The arguments that stay from call to call (the caches, tables and weights,
 // read in place) are bound once in a `Proposer` (cpu_block.py binds one per set of prepared weights): a call then
 // converts a handful of small arguments instead of 33, and returns the tokens as lists, not as a tensor. `watched`
@@ -522,6 +543,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block", &block, py::call_guard<py::gil_scoped_release>());
   m.def("context", &context, py::call_guard<py::gil_scoped_release>());
   m.def("walk", &walk, py::call_guard<py::gil_scoped_release>());
+  m.def("walk_sampled", &walk_sampled, py::call_guard<py::gil_scoped_release>());
   py::class_<Proposer>(m, "Proposer")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, int64_t,

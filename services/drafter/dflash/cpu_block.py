@@ -11,7 +11,7 @@ on first use like `common/cpu_kernels.py`):
   block (bidirectional);
 * `context`: the context K/V of newly committed positions (fc, norm, K/V projections, K norm, RoPE),
   written into the cache;
-* `walk`: the path selector's greedy walk (top-k candidates per slot, pairwise scores, argmax);
+* `walk`: the path selector's walk (top-k candidates per slot, pairwise scores, argmax or a sample);
 * `propose`: a whole proposal in one call: the missing context, the block of every request, the
   LM head over the draft slots and the walk, greedy or sampling (the noise of `common/distributions.py`, drawn
   from the same counter-based generator at each candidate's token; the q a rejection draft came from).
@@ -229,12 +229,15 @@ class CpuDrafter:
                                          list(self._prepared_for))
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
-             vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """CandidateSelector.walk without a pick (greedy): hidden [R, S, H], logits [R, S, V] -> [R, S]."""
+             vocab_ids: torch.Tensor | None = None, sampling: tuple | None = None):
+        """CandidateSelector.walk: hidden [R, S, H], logits [R, S, V] -> [R, S], greedy; with sampling (as `propose`
+        takes it) -> (tokens, q_ids, q_probs), each walk picking as WalkSampler does."""
         sel = self.model.candidate_selector
-        return _extension.get().walk(hidden.contiguous(), logits.contiguous(), sel.hidden_projection.weight.detach(),
-                                     sel.predecessor_codebook.detach(), sel.successor_codebook.detach(), anchor,
-                                     min(sel.top_k, logits.shape[-1]), _column_ids(vocab_ids))
+        args = (hidden.contiguous(), logits.contiguous(), sel.hidden_projection.weight.detach(),
+                sel.predecessor_codebook.detach(), sel.successor_codebook.detach(), anchor,
+                min(sel.top_k, logits.shape[-1]), _column_ids(vocab_ids))
+        ext = _extension.get()
+        return ext.walk(*args) if sampling is None else ext.walk_sampled(*args, *sampling)
 
     def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:

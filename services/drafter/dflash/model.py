@@ -6,14 +6,13 @@ Shapes: R blocks (one per request at inference, many per sequence in training), 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.cpu_kernels import Linear, fused_linear, linear
 from blockspec.common.decoder import RMSNorm, apply_rope
+from blockspec.common.distributions import Q_WIDTH, WalkSampler
 from blockspec.common.mlp import MLP
 from blockspec.services.drafter.dflash.config import DFlashConfig
 
@@ -169,13 +168,14 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook[prev] * self.hidden_projection(hidden)  # [..., r]
         return unary + (self.successor_codebook[candidates] * query.unsqueeze(-2)).sum(-1)
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, pick: "Pick | None" = None,
-             ids: torch.Tensor | None = None) -> torch.Tensor:
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+             sampler: WalkSampler | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Left-to-right walk from the anchor. hidden [R, S, H], logits [R, S, V], anchor [R] -> tokens [R, S].
         ids: the token id of each logit column (a draft vocabulary), None where column v is token v.
 
-        At slot t, `pick(t, scores [R, top_k], candidates [R, top_k])` chooses a candidate index per row
-        (default: the best score, the greedy walk); the chosen token is the next slot's predecessor.
+        At slot t each row takes the candidate with the best score (the greedy walk), or the one `sampler`
+        (common/distributions.WalkSampler: first given every slot's first Q_WIDTH candidates) picks from the
+        scores [R, top_k]; the chosen token is the next slot's predecessor.
         """
         unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [R, S, top_k]
         if ids is not None:
@@ -187,15 +187,15 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook[prev] * self.hidden_projection(hidden)[:, :, None]  # [R, S, K, r]
         table = unary[:, :, None] + query @ self.successor_codebook[candidates].transpose(-1, -2)  # [R, S, K, K]
         rows, index = torch.arange(R, device=unary.device), torch.zeros(R, dtype=torch.long, device=unary.device)
+        if sampler is not None:
+            sampler.begin(candidates[..., :Q_WIDTH])
         chosen = []
         for t in range(S):
             s = table[rows, t, index]  # [R, top_k]: the scores after the predecessor chosen at t - 1
-            index = s.argmax(-1) if pick is None else pick(t, s, candidates[:, t])
+            index = s.argmax(-1) if sampler is None else sampler(t, s)
             chosen.append(index)
         return candidates.gather(2, torch.stack(chosen, 1)[..., None]).squeeze(2)  # [R, S]
 
-
-Pick = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DFlashDrafter(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.contracts import Draft, ProposeInput
 from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import Q_WIDTH, STREAM_DRAFT, STREAM_TARGET, DraftDist, draft_pick
+from blockspec.common.distributions import Q_WIDTH, STREAM_DRAFT, STREAM_TARGET, DraftDist, WalkSampler
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
@@ -156,11 +156,10 @@ class DFlashProposer:
             anchors = [i.token_ids[-1] for i in live]
             if greedy:
                 rows, dists = cpu.propose(pending, anchors, slot_ids, ctx_lens, panels, B), None
-            else:  # the walk samples in the C++, as `_sampler` does
+            else:  # the walk samples in the C++, as `WalkSampler` does
                 rows, q_ids, q_probs = cpu.propose(pending, anchors, slot_ids, ctx_lens, panels, B,
                                                    self._walk_sampling(live))
-                dists = [DraftDist(q_ids[r], q_probs[r]) if i.sampling.rule == "rejection" and not i.sampling.greedy
-                         else None for r, i in enumerate(live)]
+                dists = self._dists(live, q_ids, q_probs)
             self._advance(pending)
             return self._drafts(inputs, live, rows, dists)
         with torch.inference_mode():
@@ -189,25 +188,33 @@ class DFlashProposer:
             hidden = self.model(self.model.block_embeds(self.embedding, block_ids), ctx, self.use_dynamic_conv)  # [R, B, H]
         hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
         logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
-        q_rows: list[list] = [[] for _ in live]
-        pick = None if greedy else self._sampler(live, q_rows)
-        if self.use_path_selector and pick is None and cpu is not None:
-            tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
-        else:
-            tokens = self.greedy_tokens(hidden, logits, anchors, pick)
-        dists = [DraftDist(torch.stack([c for c, _ in q]), torch.stack([p for _, p in q])) if q else None
-                 for q in q_rows]
-        return self._drafts(inputs, live, tokens.tolist(), dists)  # one tolist for the batch
+        if greedy:
+            if self.use_path_selector and cpu is not None:
+                tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
+            else:
+                tokens = self.greedy_tokens(hidden, logits, anchors)
+            return self._drafts(inputs, live, tokens.tolist(), None)  # one tolist for the batch
+        if self.use_path_selector and cpu is not None and self.cfg.selector_top_k <= Q_WIDTH:
+            tokens, q_ids, q = cpu.walk(hidden, logits, anchors, self.vocab_ids, self._walk_sampling(live))
+        else:  # the torch walk, sampling every row and slot without a transfer between the slots
+            sampler = WalkSampler([i.sampling for i in live], [len(i.token_ids) for i in live])
+            tokens = self.greedy_tokens(hidden, logits, anchors, sampler)
+            q_ids, q = sampler.candidates.cpu(), sampler.q()
+        return self._drafts(inputs, live, tokens.tolist(), self._dists(live, q_ids, q))
 
-    def greedy_tokens(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, pick=None) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
+                      sampler: WalkSampler | None = None) -> torch.Tensor:
         """The draft tokens [R, S] from the draft slots' hidden [R, S, H] and logits [R, S, V]: the path selector's
-        walk from the anchors, or each slot's choice among its own top tokens; pick (a sampler) or the best score."""
+        walk from the anchors, or each slot's choice among its own top tokens; the best score, or what `sampler`
+        picks."""
         if self.use_path_selector:
-            return self.model.candidate_selector.walk(hidden, logits, anchors, pick, self.vocab_ids)
+            return self.model.candidate_selector.walk(hidden, logits, anchors, sampler, self.vocab_ids)
         unary, candidates = logits.topk(min(Q_WIDTH, logits.shape[-1]), dim=-1)  # [R, S, m]
         candidates = candidates if self.vocab_ids is None else self.vocab_ids[candidates]
-        return torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if pick is None else
-                            pick(t, unary[:, t], candidates[:, t]))[:, None]).squeeze(1)
+        if sampler is not None:
+            sampler.begin(candidates)
+        return torch.stack([candidates[:, t].gather(1, (unary[:, t].argmax(-1) if sampler is None else
+                            sampler(t, unary[:, t]))[:, None]).squeeze(1)
                             for t in range(logits.shape[1])], 1)
 
     @staticmethod
@@ -224,29 +231,17 @@ class DFlashProposer:
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
 
     @staticmethod
+    def _dists(live: Sequence[ProposeInput], q_ids: torch.Tensor, q_probs: torch.Tensor) -> list[DraftDist | None]:
+        """The q of each request's walk ([R, S, m] candidates and probabilities): rejection rows only."""
+        return [DraftDist(q_ids[r], q_probs[r]) if i.sampling.rule == "rejection" and not i.sampling.greedy else None
+                for r, i in enumerate(live)]
+
+    @staticmethod
     def _walk_sampling(live: Sequence[ProposeInput]) -> tuple[list, ...]:
         """Per request, how the C++ walk picks (CpuDrafter.propose): temperature (0: the best score), seed, noise
         stream (strict: the target's, coupling; rejection: the drafter's own), the first draft's position, whether
-        it records q. The same draws as `_sampler`'s `draft_pick`."""
+        it records q. The same draws as `distributions.WalkSampler`'s."""
         sampled = [i.sampling if not i.sampling.greedy else None for i in live]
         return ([s.temperature if s else 0.0 for s in sampled], [s.seed if s else 0 for s in sampled],
                 [(STREAM_TARGET if s.rule == "strict" else STREAM_DRAFT) if s else 0 for s in sampled],
                 [len(i.token_ids) for i in live], [bool(s) and s.rule == "rejection" for s in sampled])
-
-    def _sampler(self, live: Sequence[ProposeInput], q_rows: list[list]):
-        """A walk `pick` following each request's sampling (common/distributions.draft_pick); greedy rows take
-        the best score. Rejection rows record the q they sampled from in q_rows."""
-
-        def pick(t: int, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-            index = scores.argmax(-1)
-            for r, inp in enumerate(live):
-                if inp.sampling.greedy:
-                    continue
-                m = min(Q_WIDTH, scores.shape[-1])  # candidates come sorted by the drafter's logits
-                choice = draft_pick(scores[r, :m], candidates[r, :m], inp.sampling, len(inp.token_ids) + t)
-                index[r] = choice.index
-                if choice.probs is not None:
-                    q_rows[r].append((candidates[r, :m].cpu(), choice.probs))  # q lives on the host
-            return index
-
-        return pick

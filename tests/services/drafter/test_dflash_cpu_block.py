@@ -208,26 +208,29 @@ SAMPLED = [SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1
 
 @pytest.mark.parametrize("name", ["qwen3-trained", "qwen3-trained-vocab"])
 def test_sampled_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch, name):
-    """A batch mixing rejection, strict and greedy requests: the one-call sampled walk picks the tokens the torch
-    walk with `draft_pick` picks (the same noise), and a rejection row's q is the torch path's (its candidates,
-    and its probabilities to fp32 rounding); strict and greedy rows carry no q."""
+    """A batch mixing rejection, strict and greedy requests: the one-call sampled walk and the C++ walk after a torch LM
+    head pick the tokens the torch walk with `WalkSampler` picks (the same noise), and a rejection row's q is the
+    torch path's (its candidates, and its probabilities to fp32 rounding); strict and greedy rows carry no q."""
     monkeypatch.setenv(ENV_BF16, "0")  # fp32 weights: the module's arithmetic
-    engines = [Engine(tiny_models["qwen3"]["target"], dflash_drafters[name], "dflash", max_batch=3) for _ in range(2)]
+    engines = [Engine(tiny_models["qwen3"]["target"], dflash_drafters[name], "dflash", max_batch=3) for _ in range(3)]
     engines[1].proposer._cpu = None  # the torch module
+    engines[2].proposer._cpu.lm_head_panels = lambda lm_head: None  # block, LM head and walk apart (a shared LM head)
     for engine in engines:
         for i, p in enumerate(prompts[:3]):
             engine.verifier.add(str(i), p)
         engine.verifier.prefill([str(i) for i in range(3)])
     for k in (1, 5):
         inputs = [ProposeInput(str(i), engines[0].verifier.committed(str(i)), k, sp) for i, sp in enumerate(SAMPLED)]
-        fused, ref = (e.proposer.propose(inputs) for e in engines)
-        assert [d.token_ids for d in fused] == [d.token_ids for d in ref]
-        assert fused[0].q is not None and fused[1].q is None and fused[2].q is None
-        assert fused[0].q.token_ids.shape == (k, engines[0].proposer.cfg.selector_top_k)
-        for j in range(k):  # the same candidates (each walk's own order) and probabilities
-            got, want = ({int(t): float(p) for t, p in zip(d.q.token_ids[j], d.q.probs[j])} for d in (fused[0], ref[0]))
-            assert got.keys() == want.keys()
-            torch.testing.assert_close(torch.tensor([got[t] for t in want]), torch.tensor(list(want.values())))
+        fused, ref, apart = (e.proposer.propose(inputs) for e in engines)
+        assert [d.token_ids for d in fused] == [d.token_ids for d in ref] == [d.token_ids for d in apart]
+        for drafts in (fused, apart):
+            assert drafts[0].q is not None and drafts[1].q is None and drafts[2].q is None
+            assert drafts[0].q.token_ids.shape == (k, engines[0].proposer.cfg.selector_top_k)
+            for j in range(k):  # the same candidates (each walk's own order) and probabilities
+                got, want = ({int(t): float(p) for t, p in zip(d.q.token_ids[j], d.q.probs[j])}
+                             for d in (drafts[0], ref[0]))
+                assert got.keys() == want.keys()
+                torch.testing.assert_close(torch.tensor([got[t] for t in want]), torch.tensor(list(want.values())))
 
 
 needs_bf16 = pytest.mark.skipif(not cpu_block._extension.get().bf16_supported(),
