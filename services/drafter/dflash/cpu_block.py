@@ -3,8 +3,8 @@
 The drafter runs once per speculative step, over a block of 8 slots, against a small target whose CPU step is
 short. In torch it is about 150 small operations (norms, RoPE, the dynamic convolutions, attention over the cached
 context, the MLP), and their dispatch cost, not their arithmetic, makes a proposal cost most of a target decode.
-Here the same computation is one call (the C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, built
-on first use like `common/cpu_kernels.py`):
+Here the same computation is one call (the C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, the walk in
+`cpu_walk.cpp`, built on first use like `common/cpu_kernels.py`):
 
 * `block`: the block [anchor, MASK...] of every request through all layers and the final norm,
   attending to the request's cached context K/V (read in place, no gathered copy) and to the whole
@@ -60,7 +60,7 @@ ENV_AMX = "BLOCKSPEC_DRAFTER_AMX"  # "0": bf16 projections on AVX512-BF16 even w
 ENV_INT8 = "BLOCKSPEC_DRAFTER_INT8"  # "0": bf16 weights even where AMX-INT8 tiles could take int8 ones
 
 _SOURCE = cpu_kernels.PANEL_SOURCE + "".join((Path(__file__).parent / name).read_text()
-                                                for name in ("cpu_bf16.cpp", "cpu_block.cpp"))
+                                                for name in ("cpu_bf16.cpp", "cpu_walk.cpp", "cpu_block.cpp"))
 
 _extension = cpu_kernels.Extension("blockspec_dflash_cpu", _SOURCE, "the drafter's torch forward")
 
