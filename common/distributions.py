@@ -169,9 +169,6 @@ class DraftDist:
     def head(self, k: int) -> DraftDist:
         return DraftDist(self.token_ids[:k], self.probs[:k])
 
-    def dense(self, i: int, vocab_size: int) -> torch.Tensor:
-        """Row i scattered onto the vocabulary [V] (fp64)."""
-        return torch.zeros(vocab_size, dtype=torch.float64).index_add_(0, self.token_ids[i], self.probs[i].double())
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,6 @@ def rejection_accept(draft_ids: Sequence[int], logp, q: DraftDist | None, seed: 
     at the first rejection the *recovered token* is sampled from norm(max(0, p - q)); when all k are
     accepted the *bonus token* is sampled from p. q=None: a deterministic proposer (q one-hot).
     logp: log p rows [k + 1, V], a tensor or `distributions.LogProbRows` (rows past the first rejection unread)."""
-    vocab = logp.shape[-1]
     for i, x in enumerate(draft_ids):
         row = logp[i]
         # q(x) and p(x) alone for the test: the whole rows only where the draft is rejected
@@ -64,13 +63,25 @@ def rejection_accept(draft_ids: Sequence[int], logp, q: DraftDist | None, seed: 
                              "do not match")
         if uniform(seed, position + i, STREAM_ACCEPT) * q_x < math.exp(float(row[x])):
             continue
-        p = row.exp()
-        q_row = q.dense(i, vocab) if q is not None else torch.nn.functional.one_hot(torch.tensor(x), vocab).double()
-        residual = (p - q_row).clamp(min=0)
-        if float(residual.sum()) <= 0:  # p == q: nothing to recover towards; p itself is the answer
-            residual = p
-        recovered = sample(residual.log(), seed, position + i, STREAM_ACCEPT, offset=1)
+        recovered = sample(_residual(row, q, i, x), seed, position + i, STREAM_ACCEPT, offset=1)
         return Acceptance(num_accepted=i, token_ids=(*draft_ids[:i], recovered))
     k = len(draft_ids)
     bonus = sample(logp[k], seed, position + k, STREAM_ACCEPT, offset=1)
     return Acceptance(num_accepted=k, token_ids=(*draft_ids, bonus))
+
+
+def _residual(logp: torch.Tensor, q: DraftDist | None, i: int, x: int) -> torch.Tensor:
+    """log max(0, p - q) of draft position i, unnormalized, for its Gumbel-max: q is zero outside its row's tokens,
+    so only those entries differ from log p (a sparse update, not a pass over the vocabulary per term). Where the
+    residual has no mass (p == q), log p itself: p is the answer."""
+    if q is None:  # one-hot on the draft
+        ids, q_s = torch.tensor([x]), torch.ones(1, dtype=torch.float64)
+    else:
+        ids, q_s = q.token_ids[i], q.probs[i].double()
+        if len(set(ids.tolist())) < len(ids):  # a token listed twice counts its probabilities together
+            ids, where = torch.unique(ids, return_inverse=True)
+            q_s = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, where, q_s)
+    p_s = logp.index_select(0, ids).exp()
+    if 1.0 - float(torch.minimum(p_s, q_s).sum()) <= 0:  # sum(max(0, p - q)) = 1 - sum(min(p, q))
+        return logp
+    return logp.clone().index_copy_(0, ids, (p_s - q_s).clamp(min=0).log())

@@ -163,6 +163,29 @@ def test_the_batched_walk_sampler_picks_what_draft_pick_picks(kernels):
                 torch.testing.assert_close(q[r, t], want.probs, rtol=0, atol=1e-7)
 
 
+def test_the_residual_is_max_p_minus_q_over_the_vocabulary():
+    """The sparse residual (log p with q's tokens replaced) is norm(max(0, p - q)) as the whole rows give it, for a q
+    with a token listed twice and for the one-hot q of a deterministic draft; where p == q it is p."""
+    from blockspec.services.verifier.acceptance import _residual
+
+    torch.manual_seed(0)
+    logp = (torch.randn(320, dtype=torch.float64) * 2).log_softmax(-1)
+    ids = torch.tensor([[5, 9, 5, 300], [7, 8, 9, 10]])
+    q = DraftDist(ids, torch.tensor([[0.4, 0.3, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]]))
+    for i, x in ((0, 5), (1, 7)):
+        dense = torch.zeros(320, dtype=torch.float64).index_add_(0, ids[i], q.probs[i].double())
+        want = (logp.exp() - dense).clamp(min=0)
+        got = _residual(logp, q, i, x).exp()
+        torch.testing.assert_close(got / got.sum(), want / want.sum(), rtol=1e-12, atol=1e-15)
+    one_hot = (logp.exp() - torch.nn.functional.one_hot(torch.tensor(3), 320).double()).clamp(min=0)
+    got = _residual(logp, None, 0, 3).exp()
+    torch.testing.assert_close(got / got.sum(), one_hot / one_hot.sum(), rtol=1e-12, atol=1e-15)
+    peaked = torch.full((320,), -math.inf, dtype=torch.float64)
+    peaked[[4, 6]] = math.log(0.5)
+    same = DraftDist(torch.tensor([[4, 6]]), torch.tensor([[0.5, 0.5]]))
+    assert torch.equal(_residual(peaked, same, 0, 4), peaked)
+
+
 def test_log_prob_rows_are_computed_as_read_and_equal_the_whole_rows():
     sp = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=1)
     processed = torch.randn(6, 320) * 3
