@@ -196,6 +196,16 @@ def draft_pick(scores: torch.Tensor, token_ids: torch.Tensor, params: SamplingPa
     return DraftPick(int((logq + noise).argmax()), logq.exp().float())
 
 
+def walk_rows(params: Sequence[SamplingParams]) -> tuple[list[float], list[int], list[int], list[bool]]:
+    """How each request's walk picks, per row: temperature (0: greedy, the best score), seed, noise stream (strict:
+    the target's, the coupling; rejection: the drafter's own) and whether it keeps q (rejection). What `draft_pick`
+    does for one row, for the batched walks (`WalkSampler`, the C++ walk)."""
+    sampled = [None if p.greedy else p for p in params]
+    return ([p.temperature if p else 0.0 for p in sampled], [p.seed if p else 0 for p in sampled],
+            [(STREAM_TARGET if p.rule == "strict" else STREAM_DRAFT) if p else 0 for p in sampled],
+            [bool(p) and p.rule == "rejection" for p in sampled])
+
+
 class WalkSampler:
     """`draft_pick` for a batch of walks at once, with no transfer between the slots: the walk calls `begin` with every
     slot's candidates [R, S, m] (token ids) before its first pick, and then once per slot t with that slot's scores
@@ -214,21 +224,18 @@ class WalkSampler:
         self.candidates = candidates
         R, S, m = candidates.shape
         dev = candidates.device
-        sampled = [not p.greedy for p in self.params]
-        self.greedy = torch.tensor([not x for x in sampled], device=dev)
-        self.strict = torch.tensor([x and p.rule == "strict" for x, p in zip(sampled, self.params)], device=dev)
-        self.temps = torch.tensor([p.temperature if x else 1.0 for x, p in zip(sampled, self.params)],
-                                  dtype=torch.float64, device=dev)
+        temps, row_seeds, row_streams, _ = walk_rows(self.params)
+        self.greedy = torch.tensor([t == 0.0 for t in temps], device=dev)
+        self.strict = torch.tensor([t > 0.0 and p.rule == "strict" for t, p in zip(temps, self.params)], device=dev)
+        self.temps = torch.tensor([t or 1.0 for t in temps], dtype=torch.float64, device=dev)
         ids = candidates.cpu().reshape(R * S, m)
-        seeds = [p.seed if x else 0 for x, p in zip(sampled, self.params) for _ in range(S)]
-        streams = [(STREAM_TARGET if p.rule == "strict" else STREAM_DRAFT) if x else 0
-                   for x, p in zip(sampled, self.params) for _ in range(S)]
+        seeds, streams = ([v for v in values for _ in range(S)] for values in (row_seeds, row_streams))
         positions = [first + t for first in self.positions for t in range(S)]
         noise = cpu_kernels.gumbel_rows(ids, seeds, streams, positions)
         if noise is None:
             noise = torch.zeros(R * S, m, dtype=torch.float64)
             for n in range(R * S):
-                if sampled[n // S]:
+                if temps[n // S]:
                     noise[n] = gumbel_at(seeds[n], positions[n], streams[n], ids[n])
         self.noise = noise.reshape(R, S, m).to(dev)
         self._logq = []

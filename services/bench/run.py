@@ -20,7 +20,7 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.bench.costs import CPU, CostSampler, Device
 from blockspec.services.bench.latency import ChunkGaps, latency
-from blockspec.services.bench.modes import ENGINE_METHODS, Mode, Row
+from blockspec.services.bench.modes import ENGINE_METHODS, HF_MODES, Mode, Row
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,18 @@ def request_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
 
 def compared(sampling: SamplingParams, mode: Mode) -> bool:
     """Whether `mode`'s outputs must equal plain decoding's (the `exact` column): greedy, and `strict` sampling in the
-    engine's modes (the text for a seed is the target's own). Under `rejection` the text also depends on the drafts;
-    transformers samples with its own noise."""
-    return sampling.greedy or (sampling.rule == "strict" and mode.name in ENGINE_METHODS)
+    engine's and a server's modes (the text for a seed is the target's own). Under `rejection` the text also depends
+    on the drafts; transformers samples with its own noise."""
+    return sampling.greedy or (sampling.rule == "strict" and mode.name not in HF_MODES)
 
 
-def describe_sampling(sampling: SamplingParams) -> str:
-    """The sampling settings in a report's first paragraph."""
+def describe_sampling(sampling: SamplingParams, compared_rows: str = "the engine modes") -> str:
+    """The sampling settings in a report's first paragraph; compared_rows: the rows `exact` compares under strict."""
     if sampling.greedy:
         return "greedy"
     return (f"sampled at temperature {sampling.temperature:g} (top-k {sampling.top_k or 'off'}, top-p "
             f"{sampling.top_p:g}), rule `{sampling.rule}`, request i seeded {sampling.seed} + i; `exact` compares "
-            f"{'the engine modes' if sampling.rule == 'strict' else 'nothing (under rejection the text follows the drafts)'}")
+            f"{compared_rows if sampling.rule == 'strict' else 'nothing (under rejection the text follows the drafts)'}")
 
 
 def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: int | None,

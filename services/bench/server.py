@@ -16,7 +16,14 @@ from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.bench.latency import ChunkGaps, latency
 from blockspec.services.bench.modes import SERVER, Mode, Row
 from blockspec.services.bench.rate import arrival_times, check_rates
-from blockspec.services.bench.run import accepted_per_position, against_plain, request_sampling, timed_passes, workload
+from blockspec.services.bench.run import (
+    accepted_per_position,
+    against_plain,
+    compared,
+    request_sampling,
+    timed_passes,
+    workload,
+)
 
 
 class ServerStreamError(RuntimeError):
@@ -99,6 +106,5 @@ def server_passes(address: str, texts: Sequence[str], max_tokens: int, ks: list[
                                                                       connect=connect, sampling=sampling)
                    for k in ks}
         passes = timed_passes(runners, rounds)
-        (rate_rows if rate else rows).extend(against_plain(passes, rate, SERVER, lambda mode: sampling.greedy or
-                                                           sampling.rule == "strict"))
+        (rate_rows if rate else rows).extend(against_plain(passes, rate, SERVER, functools.partial(compared, sampling)))
     return rows, rate_rows, prompts

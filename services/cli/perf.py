@@ -158,7 +158,7 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
     from blockspec.services.bench.run import describe_sampling
 
     header = (f"Server {args.server}; {len(prompts)} prompts x {args.max_tokens} tokens, "
-              f"{describe_sampling(sampling).replace('the engine modes', 'every k')}; a pass at concurrency c "
+              f"{describe_sampling(sampling, 'every k')}; a pass at concurrency c "
               f"serves max({len(prompts)}, {waves} c) requests, c streams at a time. Each row is the pass with the median "
               f"tokens/s of {rounds} interleaved passes; `server` is plain decoding (num_speculative_tokens 0), the "
               "ratios' baseline.")

@@ -12,7 +12,7 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.contracts import Draft, ProposeInput
 from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import Q_WIDTH, STREAM_DRAFT, STREAM_TARGET, DraftDist, WalkSampler
+from blockspec.common.distributions import Q_WIDTH, DraftDist, WalkSampler, walk_rows
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
@@ -238,10 +238,7 @@ class DFlashProposer:
 
     @staticmethod
     def _walk_sampling(live: Sequence[ProposeInput]) -> tuple[list, ...]:
-        """Per request, how the C++ walk picks (CpuDrafter.propose): temperature (0: the best score), seed, noise
-        stream (strict: the target's, coupling; rejection: the drafter's own), the first draft's position, whether
-        it records q. The same draws as `distributions.WalkSampler`'s."""
-        sampled = [i.sampling if not i.sampling.greedy else None for i in live]
-        return ([s.temperature if s else 0.0 for s in sampled], [s.seed if s else 0 for s in sampled],
-                [(STREAM_TARGET if s.rule == "strict" else STREAM_DRAFT) if s else 0 for s in sampled],
-                [len(i.token_ids) for i in live], [bool(s) and s.rule == "rejection" for s in sampled])
+        """Per request, how the C++ walk picks (CpuDrafter.propose): `distributions.walk_rows`' temperature, seed,
+        stream and q flag, with the first draft's position."""
+        temps, seeds, streams, keeps_q = walk_rows([i.sampling for i in live])
+        return temps, seeds, streams, [len(i.token_ids) for i in live], keeps_q
