@@ -269,60 +269,14 @@ std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb,
 
 // The calls that take a while run without the GIL (they touch no Python object), so a server's other threads (its
 // gRPC and asyncio work, streaming the last step's tokens) go on during a forward.
-// distributions.sample: the Gumbel-max argmax_v(logp[v] - log(-log(u_v))) over logp [V] (fp64), u_v uniform
-// offset + v of (seed, stream, position), the first index among equal keys. A token is skipped without its logs where
-// its key provably falls short of the best so far: -log(u) >= 1 - u, so key_v >= best needs 1 - u_v <= exp(logp[v] -
-// best) (with a 1e-6 margin for rounding); below exp(-40), under any 1 - u (>= 2^-53), not even its noise is drawn.
-// Starting from the most likely token, most of a vocabulary costs a subtraction, a uniform and an exp.
-int64_t gumbel_argmax(torch::Tensor logp, uint64_t seed, uint64_t position, uint64_t stream, int64_t offset) {
-  TORCH_CHECK(logp.dim() == 1 && logp.scalar_type() == torch::kDouble && logp.is_contiguous() && logp.numel() > 0,
-              "gumbel_argmax: one contiguous fp64 row");
-  const double* lp = logp.data_ptr<double>();
-  const int64_t V = logp.numel();
-  int64_t best = 0;
-  for (int64_t v = 1; v < V; ++v)
-    if (lp[v] > lp[best]) best = v;
-  if (!(lp[best] > -INFINITY)) return 0;  // nothing possible (torch's argmax of all -inf: the first)
-  auto key = [&](int64_t v, double u) { return lp[v] + -std::log(-std::log(u)); };
-  double best_key = key(best, philox_uniform(seed, stream, position, uint64_t(offset + best)));
-  uint64_t words[4];
-  int64_t block = -1;
-  for (int64_t v = 0; v < V; ++v) {
-    const double d = lp[v] - best_key;
-    if (!(d >= -40.0) || v == best) continue;
-    const uint64_t index = uint64_t(offset + v);
-    if (int64_t(index / 4) != block) { block = int64_t(index / 4); philox_block(seed, stream, position, index / 4, words); }
-    const double u = philox_double(words[index % 4]);
-    if (1.0 - u > std::exp(d) * (1.0 + 1e-6)) continue;
-    const double k = key(v, u);
-    if (k > best_key || (k == best_key && v < best)) { best_key = k; best = v; }
-  }
-  return best;
-}
-
-// distributions.gumbel_at for many rows at once: row n's noise at token ids[n, j] for (seeds[n], streams[n],
-// positions[n]) -> [N, m] fp64, -log(-log(u)) of each token's uniform (drawn by its counter alone).
-torch::Tensor gumbel_rows(torch::Tensor ids, const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& streams,
-                          const std::vector<uint64_t>& positions) {
-  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == torch::kLong && ids.is_contiguous(), "gumbel_rows: ids [N, m]");
-  const int64_t N = ids.size(0), m = ids.size(1);
-  TORCH_CHECK(int64_t(seeds.size()) == N && int64_t(streams.size()) == N && int64_t(positions.size()) == N,
-              "gumbel_rows: one seed, stream and position per row");
-  auto out = torch::empty({N, m}, torch::kDouble);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  double* g = out.data_ptr<double>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < m; ++j)
-      g[n * m + j] = -std::log(-std::log(philox_uniform(seeds[n], streams[n], positions[n], uint64_t(id[n * m + j]))));
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_rows", &decoder_rows, py::call_guard<py::gil_scoped_release>());
   m.def("small_linear", &small_linear, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows);
-  m.def("gumbel_argmax", &gumbel_argmax);
+  m.def("gumbel_argmax", &gumbel_argmax, py::call_guard<py::gil_scoped_release>());
+  m.def("residual_argmax", &residual_argmax, py::call_guard<py::gil_scoped_release>());
   m.def("gumbel_rows", &gumbel_rows);
+  m.def("logsumexp_row", &logsumexp_row, py::call_guard<py::gil_scoped_release>());
   m.def("philox_uniform", &philox_uniform);
   m.def("silu_mul", &silu_mul);
   m.def("cached_attention", &cached_attention);

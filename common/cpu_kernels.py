@@ -59,7 +59,7 @@ _HERE = Path(__file__).parent
 # The shared C++ (packed linear, attention over a KV head) every extension source starts with.
 PANEL_SOURCE = (_HERE / "cpu_shared.cpp").read_text()
 
-_SOURCE = PANEL_SOURCE + (_HERE / "cpu_kernels.cpp").read_text()
+_SOURCE = PANEL_SOURCE + (_HERE / "cpu_sample.cpp").read_text() + (_HERE / "cpu_kernels.cpp").read_text()
 
 _lock = threading.Lock()
 _state = {"switch": os.environ.get(ENV_SWITCH, "1") != "0"}
@@ -350,14 +350,34 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return x.argmax(dim=-1).tolist()
 
 
-def gumbel_argmax(logp: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int | None:
-    """distributions.sample's Gumbel-max of one fp64 row of log-probabilities on the CPU, in one C++ loop that draws
-    the noise of only the tokens that could win (the same uniforms, the same formula); None where it does not apply
-    (the kernels off or not built, another dtype or device)."""
-    if (logp.dtype == torch.float64 and logp.device.type == "cpu" and logp.dim() == 1 and logp.numel()
-            and position < 2**64 and enabled()):
-        return _kernels.module.gumbel_argmax(logp.contiguous(), seed, position, stream, offset)
+def _score_row(row: torch.Tensor, position: int = 0) -> bool:
+    return (row.dtype in (torch.float32, torch.float64) and row.device.type == "cpu" and row.dim() == 1
+            and row.numel() > 0 and position < 2**64 and enabled())
+
+
+def gumbel_argmax(scores: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0,
+                  divisor: float = 1.0) -> int | None:
+    """distributions.sample's Gumbel-max of one row of scores (fp32 or fp64, over `divisor`) on the CPU, in one C++
+    loop that draws the noise of only the tokens that could win (the same uniforms, the same formula); None where it
+    does not apply (the kernels off or not built, another dtype or device)."""
+    if _score_row(scores, position):
+        return _kernels.module.gumbel_argmax(scores.contiguous(), divisor, seed, position, stream, offset)
     return None
+
+
+def residual_argmax(scores: torch.Tensor, divisor: float, lse: float, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                    seed: int, position: int, stream: int, offset: int = 0) -> int | None:
+    """LogProbRows.sample_residual's sample of max(0, p - q) in one C++ call; None where the kernels do not apply."""
+    if _score_row(scores, position):
+        return _kernels.module.residual_argmax(scores.contiguous(), divisor, lse, q_ids, q_probs, seed, position,
+                                               stream, offset)
+    return None
+
+
+def logsumexp(scores: torch.Tensor, divisor: float = 1.0) -> float | None:
+    """log sum exp(scores / divisor) of one fp32 or fp64 row, in fp64 (distributions.LogProbRows' normaliser); None
+    where the kernels do not apply."""
+    return _kernels.module.logsumexp_row(scores.contiguous(), divisor) if _score_row(scores) else None
 
 
 def philox_uniform(seed: int, position: int, stream: int, index: int = 0) -> float | None:

@@ -43,11 +43,12 @@ def process(logits: torch.Tensor, history: Sequence[int], prompt_len: int, draft
     """Apply the logits processors. logits [n, V]: row i follows history + drafts[:i] (n <= len(drafts) + 1).
 
     Order: repetition penalty (prompt + output), presence / frequency penalties (output only),
-    no-repeat-n-gram ban, logit bias. Returns fp32 [n, V].
+    no-repeat-n-gram ban, logit bias. Returns fp32 [n, V] (logits itself where no processor applies: not to be
+    written to).
     """
-    out = logits.float().clone()
     if not params.has_processors:
-        return out
+        return logits.float()  # read only from here on: no copy
+    out = logits.float().clone()
     n, vocab = out.shape
     hist = torch.as_tensor(list(history), dtype=torch.long)
     # extra[i]: counts of drafts[:i], the tokens row i sees beyond the committed history.
@@ -73,8 +74,13 @@ def process(logits: torch.Tensor, history: Sequence[int], prompt_len: int, draft
     return out
 
 
-def log_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """log p [n, V] (fp64) after temperature, top-k and top-p (HF semantics); -inf outside the kept set."""
+def warped(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p cut the vocabulary (else p is softmax(logits / T) as it stands)."""
+    return bool(params.top_k and params.top_k < vocab) or params.top_p < 1.0
+
+
+def warp(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The scores z [n, V] (fp64) whose softmax is p: processed / T, -inf outside top-k and top-p (HF semantics)."""
     z = processed.double() / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = z.topk(params.top_k, dim=-1).values[..., -1:]
@@ -84,26 +90,84 @@ def log_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = ordered.softmax(-1).cumsum(-1) <= 1.0 - params.top_p
         drop[..., -1] = False  # always keep the most likely token
         z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return z.log_softmax(-1)
+    return z
+
+
+def log_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log p [n, V] (fp64) after temperature, top-k and top-p (HF semantics); -inf outside the kept set."""
+    return warp(processed, params).log_softmax(-1)
 
 
 class LogProbRows:
-    """log_probs(processed, params) read a row at a time, each computed when first read: the acceptance rules stop
-    at the first rejected draft, and rows after it are never needed. Row i equals log_probs of that row alone."""
+    """p of a verify's rows as the rules read them, each row's work done when first needed: the rules stop at the
+    first rejected draft, and rows after it are never touched. A row is its scores z (`warp`: without top-k or top-p
+    the processed logits themselves over T, never copied) and their log-sum-exp, computed once where a probability is
+    read; a sample needs neither (`sample`: the Gumbel-max of z is the Gumbel-max of log p). Row i equals log_probs
+    of that row alone."""
 
     def __init__(self, processed: torch.Tensor, params: SamplingParams) -> None:
-        self.processed, self.params, self._rows = processed, params, {}
+        self.processed, self.params = processed, params
+        self._warped = warped(params, processed.shape[-1])
+        self._z: dict[int, torch.Tensor] = {}
+        self._lse: dict[int, float] = {}
 
     @property
     def shape(self) -> torch.Size:
         return self.processed.shape
 
-    def __getitem__(self, index: int | tuple) -> torch.Tensor:
-        """Row i ([V], fp64), or (i, ...) indexing into it, as on the tensor of all rows."""
-        i, *rest = index if isinstance(index, tuple) else (index,)
-        if i not in self._rows:
-            self._rows[i] = log_probs(self.processed[i : i + 1], self.params)[0]
-        return self._rows[i][tuple(rest)] if rest else self._rows[i]
+    def scores(self, i: int) -> tuple[torch.Tensor, float]:
+        """Row i's scores as (row, divisor): z = row / divisor."""
+        if not self._warped:
+            return self.processed[i], self.params.temperature
+        if i not in self._z:
+            self._z[i] = warp(self.processed[i : i + 1], self.params)[0]
+        return self._z[i], 1.0
+
+    def lse(self, i: int) -> float:
+        if i not in self._lse:
+            row, divisor = self.scores(i)
+            fast = cpu_kernels.logsumexp(row, divisor)
+            self._lse[i] = fast if fast is not None else float(torch.logsumexp(row.double() / divisor, -1))
+        return self._lse[i]
+
+    def at(self, i: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """log p of row i at token_ids (fp64)."""
+        row, divisor = self.scores(i)
+        return row.index_select(0, token_ids).double() / divisor - self.lse(i)
+
+    def log_p(self, i: int, token: int) -> float:
+        """log p of one token of row i: `at` for a single id, without the tensor ops."""
+        row, divisor = self.scores(i)
+        return float(row[token]) / divisor - self.lse(i)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Row i whole ([V], fp64)."""
+        row, divisor = self.scores(i)
+        return row.double() / divisor - self.lse(i)
+
+    def sample(self, i: int, seed: int, position: int, stream: int, offset: int = 0) -> int:
+        """`sample` of row i."""
+        row, divisor = self.scores(i)
+        return sample(row, seed, position, stream, offset, divisor)
+
+    def sample_residual(self, i: int, q_ids: torch.Tensor, q_probs: torch.Tensor, seed: int, position: int,
+                        stream: int, offset: int = 0) -> int:
+        """`sample` of norm(max(0, p - q)) at row i, q over q_ids (a token listed twice counts its probabilities
+        together) and zero elsewhere: log p with q's tokens replaced, not a pass over the vocabulary per term. Where
+        the residual has no mass (p == q), a sample of p itself."""
+        row, divisor = self.scores(i)
+        fast = cpu_kernels.residual_argmax(row, divisor, self.lse(i), q_ids, q_probs, seed, position, stream, offset)
+        if fast is not None:
+            return fast
+        ids, q_s = q_ids, q_probs.double()
+        if len(set(ids.tolist())) < len(ids):
+            ids, where = torch.unique(ids, return_inverse=True)
+            q_s = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, where, q_s)
+        p_s = self.at(i, ids).exp()
+        z = row.double() / divisor
+        if 1.0 - float(torch.minimum(p_s, q_s).sum()) > 0:  # sum(max(0, p - q)) = 1 - sum(min(p, q))
+            z = z.index_copy(0, ids, (p_s - q_s).clamp(min=0).log() + self.lse(i))
+        return sample(z, seed, position, stream, offset)
 
 
 def uniforms(seed: int, position: int, stream: int, n: int) -> torch.Tensor:
@@ -149,14 +213,15 @@ def uniform(seed: int, position: int, stream: int, index: int = 0) -> float:
     return fast if fast is not None else float(uniforms(seed, position, stream, index + 1)[index])
 
 
-def sample(logp: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int:
-    """Gumbel-max sample of one row of log-probabilities [V]: argmax(logp + gumbel(seed, position, stream, V,
-    offset)). On the CPU one C++ loop (`cpu_kernels.gumbel_argmax`) computes the same argmax, drawing the noise of
-    the tokens that could win only."""
-    fast = cpu_kernels.gumbel_argmax(logp, seed, position, stream, offset)
+def sample(scores: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0, divisor: float = 1.0) -> int:
+    """Gumbel-max sample of a row of scores [V] (log-probabilities up to a constant): argmax(scores / divisor +
+    gumbel(seed, position, stream, V, offset)). On the CPU one C++ loop (`cpu_kernels.gumbel_argmax`) computes the
+    same argmax, drawing the noise of the tokens that could win only."""
+    fast = cpu_kernels.gumbel_argmax(scores, seed, position, stream, offset, divisor)
     if fast is not None:
         return fast
-    return int((logp + gumbel(seed, position, stream, logp.shape[-1], offset)).argmax())
+    z = scores.double() / divisor
+    return int((z + gumbel(seed, position, stream, z.shape[-1], offset)).argmax())
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ validation errors, and the acceptance rules at the function level."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections import Counter
@@ -128,7 +129,43 @@ def test_the_kernels_draw_numpys_noise_and_sample_what_the_tensor_maths_samples(
         want = int((logp + gumbel(seed, position, stream, vocab, offset)).argmax())
         assert cpu_kernels.gumbel_argmax(logp, seed, position, stream, offset) == want
         assert sample(logp, seed, position, stream, offset) == want
+        # the same row as fp32 logits over a temperature: the scores x.double() / T, never materialised
+        x, temperature = logits.float(), rng.choice([0.7, 1.0, 1.3])
+        want = int((x.double() / temperature + gumbel(seed, position, stream, vocab, offset)).argmax())
+        assert cpu_kernels.gumbel_argmax(x, seed, position, stream, offset, temperature) == want
+    for trial in range(6):  # rows long enough to be split over the threads: the same pick at any thread count
+        x = torch.randn(40_000) * (3.0 if trial % 2 else 0.3)
+        want = int((x.double() / 0.7 + gumbel(trial, 9, 0, 40_000)).argmax())
+        picks = set()
+        for threads in (1, 2):
+            with _threads(threads):
+                picks.add(cpu_kernels.gumbel_argmax(x, trial, 9, 0, 0, 0.7))
+        assert picks == {want}
     assert cpu_kernels.gumbel_argmax(logp, 1, 2**70, 0) is None  # past the counter word it takes: numpy's path
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")
+def test_the_kernels_log_sum_exp_is_torchs():
+    torch.manual_seed(1)
+    for vocab, scale in ((1, 1.0), (320, 0.1), (4096, 3.0), (4096, 40.0), (60_000, 3.0)):
+        x = torch.randn(vocab) * scale
+        x[::7] = -math.inf
+        x[0] = 1.0
+        for threads in (1, 2):
+            with _threads(threads):
+                got = cpu_kernels.logsumexp(x, 0.7)
+            assert abs(got - float(torch.logsumexp(x.double() / 0.7, -1))) < 1e-12
+    assert cpu_kernels.logsumexp(torch.full((5,), -math.inf)) == -math.inf
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["c++-noise", "numpy-noise"])
@@ -163,38 +200,51 @@ def test_the_batched_walk_sampler_picks_what_draft_pick_picks(kernels):
                 torch.testing.assert_close(q[r, t], want.probs, rtol=0, atol=1e-7)
 
 
-def test_the_residual_is_max_p_minus_q_over_the_vocabulary():
-    """The sparse residual (log p with q's tokens replaced) is norm(max(0, p - q)) as the whole rows give it, for a q
-    with a token listed twice and for the one-hot q of a deterministic draft; where p == q it is p."""
-    from blockspec.services.verifier.acceptance import _residual
-
+@pytest.mark.parametrize("kernels", [True, False], ids=["c++", "torch"])
+def test_the_residual_sample_is_a_sample_of_max_p_minus_q(kernels, monkeypatch):
+    """The recovered token (log p with q's tokens replaced) is the Gumbel-max of norm(max(0, p - q)) as the whole rows
+    give it, for a q with a token listed twice and for the one-hot q of a deterministic draft; where p == q it is a
+    sample of p."""
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "residual_argmax", lambda *a, **k: None)
+    elif not cpu_kernels.enabled():
+        pytest.skip("the CPU kernels could not be built here")
     torch.manual_seed(0)
-    logp = (torch.randn(320, dtype=torch.float64) * 2).log_softmax(-1)
-    ids = torch.tensor([[5, 9, 5, 300], [7, 8, 9, 10]])
-    q = DraftDist(ids, torch.tensor([[0.4, 0.3, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]]))
-    for i, x in ((0, 5), (1, 7)):
-        dense = torch.zeros(320, dtype=torch.float64).index_add_(0, ids[i], q.probs[i].double())
-        want = (logp.exp() - dense).clamp(min=0)
-        got = _residual(logp, q, i, x).exp()
-        torch.testing.assert_close(got / got.sum(), want / want.sum(), rtol=1e-12, atol=1e-15)
-    one_hot = (logp.exp() - torch.nn.functional.one_hot(torch.tensor(3), 320).double()).clamp(min=0)
-    got = _residual(logp, None, 0, 3).exp()
-    torch.testing.assert_close(got / got.sum(), one_hot / one_hot.sum(), rtol=1e-12, atol=1e-15)
-    peaked = torch.full((320,), -math.inf, dtype=torch.float64)
-    peaked[[4, 6]] = math.log(0.5)
-    same = DraftDist(torch.tensor([[4, 6]]), torch.tensor([[0.5, 0.5]]))
-    assert torch.equal(_residual(peaked, same, 0, 4), peaked)
+    logits = torch.randn(2, 320) * 2
+    sp = SamplingParams(temperature=0.8, seed=0)
+    rows, logp = LogProbRows(logits, sp), log_probs(logits, sp)
+    ids = torch.tensor([[5, 9, 5, 300, int(logp[0].argmax())], [7, 8, 9, 10, int(logp[1].argmax())]])
+    probs = torch.tensor([[0.4, 0.3, 0.05, 0.2, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    cases = [(i, ids[i], probs[i]) for i in (0, 1)] + [(0, torch.tensor([3]), torch.ones(1, dtype=torch.float64))]
+    for i, q_ids, q_probs in cases:
+        dense = torch.zeros(320, dtype=torch.float64).index_add_(0, q_ids, q_probs.double())
+        residual = (logp[i].exp() - dense).clamp(min=0).log()
+        for seed in range(40):
+            want = int((residual + gumbel(seed, 11, 2, 320, 1)).argmax())
+            assert rows.sample_residual(i, q_ids, q_probs, seed, 11, 2, 1) == want
+    peaked = torch.full((1, 320), -math.inf)
+    peaked[0, [4, 6]] = 0.0
+    same = LogProbRows(peaked, SamplingParams(temperature=1.0, seed=0))
+    for seed in range(20):
+        want = int((same[0] + gumbel(seed, 11, 2, 320, 1)).argmax())
+        assert same.sample_residual(0, torch.tensor([4, 6]), torch.tensor([0.5, 0.5]), seed, 11, 2, 1) == want
 
 
 def test_log_prob_rows_are_computed_as_read_and_equal_the_whole_rows():
-    sp = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=1)
     processed = torch.randn(6, 320) * 3
-    rows = LogProbRows(processed, sp)
-    assert rows.shape == processed.shape and not rows._rows
-    whole = log_probs(processed, sp)
-    torch.testing.assert_close(rows[3], whole[3], rtol=0, atol=1e-12)
-    assert float(rows[3, 7]) == float(rows[3][7])
-    assert set(rows._rows) == {3}
+    for sp in (SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=1), SamplingParams(temperature=0.7, seed=1)):
+        rows = LogProbRows(processed, sp)
+        assert rows.shape == processed.shape and not rows._z and not rows._lse
+        whole = log_probs(processed, sp)
+        torch.testing.assert_close(rows[3], whole[3], rtol=0, atol=1e-12)
+        top = int(whole[3].argmax())
+        assert abs(rows.log_p(3, top) - float(whole[3, top])) < 1e-12
+        torch.testing.assert_close(rows.at(3, torch.tensor([top, 9])), whole[3, [top, 9]], rtol=0, atol=1e-12)
+        assert set(rows._lse) == {3} and set(rows._z) <= {3}
+        # a sample reads the scores alone: no normaliser, and without top-k / top-p no copy of the row
+        assert rows.sample(5, 1, 20, 0) == int((whole[5] + gumbel(1, 20, 0, 320)).argmax())
+        assert set(rows._lse) == {3}
+    assert LogProbRows(processed, SamplingParams(temperature=0.7)).scores(2)[0].data_ptr() == processed[2].data_ptr()
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
@@ -219,7 +269,7 @@ def test_validation_resolves_a_seed_when_sampling():
 def _rule_output_distribution(p: torch.Tensor, q: torch.Tensor, k: int, n: int, rule) -> torch.Tensor:
     """First committed token over n seeds: drafts sampled from q with the drafter's noise, then `rule`."""
     counts = torch.zeros(p.shape[-1], dtype=torch.float64)
-    logp = p.log().expand(k + 1, -1)
+    logp = LogProbRows(p.log().expand(k + 1, -1), SamplingParams(temperature=1.0))
     ids = torch.arange(p.shape[-1]).expand(k, -1)
     for seed in range(n):
         drafts = [int((q.log() + gumbel(seed, 10 + i, STREAM_DRAFT, q.shape[-1])).argmax()) for i in range(k)]
@@ -248,4 +298,4 @@ def test_a_draft_its_q_does_not_cover_fails_instead_of_being_accepted():
     p = torch.tensor([0.5, 0.25, 0.15, 0.1], dtype=torch.float64)
     q = DraftDist(torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]]))  # the draft, 3, is not in q's support
     with pytest.raises(ValueError, match="draft token 3 at position 10 has q = 0"):
-        rejection_accept([3], p.log().expand(2, -1), q, 1, 10)
+        rejection_accept([3], LogProbRows(p.log().expand(2, -1), SamplingParams(temperature=1.0)), q, 1, 10)
