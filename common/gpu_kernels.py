@@ -17,7 +17,8 @@ Two torch custom operators, so that a captured or compiled step sees each as one
   token adds its top_k outputs in rank order.
 
 Elsewhere (the CPU) each operator is its torch reference: F.linear, and SDPA over the gathered slots with a causal
-mask. `triton_kernels.py` holds the kernels; `TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/test_gpu_kernels.py).
+mask. `triton_kernels.py` and `triton_deltanet.py` hold the kernels; `TRITON_INTERPRET=1` runs them on CPU tensors
+(tests/common/test_cuda_runner.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from blockspec.common import triton_deltanet as td
 from blockspec.common import triton_kernels as tk
 
 # --- the torch references (CPU, and what the kernels are tested against) -------------------------------------------
@@ -229,7 +231,7 @@ def _(state, q, k, v, g, beta, scale):
 
 @gated_delta_rule.register_kernel("cuda")
 def _(state, q, k, v, g, beta, scale):
-    return tk.triton_gated_delta_rule(state, q, k, v, g, beta, scale)
+    return td.triton_gated_delta_rule(state, q, k, v, g, beta, scale)
 
 
 @torch.library.custom_op("blockspec::causal_conv", mutates_args=())
@@ -244,7 +246,7 @@ def _(state, mixed, weight):
 
 @causal_conv.register_kernel("cuda")
 def _(state, mixed, weight):
-    return tk.triton_causal_conv(state, mixed, weight)
+    return td.triton_causal_conv(state, mixed, weight)
 
 
 @torch.library.custom_op("blockspec::delta_gates", mutates_args=())
@@ -260,7 +262,7 @@ def _(a, b, a_log, dt_bias, real):
 
 @delta_gates.register_kernel("cuda")
 def _(a, b, a_log, dt_bias, real):
-    return tk.triton_delta_gates(a, b, a_log, dt_bias, real)
+    return td.triton_delta_gates(a, b, a_log, dt_bias, real)
 
 
 @torch.library.custom_op("blockspec::moe", mutates_args=())

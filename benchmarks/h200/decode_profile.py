@@ -17,7 +17,7 @@ import time
 import torch
 
 from blockspec.common.runner import Runner, Segment
-from blockspec.services.bench import gpu_check
+from blockspec.services.bench import gpu_sizes
 
 CONTEXT = 1024
 CUDA = torch.autograd.DeviceType.CUDA
@@ -56,7 +56,7 @@ def hf_generate_ms(size: str, prompt: list[int], device: str, dtype: torch.dtype
     """transformers' generate on the same shape (its own random weights): ms per decoded token."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = {k: v for k, v in gpu_check.hf_config(size).items() if k != "model_type"}
+    config = {k: v for k, v in gpu_sizes.hf_config(size).items() if k != "model_type"}
     model = Qwen3ForCausalLM(Qwen3Config(**config)).to(device, dtype).eval()
     ids, sync = torch.tensor([prompt], device=device), waiter(device)
 
@@ -75,7 +75,7 @@ def hf_generate_ms(size: str, prompt: list[int], device: str, dtype: torch.dtype
 def main(device: str, sizes: list[str], hf: bool) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for size in sizes:
-        target = gpu_check.random_target(size, device, dtype)
+        target = gpu_sizes.random_target(size, device, dtype)
         runner = Runner(target, 1, CONTEXT + 128, dtype=dtype, device=device)
         slot = runner.cache.allocate()
         prompt = torch.randint(0, target.config.vocab_size - 1, (CONTEXT,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -210,10 +210,11 @@ def _bench_prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     from blockspec.services.bench import gpu_check
+    from blockspec.services.bench.gpu_sizes import SIZES
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    unknown = [s for s in sizes if s not in gpu_check.SIZES]
+    unknown = [s for s in sizes if s not in SIZES]
     if not sizes or unknown:
-        raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(gpu_check.SIZES)}")
+        raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
     resolve_device(args.device)
     return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend, not args.no_peer)

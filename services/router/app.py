@@ -20,8 +20,9 @@ from blockspec.common.telemetry import RouterMetrics
 from blockspec.common.tls import ServerTls
 from blockspec.protos import api_pb2
 from blockspec.services.router.limits import TenantLimits
+from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.scheduler import Scheduler
-from blockspec.services.router.server import GenerationService, ModelFacts, Version
+from blockspec.services.router.server import GenerationService, Version
 from blockspec.services.router.step_loop import StepLoop
 
 log = logging.getLogger(__name__)

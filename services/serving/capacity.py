@@ -126,11 +126,11 @@ def _role(role: str, weights: int, per_slot: int, need_at, slots: int, max_len: 
 
 
 def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> CapacityPlan:
-    """The plan of a config (`serve.plan` resolves the method and the drafter as serving does)."""
+    """The plan of a config (`plan.plan` resolves the method and the drafter as serving does)."""
     from blockspec.common.backends import uses_cuda_runner
     from blockspec.services.drafter.proposers import verifier_needs
     from blockspec.services.serving.engine import serving_len
-    from blockspec.services.serving.serve import plan
+    from blockspec.services.serving.plan import plan
 
     m = cfg.model
     p = plan(cfg, replicas)

@@ -14,7 +14,7 @@ from blockspec.common.models import load_checkpoint
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.common.threads import ThreadGovernor
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
-from blockspec.services.router.server import ModelFacts
+from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
 from blockspec.services.router.validation import validate_request
 from blockspec.services.verifier.verifier import Verifier

@@ -19,7 +19,8 @@ from blockspec.common.telemetry import RouterMetrics
 from blockspec.services.router.app import start_router
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.serving.engine import Engine
-from blockspec.services.serving.serve import Plan, plan, serve_roles
+from blockspec.services.serving.plan import Plan, plan
+from blockspec.services.serving.serve import serve_roles
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
 
 
 def build_engine(cfg: BlockspecConfig, p: Plan, device: torch.device | str, dtype: torch.dtype) -> Engine:
-    """The engine of a config: the keys the role command lines carry (`serve.plan`), and the router's."""
+    """The engine of a config: the keys the role command lines carry (`plan.plan`), and the router's."""
     m, spec = cfg.model, cfg.model.spec_decode
     log.info("loading %s (%s%s) in this process", m.target_model_path, p.method,
              f", drafter {p.drafter}" if p.drafter else "")

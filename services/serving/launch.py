@@ -36,8 +36,8 @@ from blockspec.services.drafter.proposers.none import NoneProposer
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.router.app import RouterServer, close_roles, start_router
 from blockspec.services.router.limits import TenantLimits
+from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
-from blockspec.services.router.server import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, StepLoop
 from blockspec.services.serving.engine import serving_len
 from blockspec.services.verifier.service import VerifierService

@@ -20,7 +20,8 @@ from blockspec.common.device import VERIFIER_SHARE
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.tensor_share import cleanup_stale
 from blockspec.services.serving.launch import remove_role_sockets, role_env, role_socket
-from blockspec.services.serving.serve import RoleStartError, plan, serve_roles
+from blockspec.services.serving.plan import plan
+from blockspec.services.serving.serve import RoleStartError, serve_roles
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from blockspec.services.drafter.proposers import METHODS
 
 
 def add_role_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `blockspec role ...`: what `serve` writes in a role's command line (`serve.plan`)."""
+    """The arguments of `blockspec role ...`: what `serve` writes in a role's command line (`plan.plan`)."""
     parser.add_argument("role", choices=("verifier", "drafter"))
     parser.add_argument("--target", required=True)
     parser.add_argument("--drafter")
@@ -37,7 +37,7 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_role_args(argv: Sequence[str]) -> argparse.Namespace:
-    """A role's command line (`role verifier|drafter ...`, as `serve.plan` writes it), as the Ray actors receive it."""
+    """A role's command line (`role verifier|drafter ...`, as `plan.plan` writes it), as the Ray actors receive it."""
     parser = argparse.ArgumentParser(prog="blockspec role")
     add_role_arguments(parser)
     argv = list(argv)

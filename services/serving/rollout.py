@@ -79,7 +79,7 @@ class Fleet:
     """The releases of one server: `active` (new requests), at most one candidate and at most one previous release
     in its grace period. Its methods run on the router's event loop. starter(cfg, prefix) returns start_replica for
     another version's config (None: this server cannot start roles, and `start` is refused); plan(cfg) checks a
-    config and resolves its method (serve.plan)."""
+    config and resolves its method (plan.plan)."""
 
     def __init__(self, router: RouterServer, active: Release,
                  starter: Callable[[BlockspecConfig, str], Callable[[int], tuple]] | None = None,

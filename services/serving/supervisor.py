@@ -27,7 +27,7 @@ async def route(cfg: BlockspecConfig, router_over: Callable, http_port: int, sta
                 plan: Callable | None = None) -> int:
     """The router (from `router_over`) over the started roles (state["replicas"]), supervised until SIGTERM/SIGINT.
     starter(cfg, prefix) -> start_replica(index): how this server starts a version's replicas (None: it cannot;
-    no autoscaling, no rollout); plan: serve.plan, for a rollout's config."""
+    no autoscaling, no rollout); plan: plan.plan, for a rollout's config."""
     replicas = state["replicas"]
     router = await router_over(replicas, keys, tls)
     state["router"] = router

@@ -171,6 +171,7 @@ def test_the_expert_layout_reads_nothing_back():
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from blockspec.common import gpu_kernels as gk
+    from blockspec.common import triton_deltanet as td
     from blockspec.common import triton_kernels as tk
 
     torch.manual_seed(0)
@@ -207,18 +208,18 @@ KERNEL_CHECK = textwrap.dedent("""
     B, T, HV, DK, DV = 2, 21, 4, 16, 32  # two key heads, each serving two value heads
     state, q, k = torch.randn(B, HV, DK, DV), torch.randn(B, T, 2, DK), torch.randn(B, T, 2, DK)
     v, g, beta = torch.randn(B, T, HV, DV), -torch.rand(B, T, HV), torch.rand(B, T, HV)
-    o, s = tk.triton_gated_delta_rule(state, q, k, v, g, beta, 0.25)
+    o, s = td.triton_gated_delta_rule(state, q, k, v, g, beta, 0.25)
     o0, s0 = gk.gated_delta_rule_reference(state, q, k, v, g, beta, 0.25)
     assert (o - o0).abs().max() < 1e-4 and (s - s0).abs().max() < 1e-4, "delta rule"
-    o1, _ = tk.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
+    o1, _ = td.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
     assert torch.equal(o1[0], o[1, :5]), "delta rule rows"
     # the causal convolution over [state, block] and the decay and write strength (0 at padding)
     conv_state, mixed, conv_w = torch.randn(2, 40, 3), torch.randn(2, 5, 40), torch.randn(40, 4)
-    assert (tk.triton_causal_conv(conv_state, mixed, conv_w)
+    assert (td.triton_causal_conv(conv_state, mixed, conv_w)
             - gk.causal_conv_reference(conv_state, mixed, conv_w)).abs().max() < 1e-5, "conv"
     a, b, real = torch.randn(2, 5, 6), torch.randn(2, 5, 6), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
     a_log, dt_bias = torch.randn(6), torch.randn(6)
-    got, want = tk.triton_delta_gates(a, b, a_log, dt_bias, real), gk.delta_gates_reference(a, b, a_log, dt_bias, real)
+    got, want = td.triton_delta_gates(a, b, a_log, dt_bias, real), gk.delta_gates_reference(a, b, a_log, dt_bias, real)
     assert all((x - y).abs().max() < 1e-5 for x, y in zip(got, want)) and not got[0][1, 3:].any(), "gates"
     # the routed experts: 5 tokens, 8 experts, top 2; a token alone equal to the same token among the five
     x, gate_up, down = torch.randn(5, 64), torch.randn(8, 64, 64) * 0.1, torch.randn(8, 64, 32) * 0.1

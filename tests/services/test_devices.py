@@ -9,8 +9,8 @@ import torch
 from blockspec.common.config import parse_config
 from blockspec.common.device import resolve
 from blockspec.common.errors import InvalidArgument
+from blockspec.services.serving.plan import plan
 from blockspec.services.serving.role_args import parse_role_args
-from blockspec.services.serving.serve import plan
 
 
 def test_resolve_names_the_flag_at_fault():

@@ -55,9 +55,9 @@ def test_a_size_that_fails_is_said_and_the_others_still_run(tmp_path, capsys, mo
 def test_the_hybrid_reference_shape_is_qwen3_5_27b():
     from blockspec.common.footprint import parameters
     from blockspec.common.models import parse_config
-    from blockspec.services.bench import gpu_check
+    from blockspec.services.bench.gpu_sizes import hf_config
 
-    cfg = parse_config(gpu_check.hf_config("27b-hybrid"), Path("."))
+    cfg = parse_config(hf_config("27b-hybrid"), Path("."))
     assert cfg.linear_layers == tuple(i for i in range(64) if (i + 1) % 4) and cfg.rope_dim == 64
     assert round(parameters(cfg).total / 1e9, 1) == 26.9
 
@@ -87,10 +87,10 @@ def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
 def test_sizes_whose_weights_pass_the_free_memory_are_refused_before_anything_is_built(capsys, monkeypatch):
     """`--device cpu` with the default sizes would have built the 27B target in fp32 (108 GiB with its drafter) and been
     killed by the kernel: each size's weights are counted first, on the meta device."""
-    from blockspec.services.bench import gpu_check
+    from blockspec.services.bench import gpu_check, gpu_sizes
 
-    assert gpu_check.weights_bytes("1b", torch.float32) == 2 * gpu_check.weights_bytes("1b", torch.bfloat16)
-    monkeypatch.setattr(gpu_check, "free_bytes", lambda device: 8 * 2**30)
+    assert gpu_sizes.weights_bytes("1b", torch.float32) == 2 * gpu_sizes.weights_bytes("1b", torch.bfloat16)
+    monkeypatch.setattr(gpu_sizes, "free_bytes", lambda device: 8 * 2**30)
     monkeypatch.setattr(gpu_check, "check_size", lambda *a: pytest.fail("a size was built"))
     assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny,8b"]) == 2
     assert capsys.readouterr().err.strip() == ("blockspec: error: --sizes: 8b needs 33.2 GiB for its weights in "

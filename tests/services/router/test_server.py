@@ -491,7 +491,7 @@ def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(ro
 def test_a_chat_template_that_raises_is_invalid_argument_on_the_messages():
     """A template is code: whatever it raises over the messages (here a TypeError) names them, never UNKNOWN."""
     from blockspec.common.errors import InvalidArgument
-    from blockspec.services.router.server import chat_ids
+    from blockspec.services.router.messages import chat_ids
 
     class Tokenizer:
         chat_template = "{{ messages | length + 'x' }}"
@@ -507,7 +507,7 @@ def test_a_chat_template_that_raises_is_invalid_argument_on_the_messages():
 def test_a_long_prompt_is_tokenized_off_the_event_loop(router, monkeypatch):
     """Tokenizing the longest text the context allows took 0.4 s on the default pair, and on the event loop no
     other stream got its tokens meanwhile: texts over OFF_LOOP_CHARS go to a worker thread, shorter ones stay."""
-    from blockspec.services.router.server import OFF_LOOP_CHARS
+    from blockspec.services.router.messages import OFF_LOOP_CHARS
 
     tokenizer = router.engine.tokenizer
     encode, threads = tokenizer.encode, []
