@@ -277,6 +277,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_argmax", &residual_argmax, py::call_guard<py::gil_scoped_release>());
   m.def("gumbel_rows", &gumbel_rows);
   m.def("logsumexp_row", &logsumexp_row, py::call_guard<py::gil_scoped_release>());
+  m.def("warp_floor", &warp_floor, py::call_guard<py::gil_scoped_release>());
   m.def("philox_uniform", &philox_uniform);
   m.def("silu_mul", &silu_mul);
   m.def("cached_attention", &cached_attention);

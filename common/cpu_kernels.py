@@ -36,6 +36,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import threading
 import weakref
@@ -355,29 +356,35 @@ def _score_row(row: torch.Tensor, position: int = 0) -> bool:
             and row.numel() > 0 and position < 2**64 and enabled())
 
 
-def gumbel_argmax(scores: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0,
-                  divisor: float = 1.0) -> int | None:
-    """distributions.sample's Gumbel-max of one row of scores (fp32 or fp64, over `divisor`) on the CPU, in one C++
-    loop that draws the noise of only the tokens that could win (the same uniforms, the same formula); None where it
-    does not apply (the kernels off or not built, another dtype or device)."""
+def gumbel_argmax(scores: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0, divisor: float = 1.0,
+                  floor: float = -math.inf) -> int | None:
+    """distributions.sample's Gumbel-max of one row of scores (fp32 or fp64, over `divisor`; those below `floor` cut)
+    on the CPU, in one C++ loop that draws the noise of only the tokens that could win (the same uniforms, the same
+    formula); None where it does not apply (the kernels off or not built, another dtype or device)."""
     if _score_row(scores, position):
-        return _kernels.module.gumbel_argmax(scores.contiguous(), divisor, seed, position, stream, offset)
+        return _kernels.module.gumbel_argmax(scores.contiguous(), divisor, floor, seed, position, stream, offset)
     return None
 
 
-def residual_argmax(scores: torch.Tensor, divisor: float, lse: float, q_ids: torch.Tensor, q_probs: torch.Tensor,
-                    seed: int, position: int, stream: int, offset: int = 0) -> int | None:
+def residual_argmax(scores: torch.Tensor, divisor: float, floor: float, lse: float, q_ids: torch.Tensor,
+                    q_probs: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0) -> int | None:
     """LogProbRows.sample_residual's sample of max(0, p - q) in one C++ call; None where the kernels do not apply."""
     if _score_row(scores, position):
-        return _kernels.module.residual_argmax(scores.contiguous(), divisor, lse, q_ids, q_probs, seed, position,
-                                               stream, offset)
+        return _kernels.module.residual_argmax(scores.contiguous(), divisor, floor, lse, q_ids, q_probs, seed,
+                                               position, stream, offset)
     return None
 
 
-def logsumexp(scores: torch.Tensor, divisor: float = 1.0) -> float | None:
-    """log sum exp(scores / divisor) of one fp32 or fp64 row, in fp64 (distributions.LogProbRows' normaliser); None
-    where the kernels do not apply."""
-    return _kernels.module.logsumexp_row(scores.contiguous(), divisor) if _score_row(scores) else None
+def logsumexp(scores: torch.Tensor, divisor: float = 1.0, floor: float = -math.inf) -> float | None:
+    """log sum exp(scores / divisor) over the scores at least `floor`, of one fp32 or fp64 row, in fp64
+    (distributions.LogProbRows' normaliser); None where the kernels do not apply."""
+    return _kernels.module.logsumexp_row(scores.contiguous(), divisor, floor) if _score_row(scores) else None
+
+
+def warp_floor(scores: torch.Tensor, divisor: float, top_k: int, top_p: float) -> float | None:
+    """The smallest score of row / divisor that top-k and top-p keep (-inf: nothing cut), found without sorting the
+    row (distributions.LogProbRows); None where the kernels do not apply."""
+    return _kernels.module.warp_floor(scores.contiguous(), divisor, top_k, top_p) if _score_row(scores) else None
 
 
 def philox_uniform(seed: int, position: int, stream: int, index: int = 0) -> float | None:

@@ -3,19 +3,25 @@
 
 #include <algorithm>
 
-// A row of scores: fp32 logits over a temperature (z = double(x) / t, torch's `x.double() / t`) or fp64 scores.
+// A row of scores: fp32 logits over a temperature (z = double(x) / t, torch's `x.double() / t`) or fp64 scores;
+// scores below `floor` (what top-k and top-p cut, `warp_floor`) count as -inf.
 struct ScoreRow {
   const float* f32;
   const double* f64;
   double divisor;
   int64_t V;
-  explicit ScoreRow(const torch::Tensor& row, double divisor_)
+  double floor;
+  explicit ScoreRow(const torch::Tensor& row, double divisor_, double floor_ = -INFINITY)
       : f32(row.scalar_type() == torch::kFloat ? row.data_ptr<float>() : nullptr),
-        f64(row.scalar_type() == torch::kDouble ? row.data_ptr<double>() : nullptr), divisor(divisor_), V(row.numel()) {
+        f64(row.scalar_type() == torch::kDouble ? row.data_ptr<double>() : nullptr), divisor(divisor_), V(row.numel()),
+        floor(floor_) {
     TORCH_CHECK(row.dim() == 1 && row.is_contiguous() && V > 0 && (f32 || f64) && divisor > 0,
                 "score row: one contiguous fp32 or fp64 row and a positive divisor");
   }
-  double operator[](int64_t v) const { return f32 ? double(f32[v]) / divisor : f64[v] / divisor; }
+  double operator[](int64_t v) const {
+    const double z = f32 ? double(f32[v]) / divisor : f64[v] / divisor;
+    return z >= floor ? z : -INFINITY;
+  }
   // The largest score over [begin, end) and the first index holding it (-inf and begin where none is above -inf).
   std::pair<double, int64_t> max(int64_t begin, int64_t end) const {
     int64_t best = begin;
@@ -113,18 +119,18 @@ static int64_t gumbel_pick(const ScoreRow& z, uint64_t seed, uint64_t position, 
   return best.index;
 }
 
-int64_t gumbel_argmax(torch::Tensor row, double divisor, uint64_t seed, uint64_t position, uint64_t stream,
-                      int64_t offset) {
-  return gumbel_pick(ScoreRow(row, divisor), seed, position, stream, offset, Overrides{});
+int64_t gumbel_argmax(torch::Tensor row, double divisor, double floor, uint64_t seed, uint64_t position,
+                      uint64_t stream, int64_t offset) {
+  return gumbel_pick(ScoreRow(row, divisor, floor), seed, position, stream, offset, Overrides{});
 }
 
 // The rejection rule's recovered token: a sample of max(0, p - q), p = exp(z - lse) over the row, q over its tokens
 // q_ids (fp32 or fp64 q_probs; a token listed twice counts its probabilities together) and zero elsewhere: the row
 // with q's tokens overridden by log(max(0, p - q)) + lse. Where the residual has no mass (sum min(p, q) >= 1, p == q),
 // a sample of p itself.
-int64_t residual_argmax(torch::Tensor row, double divisor, double lse, torch::Tensor q_ids, torch::Tensor q_probs,
-                        uint64_t seed, uint64_t position, uint64_t stream, int64_t offset) {
-  const ScoreRow z(row, divisor);
+int64_t residual_argmax(torch::Tensor row, double divisor, double floor, double lse, torch::Tensor q_ids,
+                        torch::Tensor q_probs, uint64_t seed, uint64_t position, uint64_t stream, int64_t offset) {
+  const ScoreRow z(row, divisor, floor);
   TORCH_CHECK(q_ids.dim() == 1 && q_ids.scalar_type() == torch::kLong && q_probs.dim() == 1
               && q_probs.numel() == q_ids.numel(), "residual_argmax: q's token ids (int64) and their probabilities");
   auto ids = q_ids.contiguous();
@@ -158,8 +164,7 @@ int64_t residual_argmax(torch::Tensor row, double divisor, double lse, torch::Te
 // log sum_v exp(z_v) of a score row, fp64: the max m, then m + log(sum exp(z_v - m)). Terms below exp(-50) are left
 // out: over up to 2^20 tokens they add under 2e-16 to a sum of at least 1 (its rounding). Long rows are summed in
 // parts over the threads, the parts added in order: the same value at any thread count.
-double logsumexp_row(torch::Tensor row, double divisor) {
-  const ScoreRow z(row, divisor);
+static double log_sum_exp(const ScoreRow& z) {
   const double m = z.max(0, z.V).first;
   if (!std::isfinite(m)) return m;
   auto sum = [&](int64_t begin, int64_t end) {
@@ -179,6 +184,51 @@ double logsumexp_row(torch::Tensor row, double divisor) {
   double total = 0.0;
   for (double s : sums) total += s;
   return m + std::log(total);
+}
+
+double logsumexp_row(torch::Tensor row, double divisor, double floor) {
+  return log_sum_exp(ScoreRow(row, divisor, floor));
+}
+
+// The smallest score top-k and top-p keep (distributions.warp, Hugging Face's semantics) over z = row / divisor,
+// without sorting the row: top_k (0: off) keeps the scores at least the k-th largest (a heap of k); top_p (1: off) then
+// keeps a score where the tokens above it hold less than top_p of p over what top-k kept. The scores within `span` of
+// the best are sorted, the span doubling until they decide; a token tied with the last one kept is kept too (torch's
+// sort leaves the order of ties unspecified). -inf where nothing is cut.
+double warp_floor(torch::Tensor row, double divisor, int64_t top_k, double top_p) {
+  ScoreRow z(row, divisor);
+  if (top_k > 0 && top_k < z.V) {
+    std::vector<double> heap;  // the k largest so far, smallest first
+    heap.reserve(top_k);
+    for (int64_t v = 0; v < z.V; ++v) {
+      const double x = z[v];
+      if (int64_t(heap.size()) < top_k) {
+        heap.push_back(x);
+        std::push_heap(heap.begin(), heap.end(), std::greater<double>());
+      } else if (x > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<double>());
+        heap.back() = x;
+        std::push_heap(heap.begin(), heap.end(), std::greater<double>());
+      }
+    }
+    z.floor = heap.front();
+  }
+  if (!(top_p < 1.0)) return z.floor;
+  const double m = z.max(0, z.V).first, lse = log_sum_exp(z);
+  int64_t live = 0;
+  for (int64_t v = 0; v < z.V; ++v) live += z[v] > -INFINITY;
+  for (double span = 8.0;; span *= 2) {
+    std::vector<double> near;
+    for (int64_t v = 0; v < z.V; ++v)
+      if (z[v] >= m - span) near.push_back(z[v]);
+    std::sort(near.begin(), near.end(), std::greater<double>());
+    double above = 0.0;  // p of the tokens above the current score
+    for (size_t i = 0, j; i < near.size(); i = j) {
+      if (!(above < top_p)) return near[i - 1];  // near[i] and below are cut
+      for (j = i; j < near.size() && near[j] == near[i]; ++j) above += std::exp(near[j] - lse);
+    }
+    if (int64_t(near.size()) == live) return z.floor;  // every token is kept
+  }
 }
 
 // distributions.gumbel_at for many rows at once: row n's noise at token ids[n, j] for (seeds[n], streams[n],

@@ -100,63 +100,73 @@ def log_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 class LogProbRows:
     """p of a verify's rows as the rules read them, each row's work done when first needed: the rules stop at the
-    first rejected draft, and rows after it are never touched. A row is its scores z (`warp`: without top-k or top-p
-    the processed logits themselves over T, never copied) and their log-sum-exp, computed once where a probability is
-    read; a sample needs neither (`sample`: the Gumbel-max of z is the Gumbel-max of log p). Row i equals log_probs
-    of that row alone."""
+    first rejected draft, and rows after it are never touched. A row is its scores z = row / divisor, the scores below
+    a floor cut, and their log-sum-exp, computed once where a probability is read; a sample needs no normaliser
+    (`sample`: the Gumbel-max of z is the Gumbel-max of log p). On the CPU kernels the row is the processed logits
+    themselves over T, never copied, and top-k / top-p are a floor found without sorting the row
+    (`cpu_kernels.warp_floor`); elsewhere the row is `warp`'s. Row i equals log_probs of that row alone."""
 
     def __init__(self, processed: torch.Tensor, params: SamplingParams) -> None:
         self.processed, self.params = processed, params
         self._warped = warped(params, processed.shape[-1])
-        self._z: dict[int, torch.Tensor] = {}
+        self._scores: dict[int, tuple[torch.Tensor, float, float]] = {}
         self._lse: dict[int, float] = {}
 
     @property
     def shape(self) -> torch.Size:
         return self.processed.shape
 
-    def scores(self, i: int) -> tuple[torch.Tensor, float]:
-        """Row i's scores as (row, divisor): z = row / divisor."""
-        if not self._warped:
-            return self.processed[i], self.params.temperature
-        if i not in self._z:
-            self._z[i] = warp(self.processed[i : i + 1], self.params)[0]
-        return self._z[i], 1.0
+    def scores(self, i: int) -> tuple[torch.Tensor, float, float]:
+        """Row i's scores as (row, divisor, floor): z = row / divisor, -inf below floor."""
+        if i not in self._scores:
+            sp, row = self.params, self.processed[i]
+            floor = cpu_kernels.warp_floor(row, sp.temperature, sp.top_k, sp.top_p) if self._warped else -math.inf
+            if floor is not None:
+                self._scores[i] = (row, sp.temperature, floor)
+            else:  # no kernels: the warped row, made by torch
+                self._scores[i] = (warp(self.processed[i : i + 1], sp)[0], 1.0, -math.inf)
+        return self._scores[i]
 
     def lse(self, i: int) -> float:
         if i not in self._lse:
-            row, divisor = self.scores(i)
-            fast = cpu_kernels.logsumexp(row, divisor)
-            self._lse[i] = fast if fast is not None else float(torch.logsumexp(row.double() / divisor, -1))
+            row, divisor, floor = self.scores(i)
+            fast = cpu_kernels.logsumexp(row, divisor, floor)
+            self._lse[i] = fast if fast is not None else float(torch.logsumexp(self._z(i), -1))
         return self._lse[i]
+
+    def _z(self, i: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """z of row i (at token_ids), fp64."""
+        row, divisor, floor = self.scores(i)
+        z = (row if token_ids is None else row.index_select(0, token_ids)).double() / divisor
+        return z if floor == -math.inf else z.masked_fill(z < floor, -math.inf)
 
     def at(self, i: int, token_ids: torch.Tensor) -> torch.Tensor:
         """log p of row i at token_ids (fp64)."""
-        row, divisor = self.scores(i)
-        return row.index_select(0, token_ids).double() / divisor - self.lse(i)
+        return self._z(i, token_ids) - self.lse(i)
 
     def log_p(self, i: int, token: int) -> float:
         """log p of one token of row i: `at` for a single id, without the tensor ops."""
-        row, divisor = self.scores(i)
-        return float(row[token]) / divisor - self.lse(i)
+        row, divisor, floor = self.scores(i)
+        z = float(row[token]) / divisor
+        return z - self.lse(i) if z >= floor else -math.inf
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """Row i whole ([V], fp64)."""
-        row, divisor = self.scores(i)
-        return row.double() / divisor - self.lse(i)
+        return self._z(i) - self.lse(i)
 
     def sample(self, i: int, seed: int, position: int, stream: int, offset: int = 0) -> int:
         """`sample` of row i."""
-        row, divisor = self.scores(i)
-        return sample(row, seed, position, stream, offset, divisor)
+        row, divisor, floor = self.scores(i)
+        return sample(row, seed, position, stream, offset, divisor, floor)
 
     def sample_residual(self, i: int, q_ids: torch.Tensor, q_probs: torch.Tensor, seed: int, position: int,
                         stream: int, offset: int = 0) -> int:
         """`sample` of norm(max(0, p - q)) at row i, q over q_ids (a token listed twice counts its probabilities
         together) and zero elsewhere: log p with q's tokens replaced, not a pass over the vocabulary per term. Where
         the residual has no mass (p == q), a sample of p itself."""
-        row, divisor = self.scores(i)
-        fast = cpu_kernels.residual_argmax(row, divisor, self.lse(i), q_ids, q_probs, seed, position, stream, offset)
+        row, divisor, floor = self.scores(i)
+        fast = cpu_kernels.residual_argmax(row, divisor, floor, self.lse(i), q_ids, q_probs, seed, position, stream,
+                                           offset)
         if fast is not None:
             return fast
         ids, q_s = q_ids, q_probs.double()
@@ -164,7 +174,7 @@ class LogProbRows:
             ids, where = torch.unique(ids, return_inverse=True)
             q_s = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, where, q_s)
         p_s = self.at(i, ids).exp()
-        z = row.double() / divisor
+        z = self._z(i)
         if 1.0 - float(torch.minimum(p_s, q_s).sum()) > 0:  # sum(max(0, p - q)) = 1 - sum(min(p, q))
             z = z.index_copy(0, ids, (p_s - q_s).clamp(min=0).log() + self.lse(i))
         return sample(z, seed, position, stream, offset)
@@ -213,14 +223,16 @@ def uniform(seed: int, position: int, stream: int, index: int = 0) -> float:
     return fast if fast is not None else float(uniforms(seed, position, stream, index + 1)[index])
 
 
-def sample(scores: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0, divisor: float = 1.0) -> int:
-    """Gumbel-max sample of a row of scores [V] (log-probabilities up to a constant): argmax(scores / divisor +
-    gumbel(seed, position, stream, V, offset)). On the CPU one C++ loop (`cpu_kernels.gumbel_argmax`) computes the
-    same argmax, drawing the noise of the tokens that could win only."""
-    fast = cpu_kernels.gumbel_argmax(scores, seed, position, stream, offset, divisor)
+def sample(scores: torch.Tensor, seed: int, position: int, stream: int, offset: int = 0, divisor: float = 1.0,
+           floor: float = -math.inf) -> int:
+    """Gumbel-max sample of a row of scores [V] (log-probabilities up to a constant): argmax(z + gumbel(seed, position,
+    stream, V, offset)) for z = scores / divisor, -inf below floor. On the CPU one C++ loop
+    (`cpu_kernels.gumbel_argmax`) computes the same argmax, drawing the noise of the tokens that could win only."""
+    fast = cpu_kernels.gumbel_argmax(scores, seed, position, stream, offset, divisor, floor)
     if fast is not None:
         return fast
     z = scores.double() / divisor
+    z = z if floor == -math.inf else z.masked_fill(z < floor, -math.inf)
     return int((z + gumbel(seed, position, stream, z.shape[-1], offset)).argmax())
 
 

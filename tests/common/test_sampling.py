@@ -234,17 +234,44 @@ def test_log_prob_rows_are_computed_as_read_and_equal_the_whole_rows():
     processed = torch.randn(6, 320) * 3
     for sp in (SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=1), SamplingParams(temperature=0.7, seed=1)):
         rows = LogProbRows(processed, sp)
-        assert rows.shape == processed.shape and not rows._z and not rows._lse
+        assert rows.shape == processed.shape and not rows._scores and not rows._lse
         whole = log_probs(processed, sp)
         torch.testing.assert_close(rows[3], whole[3], rtol=0, atol=1e-12)
         top = int(whole[3].argmax())
         assert abs(rows.log_p(3, top) - float(whole[3, top])) < 1e-12
         torch.testing.assert_close(rows.at(3, torch.tensor([top, 9])), whole[3, [top, 9]], rtol=0, atol=1e-12)
-        assert set(rows._lse) == {3} and set(rows._z) <= {3}
+        assert set(rows._lse) == {3} and set(rows._scores) == {3}
         # a sample reads the scores alone: no normaliser, and without top-k / top-p no copy of the row
         assert rows.sample(5, 1, 20, 0) == int((whole[5] + gumbel(1, 20, 0, 320)).argmax())
         assert set(rows._lse) == {3}
     assert LogProbRows(processed, SamplingParams(temperature=0.7)).scores(2)[0].data_ptr() == processed[2].data_ptr()
+
+
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")
+def test_top_k_and_top_p_as_a_floor_keep_what_the_sorted_warp_keeps():
+    """On the kernels top-k and top-p are the smallest score kept, found without sorting the row: the same tokens, the
+    same p and the same samples as `warp`'s sort (Hugging Face's), over flat, peaked and partly impossible rows of
+    fp32 logits, long ones included; a token tied with the last one kept is kept too."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    for trial in range(120):
+        vocab = rng.choice([7, 320, 4096, 40_000])
+        logits = torch.randn(1, vocab) * rng.choice([0.3, 2.5, 8.0])
+        if trial % 4 == 0:
+            logits[0, torch.rand(vocab) < 0.5] = -math.inf
+            logits[0, 0] = 1.0
+        sp = SamplingParams(temperature=rng.choice([0.5, 1.0, 1.5]), top_k=rng.choice([0, 1, 5, 50]),
+                            top_p=rng.choice([0.5, 0.9, 0.95, 1.0]), seed=trial)
+        rows, want = LogProbRows(logits, sp), log_probs(logits, sp)[0]
+        row, _, floor = rows.scores(0)
+        assert row.data_ptr() == logits[0].data_ptr()  # the logits themselves: no warped copy
+        assert torch.equal(torch.isfinite(rows[0]), torch.isfinite(want)), (trial, floor)
+        torch.testing.assert_close(rows[0], want, rtol=0, atol=1e-12)
+        for position in range(5):
+            assert rows.sample(0, trial, position, 0) == int((want + gumbel(trial, position, 0, vocab)).argmax())
+    ties = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])  # top-k 2 and top-p 0.7 end inside the tie at 1.0
+    for sp in (SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.7)):
+        assert torch.isfinite(LogProbRows(ties, sp)[0]).tolist() == [True, True, True, True, False]
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
