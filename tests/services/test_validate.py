@@ -23,9 +23,10 @@ from tests.services.test_serve import CONFIG, http_status, role_pids, spawn_serv
 ROOT = Path(__file__).resolve().parents[2]
 PAIR = ROOT / "models" / "base"
 shipped = pytest.mark.skipif(not (PAIR / "card.json").is_file(), reason="models/base is not built (build-default)")
-# The shipped pair clears it with room to spare on a loaded 2-core machine (about 2.7x on a quiet one, roles as
-# processes); a server stepping at k = 0 measures about 1x.
-MIN_RATIO = "1.5"
+# A line no speculating server misses, however loaded the machine (the shipped pair measures about 2.7x on a quiet
+# one, 1.4x beside a full test run): these tests check the pass and the failure, not the speed;
+# test_the_ratio_check_holds_the_line_and_fails_a_server_that_drafts_nothing checks the comparison.
+MIN_RATIO = "0.2"
 
 
 def validate(capsys, *args: str) -> tuple[int, dict, str]:
@@ -151,6 +152,24 @@ def test_the_tokenizer_check_reads_the_checkpoints_modelinfo_names(tokenizer, tm
     check = check_tokenizer(SimpleNamespace(**{**vars(info), "vocab_size": 320}), texts, [[1]] * len(texts))
     assert check.status == "fail" and check.detail.startswith("the server's vocabulary 320, the target's 4096; 2 "
                                                               "prompts tokenize differently on the server"), check
+
+
+def test_the_ratio_check_holds_the_line_and_fails_a_server_that_drafts_nothing():
+    from blockspec.services.bench.modes import Row
+    from blockspec.services.cli.validate import Passes, check_ratio
+
+    def passes(k: int, speedup: float, acceptance: float | None) -> Passes:
+        spec = Row("server", k, 1, 64, 1.0, 64.0 * speedup, acceptance_rate=acceptance, speedup=speedup)
+        return Passes(k, spec, Row("server", 0, 1, 64, 1.0, 64.0), [], [])
+
+    assert check_ratio(passes(5, 2.8, 0.6), 2.7).status == "pass"
+    low = check_ratio(passes(5, 2.6, 0.6), 2.7)
+    assert low.status == "fail" and low.detail.endswith("2.60x (at least 2.70x)"), low.detail
+    assert low.figures["ratio"] == 2.6 and low.figures["min_ratio"] == 2.7
+    # Nothing drafted fails even where noise put the ratio over the line.
+    fell_back = check_ratio(passes(5, 1.1, None), 1.0)
+    assert fell_back.status == "fail" and fell_back.detail.endswith("; nothing drafted (k fell back to 0)")
+    assert check_ratio(passes(0, 1.0, None), 0.5).detail.endswith("; the server's default k is 0")
 
 
 def test_the_acceptance_line_is_the_alert_rules():
