@@ -7,8 +7,8 @@ without replacement (Gumbel top-n) from the path selector's q(. | the node's tok
 target scores every root-to-leaf path (transformers, one batched forward over the paths), which gives p at every node.
 The walk down the tree is recursive rejection without replacement (Jeon et al., "Recursive Speculative Decoding"):
 children in their drawn order, each accepted with min(1, p(x) / q(x)); after a rejection p becomes
-norm(max(p - q, 0)) and q loses x (renormalised). Where no child is accepted, or at a leaf, the next token is drawn from p as it
-stands. Greedy: the child equal to the argmax of p. A step's tokens are the accepted depth plus that one.
+norm(max(p - q, 0)) and q loses x (renormalised). Where no child is accepted, or at a leaf, the next token is drawn
+from p as it stands. Greedy: the child equal to the argmax of p. A step's tokens are the accepted depth plus that one.
 
 The chain [1] * k is the shipped path: its tau should sit near eval.py's (same models, other noise draws).
 
