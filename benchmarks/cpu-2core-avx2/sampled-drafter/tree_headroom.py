@@ -80,7 +80,8 @@ class Pair:
     @torch.inference_mode()
     def start(self, prompt: list[int]) -> None:
         """A new request: the context is the prompt but its last token (the first anchor)."""
-        self.cache, self.features = DynamicCache(), torch.zeros(0, len(self.cfg.target_layer_ids) * self.cfg.hidden_size)
+        self.cache = DynamicCache()
+        self.features = torch.zeros(0, len(self.cfg.target_layer_ids) * self.cfg.hidden_size)
         self.commit(prompt[:-1])
 
     @torch.inference_mode()
@@ -110,7 +111,8 @@ class Pair:
         return hidden, unary, self.ids[cand]
 
     @torch.inference_mode()
-    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor, t: int, parent: int) -> torch.Tensor:
+    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor, t: int,
+               parent: int) -> torch.Tensor:
         """The path selector's scores of slot t's candidates after the token `parent`."""
         sel = self.drafter.candidate_selector
         return sel.scores(hidden[t], unary[t], cand[t], torch.tensor(parent))
