@@ -216,6 +216,9 @@ class CudaRunner:
         tap features go to this runner's tap buffer (tap_dest must be it, or None)."""
         if tap_dest is not None and tap_dest is not self.tap_buffer:
             raise ValueError("the CUDA runner stores tap features in its own buffer (make_tap_buffer)")
+        if any(s.parents is not None for s in segments):
+            raise ValueError("the CUDA runner verifies sequences: a token tree (Segment.parents) runs on the eager "
+                             "runner (backend eager)")
         lengths = [len(s.token_ids) for s in segments]
         starts = [self.cache.lengths[s.slot] for s in segments]
         for seg, start, n in zip(segments, starts, lengths):

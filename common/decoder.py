@@ -138,7 +138,14 @@ class AttentionBatch:
         host_slots: list[int],  # slots as ints, the first position and the real tokens of each row: known
         host_starts: list[int],  # on the host, so no device value is read back
         host_lengths: list[int],
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # a token tree's (rope positions, visible keys)
     ) -> None:
+        """tree: where a segment is a token tree (runner.Segment.parents), its tokens' positions for RoPE [B, T] (the
+        committed length plus their depth) and the keys each may see [B, T, key_len] (the committed ones and its
+        ancestors'); `positions` is then where their K/V are stored. Such a forward runs SDPA with that mask."""
+        self.store_positions = positions  # [B, T] where each token's K/V (and taps) go
+        if tree is not None:
+            positions = tree[0]
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.real = real
         self.states = None  # a hybrid model's linear layers: the forward's `state_cache.StateStep`
@@ -150,9 +157,9 @@ class AttentionBatch:
         self.cos_sin = cos_sin  # the tables [max_len, hd]; `cos` and `sin` gather them where torch's RoPE runs
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
         # gathered keys with a mask.
-        self.in_place = attends_in_place(cache.k, positions.shape[1])
-        self.mask = None  # [B, 1, T, key_len]: only SDPA needs it
-        if not self.in_place:
+        self.in_place = tree is None and attends_in_place(cache.k, positions.shape[1])
+        self.mask = None if tree is None else tree[1].unsqueeze(1)  # [B, 1, T, key_len]: only SDPA needs it
+        if not self.in_place and tree is None:
             keys = torch.arange(key_len, device=positions.device)
             self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         # Where the real tokens' K/V go, worked out once for every layer (store_slots / store_pos when first asked:
@@ -162,12 +169,12 @@ class AttentionBatch:
 
     @functools.cached_property
     def store_slots(self) -> torch.Tensor:  # [N]
-        store_slots = self.slots[:, None].expand_as(self.positions)
+        store_slots = self.slots[:, None].expand_as(self.store_positions)
         return store_slots.reshape(-1) if self.all_real else store_slots[self.rows]
 
     @functools.cached_property
     def store_pos(self) -> torch.Tensor:  # [N]
-        return self.positions.reshape(-1) if self.all_real else self.positions[self.rows]
+        return self.store_positions.reshape(-1) if self.all_real else self.store_positions[self.rows]
 
     @functools.cached_property
     def cos(self) -> torch.Tensor:  # [B, 1, T, hd]

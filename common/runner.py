@@ -29,6 +29,32 @@ class Segment:
     slot: int
     token_ids: Sequence[int]
     last_only: bool = False  # return only the last position's logits (prefill)
+    # A token tree (a draft tree's verify): parents[i] is the index of token i's parent in token_ids, -1 for the first
+    # (the anchor, which follows the committed tokens). Token i is at position length + depth(i) for RoPE and sees the
+    # committed keys and its ancestors' (itself included); its K/V and taps are stored at length + i, and
+    # `Runner.keep_path` moves an accepted branch into place. None: a sequence, each token after the one before.
+    parents: tuple[int, ...] | None = None
+
+    def depths(self) -> list[int]:
+        """Each token's depth in the tree (the anchor's 0); ValueError where parents do not form one."""
+        parents, n = self.parents, len(self.token_ids)
+        if len(parents) != n or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
+            raise ValueError(f"slot {self.slot}: parents {list(parents)} do not form a tree over {n} tokens "
+                             "(the first -1, each other an earlier token's index)")
+        depths = [0] * n
+        for i in range(1, n):
+            depths[i] = depths[parents[i]] + 1
+        return depths
+
+    def visible(self) -> torch.Tensor:
+        """[n, n] bool: token i sees token j (j is i or one of its ancestors)."""
+        n = len(self.token_ids)
+        seen = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            if i:
+                seen[i] = seen[self.parents[i]]
+            seen[i, i] = True
+        return seen
 
 
 @dataclass(frozen=True)
@@ -176,6 +202,39 @@ class Runner:
                 raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {self.max_len}")
         return starts
 
+    def _tree(self, segments: Sequence[Segment], starts: list[int], positions: torch.Tensor,
+              key_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a segment is a token tree: AttentionBatch's (rope positions, visible keys), else None."""
+        if all(seg.parents is None for seg in segments):
+            return None
+        if self.config.hybrid:
+            raise ValueError("a token tree needs a target of attention layers only: a hybrid's recurrent states "
+                             "follow one sequence")
+        rope = positions.clone()
+        keys = torch.arange(key_len)
+        visible = keys[None, None, :] <= positions[:, :, None]  # [B, T, key_len]: a sequence's causal mask
+        for b, (seg, start) in enumerate(zip(segments, starts)):
+            if seg.parents is None:
+                continue
+            n = len(seg.token_ids)
+            rope[b, :n] = start + torch.tensor(seg.depths())
+            visible[b, :n, start : start + n] = seg.visible()
+        return rope.to(self.device), visible.to(self.device)
+
+    def keep_path(self, slot: int, start: int, nodes: Sequence[int], tap_dest: torch.Tensor | None = None) -> None:
+        """After a token tree's forward from `start`: the K/V (and the taps in tap_dest) of the tree's tokens
+        `nodes` (indices into its token_ids, root to leaf, the anchor 0 first) move to positions start, start + 1, ...
+        and the slot's length becomes start + len(nodes): the cache holds the path as a sequence's forward leaves it."""
+        src = torch.tensor([start + i for i in nodes], device=self.device)
+        moved = [j for j, i in enumerate(nodes) if i != j]
+        if moved:
+            src, dst = src[moved], torch.tensor([start + j for j in moved], device=self.device)
+            for cache in (self.cache.k, self.cache.v):  # [layers, slots, kv_heads, max_len, hd]
+                cache[:, slot, :, dst] = cache[:, slot, :, src]  # the right side is a copy: overlaps are safe
+            if tap_dest is not None:
+                tap_dest[slot, dst] = tap_dest[slot, src]
+        self.cache.set_length(slot, start + len(nodes))
+
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
         """Run all segments in one batched forward and advance each slot's length by its token count. tap_dest
@@ -188,9 +247,11 @@ class Runner:
         tokens, real, positions, slots = self._index_tensors(segments, lengths, starts, host_slots, width)
         invariant = width == self.query_width
         key_len = self.max_len if invariant else self.cache.key_span(max(s + n for s, n in zip(starts, lengths)))
+        tree = self._tree(segments, starts, positions, key_len)
         if self.device.type != "cpu":  # index tensors are built on the host, then moved once
             tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
-        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, starts, lengths)
+        batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, starts, lengths,
+                               tree)
         if isinstance(self.cache, HybridKVCache):
             batch.states = self.cache.states.begin(host_slots, starts, lengths, self.device)
         hidden, taps = self.model(tokens, batch, self.tap_layers, tap_dest)  # [B, T, H]; taps None: in tap_dest

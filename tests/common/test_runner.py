@@ -203,3 +203,67 @@ def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, toke
         ref = hf(torch.tensor([list(range(3, 103)) + list(range(5, 14))])).logits[0]
     got = torch.cat([results[0][2], results[0][4]])  # the verify's 8 rows, then the decode's
     assert float((got - ref[100:109]).abs().max()) < 1e-4
+
+
+TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3, 5, 8)  # the anchor, two children, branches of depth up to 4
+
+
+def test_a_token_tree_gives_each_token_its_paths_logits_and_keep_path_leaves_a_paths_cache(variant_dirs):
+    """A draft tree's verify: every token of a tree forward gets the logits (and taps) a sequence forward of its
+    root-to-token path gets; after keep_path of a branch the slot continues as if that path had been forwarded."""
+    runner = Runner(load_checkpoint(variant_dirs[2]), num_slots=2, max_len=96, tap_layers=(0, 1))
+    taps = runner.make_tap_buffer()
+    tree_slot, path_slot = runner.cache.allocate(), runner.cache.allocate()
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, runner.config.vocab_size, (21,), generator=gen).tolist()
+    tokens = [prompt[-1], *torch.randint(3, runner.config.vocab_size, (len(TREE_PARENTS) - 1,), generator=gen).tolist()]
+    start = len(prompt) - 1
+    for slot in (tree_slot, path_slot):
+        runner.forward([Segment(slot, prompt[:-1])], taps)
+    tree = Segment(tree_slot, tokens, parents=TREE_PARENTS)
+    tree_logits = runner.forward([tree], taps).logits[0]
+    tree_taps = taps[tree_slot, start : start + len(tokens)].clone()
+    assert runner.cache.lengths[tree_slot] == start + len(tokens)
+
+    def path_to(i: int) -> list[int]:
+        nodes = [i]
+        while TREE_PARENTS[nodes[0]] >= 0:
+            nodes.insert(0, TREE_PARENTS[nodes[0]])
+        return nodes
+
+    for i in range(len(tokens)):
+        nodes = path_to(i)
+        runner.cache.set_length(path_slot, start)
+        logits = runner.forward([Segment(path_slot, [tokens[j] for j in nodes])], taps).logits[0]
+        assert float((logits[-1] - tree_logits[i]).abs().max()) < 1e-4, i
+        assert float((taps[path_slot, start + len(nodes) - 1] - tree_taps[i]).abs().max()) < 1e-4, i
+
+    # Keep the branch 0 -> 2 -> 5 -> 8 -> 9 (tokens stored at start + 0, 2, 5, 8, 9), then decode one more token: as
+    # after the same path forwarded as a sequence (path_slot holds it: its last forward was node 9's path).
+    kept = path_to(9)
+    runner.keep_path(tree_slot, start, kept, taps)
+    assert runner.cache.lengths[tree_slot] == runner.cache.lengths[path_slot] == start + len(kept)
+    rows = slice(start, start + len(kept))
+    assert float((taps[tree_slot, rows] - taps[path_slot, rows]).abs().max()) < 1e-4
+    nxt = int(tree_logits[9].argmax())
+    after_tree, after_path = (runner.forward([Segment(slot, [nxt])]).logits[0] for slot in (tree_slot, path_slot))
+    assert float((after_tree - after_path).abs().max()) < 1e-4
+
+
+def test_a_token_tree_is_refused_where_it_cannot_run(variant_dirs, tmp_path, tokenizer):
+    from blockspec.services.build.tiny import build_tiny_family
+
+    runner = Runner(load_checkpoint(variant_dirs[0]), num_slots=1, max_len=64)
+    slot = runner.cache.allocate()
+    for parents in ((0, 0, 1), (-1, 2, 0), (-1, 0)):
+        with pytest.raises(ValueError, match=r"do not form a tree over 3 tokens"):
+            runner.forward([Segment(slot, [5, 6, 7], parents=parents)])
+    hybrid = Runner(load_checkpoint(build_tiny_family(tmp_path / "hybrid", "qwen3_5", tokenizer=tokenizer)),
+                    num_slots=1, max_len=64)
+    with pytest.raises(ValueError, match="a hybrid's recurrent states follow one sequence"):
+        hybrid.forward([Segment(hybrid.cache.allocate(), [5, 6, 7], parents=(-1, 0, 0))])
+    from blockspec.common.cuda_runner import CudaRunner
+
+    graphs = CudaRunner(load_checkpoint(variant_dirs[2]), 1, 64, (), torch.float32, "cpu", warm_up=False)
+    with pytest.raises(ValueError, match=r"a token tree \(Segment.parents\) runs on the eager runner"):
+        graphs.forward([Segment(graphs.cache.allocate(), [5, 6, 7], parents=(-1, 0, 0))])
