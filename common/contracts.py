@@ -25,17 +25,53 @@ class ProposeInput:
 
 
 @dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens as a tree under the anchor, verified in one forward (runner.Segment.parents): several candidates
+    for a position, each followed by its own continuation. Tokens come parents first, by depth; parents[i] is the index
+    of token i's parent, -1 for the anchor. q (rejection rule): row 0 the distribution the anchor's children were
+    drawn from, without replacement in their order, row i + 1 token i's children's (a leaf's row unused); None: the
+    children are deterministic given the context (greedy, strict)."""
+
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]
+    q: DraftDist | None = None
+
+    def depths(self) -> list[int]:
+        """Each token's depth (the anchor's children: 1)."""
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
+
+    def children(self) -> list[list[int]]:
+        """children[i + 1]: token i's children in their order; children[0]: the anchor's."""
+        out: list[list[int]] = [[] for _ in range(len(self.token_ids) + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    def head(self, k: int) -> DraftTree:
+        """The tokens at depth k at most (a prefix: tokens come by depth)."""
+        n = sum(1 for d in self.depths() if d <= k)
+        if n == len(self.token_ids):
+            return self
+        return DraftTree(self.token_ids[:n], self.parents[:n], self.q.head(n + 1) if self.q is not None else None)
+
+
+@dataclass(frozen=True)
 class Draft:
-    token_ids: tuple[int, ...]  # at most k draft tokens
+    token_ids: tuple[int, ...]  # at most k draft tokens (with a tree: its first path, each node's first child)
     # Rejection rule: the distribution each token was sampled from. None: the tokens are deterministic
     # given the context (greedy, strict, n-gram), which the rule treats as a one-hot q.
     q: DraftDist | None = None
     q_width: int = 0  # remote drafter: q sits in the verifier's shared q buffer, rows this wide
+    tree: DraftTree | None = None  # a draft tree (the proposer's `tree` setting); token_ids is then its first path
 
     def head(self, k: int) -> Draft:
         if self.q is None and len(self.token_ids) <= k:  # nothing to cut (the step loop's usual case)
             return self
-        return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None, self.q_width)
+        return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None, self.q_width,
+                     self.tree.head(k) if self.tree is not None else None)
 
 
 @dataclass(frozen=True)
@@ -44,6 +80,7 @@ class VerifyInput:
     draft_ids: tuple[int, ...]  # may be empty: a plain decoding step
     q: DraftDist | None = None  # rejection rule: what the drafts were sampled from (None: deterministic)
     q_width: int = 0  # remote drafter: q is in the verifier service's shared buffer instead
+    tree: DraftTree | None = None  # a draft tree, verified in place of draft_ids (its first path)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ Q_ROWS = 16  # draft positions whose q a remote drafter can share with the verif
 STREAM_TARGET = 0  # strict rule: the Gumbel noise of the target's sample (the drafter reuses it: coupling)
 STREAM_DRAFT = 1  # rejection rule: the drafter's own sampling
 STREAM_ACCEPT = 2  # rejection rule: the accept test (element 0) and the recovered / bonus sample (1..V)
+STREAM_SIBLING = 3  # rejection rule over a draft tree: the accept test of a node's child j >= 1 (element j - 1)
 _WORD = 2**64 - 1
 _local = threading.local()  # the noise generator of each thread (`uniforms`)
 

@@ -296,7 +296,7 @@ class StepLoop:
                 drafted.update(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft)))
             t1 = time.perf_counter()
             drafts = [drafted[w.request_id].head(w.k) if w.request_id in drafted else Draft(()) for w in wants]
-            inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width) for w, d in zip(wants, drafts)]
+            inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width, d.tree) for w, d in zip(wants, drafts)]
             results = self.verifier.verify(inputs)
             t2 = time.perf_counter()
             draft_s = t1 - t0 + lookup_s

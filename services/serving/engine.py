@@ -11,6 +11,7 @@ import torch
 from blockspec.common.config import DEFAULT_K, DEFAULT_MAX_LEN, MIN_MODEL_LEN
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models import load_checkpoint
+from blockspec.common.runner import Runner
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.common.threads import ThreadGovernor
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
@@ -37,6 +38,22 @@ def serving_len(model_context: int, max_len: int | None) -> int:
     return max_len or min(model_context, DEFAULT_MAX_LEN)
 
 
+def check_draft_tree(draft_tree: Sequence[int], method: str, invariant: bool, adaptive_k: bool,
+                     prompt_lookup: bool) -> tuple[int, ...]:
+    """The draft tree setting as a tuple, or InvalidArgument naming `draft_tree`."""
+    tree = tuple(int(n) for n in draft_tree)
+    if not tree:
+        return tree
+    if any(n < 1 for n in tree):
+        raise InvalidArgument("draft_tree", f"{list(tree)}: children per node must be at least 1")
+    if method != "dflash":
+        raise InvalidArgument("draft_tree", f"drafts a tree with method dflash only, not {method}")
+    if invariant or adaptive_k or prompt_lookup:
+        raise InvalidArgument("draft_tree", "is not allowed with invariant mode, adaptive k or prompt lookup (they "
+                                            "verify one path)")
+    return tree
+
+
 class Engine:
     """Generate with speculative decoding in this process; the same roles the services run apart."""
 
@@ -59,8 +76,10 @@ class Engine:
         threads: int | None = None,  # CPU threads; None: one per core that other processes leave free (threads.py)
         backend: str = "auto",  # the verifier's runner (runner.make_runner): auto, eager or graphs
         tensor_parallel_size: int = 1,  # ranks the target is split over (this process leads; common/tensor_parallel.py)
+        draft_tree: Sequence[int] = (),  # a draft tree's children per node by depth (1 past the end); (): one path
     ) -> None:
         check_method(method, drafter)
+        draft_tree = check_draft_tree(draft_tree, method, invariant, adaptive_k, prompt_lookup)
         if prompt_lookup_tokens and (invariant or adaptive_k):  # one verify width / adaptive k's table up to k + 1
             raise InvalidArgument("prompt_lookup_tokens", "is not allowed with invariant mode or adaptive k (wider "
                                                           "verifies than k + 1)")
@@ -87,6 +106,12 @@ class Engine:
                           self.verifier.tap_buffer)
         self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,
                                        use_dynamic_conv, use_path_selector, device, dtype)
+        if draft_tree:
+            if checkpoint.config.hybrid or type(self.verifier.runner) is not Runner:
+                raise InvalidArgument("draft_tree", "needs a target of attention layers only, verified by the eager "
+                                                    "runner of one process (not a hybrid, the CUDA graphs backend or "
+                                                    "tensor parallelism)")
+            self.proposer.tree = draft_tree
         self.tokenizer = checkpoint.tokenizer
         self.method = method
         self.target_path, self.drafter_path = Path(target), drafter

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.distributions import STREAM_ACCEPT, STREAM_TARGET, DraftDist, LogProbRows, uniform
+from blockspec.common.contracts import DraftTree
+from blockspec.common.distributions import (
+    STREAM_ACCEPT,
+    STREAM_SIBLING,
+    STREAM_TARGET,
+    DraftDist,
+    LogProbRows,
+    sample,
+    uniform,
+)
 
 
 @dataclass(frozen=True)
@@ -69,3 +78,67 @@ def rejection_accept(draft_ids: Sequence[int], logp: LogProbRows, q: DraftDist |
     k = len(draft_ids)
     bonus = logp.sample(k, seed, position + k, STREAM_ACCEPT, offset=1)
     return Acceptance(num_accepted=k, token_ids=(*draft_ids, bonus))
+
+
+def tree_accept(tree: DraftTree, rule: str, logp: LogProbRows | None, target_ids: Sequence[int] | None, seed: int,
+                position: int) -> tuple[Acceptance, list[int]]:
+    """A rule down a draft tree verified as [anchor, tree tokens]: row 0 of p is the anchor's, row i + 1 token i's.
+    From the anchor, each node's children are judged in their order and the first accepted one is followed; where none
+    is (or at a leaf) the target adds its own token, as on a path. greedy: the child equal to target_ids[row] (the
+    argmax); strict: the child equal to the target's seeded sample; rejection (Jeon et al., "Recursive Speculative
+    Decoding"): child j is accepted with min(1, p_j(x) / q_j(x)), where after each rejection p_{j+1} =
+    norm(max(0, p_j - q_j)) and q_{j+1} is q_j without x, renormalised; the children were drawn from q without
+    replacement in that order (DraftTree.q). One child per node is `rejection_accept`'s test, bit for bit.
+    Returns the acceptance and the accepted tokens' indices in the tree, root to leaf."""
+    children = tree.children()
+    path: list[int] = []
+    tokens: list[int] = []
+    row = 0
+    while True:
+        at = position + len(path)  # the position of the token this row decides
+        kids = children[row]
+        if rule == "rejection":
+            chosen, token = _judge(tree, kids, row, logp, seed, at)
+        else:
+            token = int(target_ids[row]) if rule == "greedy" else logp.sample(row, seed, at, STREAM_TARGET)
+            chosen = next((c for c in kids if tree.token_ids[c] == token), None)
+        tokens.append(token)
+        if chosen is None:
+            return Acceptance(len(path), tuple(tokens)), path
+        path.append(chosen)
+        row = chosen + 1
+
+
+def _judge(tree: DraftTree, kids: list[int], row: int, logp: LogProbRows, seed: int,
+           position: int) -> tuple[int | None, int]:
+    """The rejection rule at one node: (the accepted child or None, the token it commits)."""
+    if not kids:  # a leaf: the bonus token
+        return None, logp.sample(row, seed, position, STREAM_ACCEPT, offset=1)
+    q_ids, q_probs = tree.q.token_ids[row], tree.q.probs[row]
+    if len(kids) == 1:
+        x = tree.token_ids[kids[0]]
+        q_x = float(q_probs[q_ids == x].sum())
+        _check_q(q_x, x, position)
+        if uniform(seed, position, STREAM_ACCEPT) * q_x < math.exp(logp.log_p(row, x)):
+            return kids[0], x
+        return None, logp.sample_residual(row, q_ids, q_probs, seed, position, STREAM_ACCEPT, offset=1)
+    p = logp[row].exp()  # fp64 [V]
+    q = torch.zeros_like(p).index_add_(0, q_ids, q_probs.double())
+    for j, child in enumerate(kids):
+        x = tree.token_ids[child]
+        _check_q(float(q[x]), x, position)
+        u = uniform(seed, position, STREAM_ACCEPT) if j == 0 else uniform(seed, position, STREAM_SIBLING, j - 1)
+        if u * float(q[x]) < float(p[x]):
+            return child, x
+        residual = (p - q).clamp_min_(0.0)
+        total = float(residual.sum())
+        p = residual / total if total > 0 else p  # total 0: p equals q, whose draw is never rejected
+        q[x] = 0.0
+        q = q / q.sum()
+    return None, sample(p.log(), seed, position, STREAM_ACCEPT, offset=1)
+
+
+def _check_q(q_x: float, x: int, position: int) -> None:
+    if q_x <= 0:  # the draft is not from q: accepting on p alone would not be lossless
+        raise ValueError(f"draft token {x} at position {position} has q = 0: the draft and its distribution do not "
+                         "match")

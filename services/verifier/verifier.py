@@ -11,7 +11,7 @@ import torch
 
 from blockspec.common import cpu_kernels
 from blockspec.common.backends import make_runner
-from blockspec.common.contracts import StepCosts, VerifyInput, VerifyResult
+from blockspec.common.contracts import DraftTree, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.distributions import DraftDist, LogProbRows, process
 from blockspec.common.footprint import verifier_bytes
 from blockspec.common.models import Checkpoint
@@ -19,12 +19,18 @@ from blockspec.common.runner import Segment
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.common.threads import ThreadGovernor
 from blockspec.common.timing import interleaved
-from blockspec.services.verifier.acceptance import Acceptance, greedy_accept, rejection_accept, strict_accept
+from blockspec.services.verifier.acceptance import (
+    Acceptance,
+    greedy_accept,
+    rejection_accept,
+    strict_accept,
+    tree_accept,
+)
 
 log = logging.getLogger(__name__)
 
 
-def rolled_back_verify(verifier: "Verifier", request_ids: Sequence[str], width: int) -> Callable[[], None]:
+def rolled_back_verify(verifier: Verifier, request_ids: Sequence[str], width: int) -> Callable[[], None]:
     """A verify of `width - 1` drafts for each prefilled request, rolled back first: every call starts
     from the same committed state."""
 
@@ -33,6 +39,11 @@ def rolled_back_verify(verifier: "Verifier", request_ids: Sequence[str], width: 
         verifier.verify([VerifyInput(r, (5,) * (width - 1)) for r in request_ids])
 
     return run
+
+
+def tree_rows(tree: DraftTree) -> tuple[int, ...]:
+    """The parents of [anchor, tree tokens] as a runner segment takes them (the anchor the root)."""
+    return (-1, *(j + 1 for j in tree.parents))
 
 
 @dataclass
@@ -203,15 +214,40 @@ class Verifier:
         """Target forward over [anchor, d1..dk] of every request at once, then the acceptance rule."""
         self._poll_threads()
         states = [self._requests[i.request_id] for i in inputs]
-        segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) for s, i in zip(states, inputs)]
+        segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) if i.tree is None else
+                    Segment(s.slot, (s.token_ids[-1], *i.tree.token_ids), parents=tree_rows(i.tree))
+                    for s, i in zip(states, inputs)]
         out = self._forward(segments)
         results = []
         for i, (inp, state, logits) in enumerate(zip(inputs, states, out.logits)):
-            acc = self._decide(state, logits, inp.draft_ids, inp.q, out.greedy[i] if out.greedy else None)
-            # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
-            self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
+            if inp.tree is not None:  # the accepted branch's K/V and taps move into place
+                acc, path = self._decide_tree(state, logits, inp.tree)
+                self.runner.keep_path(state.slot, len(state.token_ids) - 1, [0, *(j + 1 for j in path)],
+                                      self.tap_buffer)
+            else:
+                acc = self._decide(state, logits, inp.draft_ids, inp.q, out.greedy[i] if out.greedy else None)
+                # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
+                self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
             results.append(self._commit(inp.request_id, acc))
         return results
+
+    @staticmethod
+    def _decide_tree(state: _State, logits: torch.Tensor, tree: DraftTree) -> tuple[Acceptance, list[int]]:
+        """`tree_accept` over logits [1 + tree size, vocab] (row 0 the anchor's, row i + 1 tree token i's), each row
+        processed with its own path as the history."""
+        sp = state.sampling
+        if sp.has_processors:
+            paths: list[list[int]] = [[]]
+            for token, parent in zip(tree.token_ids, tree.parents):
+                paths.append([*paths[parent + 1], token])
+            processed = torch.cat([process(logits[r : r + 1].cpu(), [*state.token_ids, *path], state.prompt_len, (), sp)
+                                   for r, path in enumerate(paths)])
+        else:
+            processed = logits.cpu().float()
+        position = len(state.token_ids)
+        if sp.greedy:
+            return tree_accept(tree, "greedy", None, cpu_kernels.argmax_rows(processed), 0, position)
+        return tree_accept(tree, sp.rule, LogProbRows(processed, sp), None, sp.seed, position)
 
     @staticmethod
     def _decide(state: _State, logits: torch.Tensor, draft_ids: Sequence[int], q: DraftDist | None,

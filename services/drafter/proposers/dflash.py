@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from blockspec.common import cpu_kernels
-from blockspec.common.contracts import Draft, ProposeInput
+from blockspec.common.contracts import Draft, DraftTree, ProposeInput
 from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import Q_WIDTH, DraftDist, WalkSampler, walk_rows
+from blockspec.common.distributions import Q_WIDTH, DraftDist, WalkSampler, gumbel_at, walk_rows
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
@@ -49,6 +49,8 @@ class DFlashProposer:
         self.embedding, self.lm_head, self.features = embedding, lm_head, features
         self.max_k = cfg.block_size - 1
         self.max_len = max_len
+        # A draft tree's children per node at each depth (`Engine(draft_tree=...)`): () drafts one path
+        self.tree: tuple[int, ...] = ()
         self.use_dynamic_conv = use_dynamic_conv and cfg.conv_kernel_size is not None
         self.use_path_selector = use_path_selector and cfg.selector_rank is not None
         # Context K/V of each request: one entry per committed position with known tap features.
@@ -144,6 +146,11 @@ class DFlashProposer:
         slots_used = max(i.k for i in live)
         greedy = all(i.sampling.greedy for i in live)
         B = min(self.cfg.block_size, slots_used + 1) if greedy and self.cfg.short_blocks else self.cfg.block_size
+        if self.tree:  # a draft tree: the block as below, then the tree's walk (`_tree_of`)
+            cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None
+            with torch.inference_mode():
+                hidden, logits, anchors = self._block(live, ctx_lens, slot_ids, pending, B, slots_used, cpu)
+                return self._propose_tree(inputs, live, hidden, logits)
         if greedy and self._blocks is not None and self._blocks.fits(len(live)):
             with torch.inference_mode():
                 rows = self._blocks.propose([i.token_ids[-1] for i in live], slot_ids, ctx_lens, B, pending)
@@ -169,6 +176,25 @@ class DFlashProposer:
                        slot_ids: list[int], pending: list[tuple], B: int, slots_used: int, greedy: bool,
                        cpu: CpuDrafter | None) -> list[Draft]:
         """The proposal in steps: the context, the block (C++ or torch), the LM head and the walk or sampling."""
+        hidden, logits, anchors = self._block(live, ctx_lens, slot_ids, pending, B, slots_used, cpu)
+        if greedy:
+            if self.use_path_selector and cpu is not None:
+                tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
+            else:
+                tokens = self.greedy_tokens(hidden, logits, anchors)
+            return self._drafts(inputs, live, tokens.tolist(), None)  # one tolist for the batch
+        if self.use_path_selector and cpu is not None and self.cfg.selector_top_k <= Q_WIDTH:
+            tokens, q_ids, q = cpu.walk(hidden, logits, anchors, self.vocab_ids, self._walk_sampling(live))
+        else:  # the torch walk, sampling every row and slot without a transfer between the slots
+            sampler = WalkSampler([i.sampling for i in live], [len(i.token_ids) for i in live])
+            tokens = self.greedy_tokens(hidden, logits, anchors, sampler)
+            q_ids, q = sampler.candidates.cpu(), sampler.q()
+        return self._drafts(inputs, live, tokens.tolist(), self._dists(live, q_ids, q))
+
+    def _block(self, live: Sequence[ProposeInput], ctx_lens: list[int], slot_ids: list[int], pending: list[tuple],
+               B: int, slots_used: int, cpu: CpuDrafter | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The context K/V brought up to date, then the block: the draft slots' hidden [R, k, H], their logits
+        [R, k, V] and the anchors [R]."""
         dev = self.device
         self._extend(pending, cpu)
         anchors = torch.tensor([i.token_ids[-1] for i in live], device=dev)  # [R]
@@ -187,20 +213,69 @@ class DFlashProposer:
                                  self.cfg, positions)
             hidden = self.model(self.model.block_embeds(self.embedding, block_ids), ctx, self.use_dynamic_conv)  # [R, B, H]
         hidden = hidden[:, 1 : 1 + slots_used]  # [R, k, H]
-        logits = self.model.draft_logits(hidden, self.lm_head)  # [R, k, V]
-        if greedy:
-            if self.use_path_selector and cpu is not None:
-                tokens = cpu.walk(hidden, logits, anchors, self.vocab_ids)  # [R, k]
-            else:
-                tokens = self.greedy_tokens(hidden, logits, anchors)
-            return self._drafts(inputs, live, tokens.tolist(), None)  # one tolist for the batch
-        if self.use_path_selector and cpu is not None and self.cfg.selector_top_k <= Q_WIDTH:
-            tokens, q_ids, q = cpu.walk(hidden, logits, anchors, self.vocab_ids, self._walk_sampling(live))
-        else:  # the torch walk, sampling every row and slot without a transfer between the slots
-            sampler = WalkSampler([i.sampling for i in live], [len(i.token_ids) for i in live])
-            tokens = self.greedy_tokens(hidden, logits, anchors, sampler)
-            q_ids, q = sampler.candidates.cpu(), sampler.q()
-        return self._drafts(inputs, live, tokens.tolist(), self._dists(live, q_ids, q))
+        return hidden, self.model.draft_logits(hidden, self.lm_head), anchors  # logits [R, k, V]
+
+    def _propose_tree(self, inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], hidden: torch.Tensor,
+                      logits: torch.Tensor) -> list[Draft]:
+        """A draft tree per live request (`_tree_of`) from the block's hidden [R, k, H] and logits [R, k, V]."""
+        unary, candidates = logits.topk(min(self.cfg.selector_top_k or Q_WIDTH, logits.shape[-1]), dim=-1)
+        if self.vocab_ids is not None:
+            candidates = self.vocab_ids[candidates]
+        temps, seeds, streams, keeps_q = walk_rows([i.sampling for i in live])
+        hidden, unary, candidates = hidden.cpu(), unary.cpu(), candidates.cpu()
+        drafts = {}
+        for r, inp in enumerate(live):
+            tree = self._tree_of(hidden[r], unary[r], candidates[r], inp, temps[r], seeds[r], streams[r], keeps_q[r])
+            children = tree.children()
+            first, node = [], 0  # the first path: each node's first child
+            while children[node]:
+                first.append(tree.token_ids[children[node][0]])
+                node = children[node][0] + 1
+            drafts[inp.request_id] = Draft(tuple(first), tree=tree)
+        return [drafts.get(i.request_id, Draft(())) for i in inputs]
+
+    def _tree_of(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, inp: ProposeInput,
+                 temperature: float, seed: int, stream: int, keeps_q: bool) -> DraftTree:
+        """A node at depth d gets tree[d] children (1 past the setting's end) among slot d + 1's candidates, scored
+        after the node's token by the path selector: the best ones (greedy), or drawn without replacement by the
+        Gumbel top-n of the walk's own keys at that position (strict: z plus the target's noise; rejection: log q
+        plus the drafter's, q kept for the node's row). One child per node is the walk's own pick."""
+        m = min(Q_WIDTH, candidates.shape[-1])
+        selector = self.model.candidate_selector if self.use_path_selector else None
+        tokens: list[int] = []
+        parents: list[int] = []
+        q_rows: dict[int, tuple[int, torch.Tensor]] = {}  # node row (0: the anchor) -> (slot, q over its first m)
+        frontier = [(-1, int(inp.token_ids[-1]))]
+        position = len(inp.token_ids)
+        for t in range(min(inp.k, hidden.shape[0])):
+            n = self.tree[t] if t < len(self.tree) else 1
+            noise = None if not temperature else gumbel_at(seed, position + t, stream, candidates[t, :m])
+            grown = []
+            for index, token in frontier:
+                scores = (unary[t] if selector is None else
+                          selector.scores(hidden[t], unary[t], candidates[t], torch.tensor(token)))
+                if not temperature:
+                    picks = [int(scores.argmax())] if n == 1 else scores.topk(min(n, scores.shape[0])).indices.tolist()
+                else:
+                    z = scores[:m].double() / temperature
+                    key = z if not keeps_q else z.log_softmax(-1)
+                    if keeps_q:
+                        q_rows[index + 1] = (t, key.exp())
+                    key = key + noise
+                    picks = [int(key.argmax())] if n == 1 else key.topk(min(n, m)).indices.tolist()
+                for j in picks:
+                    tokens.append(int(candidates[t, j]))
+                    parents.append(index)
+                    grown.append((len(tokens) - 1, tokens[-1]))
+            frontier = grown
+        q = None
+        if keeps_q:
+            q_ids = torch.zeros(len(tokens) + 1, m, dtype=torch.long)
+            q_probs = torch.zeros(len(tokens) + 1, m, dtype=torch.float32)
+            for row, (t, probs) in q_rows.items():
+                q_ids[row], q_probs[row] = candidates[t, :m], probs.float()
+            q = DraftDist(q_ids, q_probs)
+        return DraftTree(tuple(tokens), tuple(parents), q)
 
     def greedy_tokens(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor,
                       sampler: WalkSampler | None = None) -> torch.Tensor:

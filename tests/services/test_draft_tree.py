@@ -1,0 +1,102 @@
+"""Draft trees (`Engine(draft_tree=...)`): several candidates per position, verified in one forward, lossless under
+every rule - greedy equal to the target alone, strict equal to plain decoding for a seed, rejection distributed as
+the target's samples - and the settings that cannot take one refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockspec.common.errors import InvalidArgument
+from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.services.router.step_loop import FinishEvent
+from blockspec.services.serving.engine import Engine
+from tests.services.test_sampling import P_FAIL, SAMPLES, chi_square_p, exact_cells, sample_sequences
+
+TREES = [(2,), (3, 2), (2, 2, 2)]
+
+
+def texts(engine: Engine, prompts: list[list[int]], k: int, max_tokens: int,
+          params: SamplingParams | None = None) -> tuple[dict[str, tuple[int, ...]], float]:
+    """Each prompt's generated ids (request i of seed s: params' rule at that seed) and the tau of the run."""
+    seeds = [None] if params is None else range(8)
+    requests = [engine.request(f"{s}-{i}", p, max_tokens, k, GREEDY if s is None else
+                               SamplingParams(**{**vars(params), "seed": s}))
+                for s in seeds for i, p in enumerate(prompts)]
+    done = [e for e in engine.generate(requests) if isinstance(e, FinishEvent)]
+    steps = sum(e.stats.steps for e in done)
+    return {e.request_id: tuple(e.token_ids) for e in done}, 1 + sum(e.stats.accepted for e in done) / max(steps, 1)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_greedy_draft_trees_equal_the_target_alone(tiny_models, dflash_drafters, prompts, references, tree):
+    target = tiny_models["qwen3"]["target"]
+    for k in (3, 5):
+        engine = Engine(target, dflash_drafters["qwen3-trained"], "dflash", max_batch=4, draft_tree=tree)
+        got, tau = texts(engine, prompts, k, len(references["qwen3"][0]))
+        for i, reference in enumerate(references["qwen3"]):
+            assert list(got[f"None-{i}"]) == reference[: len(got[f"None-{i}"])], (tree, k, i)
+        assert tau > 1.0, "nothing was accepted: the test would not exercise the tree"
+
+
+def test_a_wider_tree_accepts_more_and_one_child_per_node_is_the_path(tiny_pair):
+    """On the trained tiny pair: tau grows with the tree; (1,) drafts and judges exactly what the path does (the torch
+    walk, which the tree's walk follows), text for text under `rejection`."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
+    params = SamplingParams(temperature=0.8, rule="rejection")
+    taus, outputs = {}, {}
+    for tree in ((), (1,), (3, 2)):
+        engine = Engine(tiny_pair.target, tiny_pair.drafter, "dflash", max_batch=8, draft_tree=tree)
+        engine.proposer._cpu = None  # the torch walk: the tree's own walk and the path's share its arithmetic
+        outputs[tree], taus[tree] = texts(engine, [prompt], 4, 24, params)
+    assert outputs[(1,)] == outputs[()] and taus[(1,)] == taus[()]
+    assert taus[(3, 2)] > taus[()], taus
+
+
+@pytest.mark.parametrize("tree", [(2,), (3, 2)])
+def test_strict_draft_trees_give_plain_decodings_text(tiny_pair, tree):
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
+    params = SamplingParams(temperature=0.8, top_p=0.95, rule="strict")
+    plain, _ = texts(Engine(tiny_pair.target, None, "none", max_batch=8), [prompt], 0, 24, params)
+    got, tau = texts(Engine(tiny_pair.target, tiny_pair.drafter, "dflash", max_batch=8, draft_tree=tree), [prompt], 4,
+                     24, params)
+    assert got == plain and len(set(plain.values())) > 4
+    assert tau > 1.0
+
+
+@pytest.mark.parametrize(("tree", "temperature"), [((3, 2), 1.0), ((2, 2), 0.7)])
+def test_rejection_over_a_draft_tree_keeps_the_target_distribution(tiny_pair, tree, temperature):
+    """10,000 sequences of 3 tokens against the target's exact probabilities (test_sampling's chi-square)."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
+    params = SamplingParams(temperature=temperature, rule="rejection")
+    cells = exact_cells(tiny_pair.target, prompt, params, 3, SAMPLES)
+    engine = Engine(tiny_pair.target, tiny_pair.drafter, "dflash", max_batch=512, max_len=len(prompt) + 16,
+                    draft_tree=tree)
+    counts, acceptance = sample_sequences(engine, prompt, params, 3, 2, SAMPLES)
+    p_value = chi_square_p(counts, cells, SAMPLES)
+    assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
+    assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
+
+
+def test_settings_that_cannot_take_a_tree_are_refused_by_name(tiny_models, dflash_drafters, tmp_path, tokenizer):
+    from blockspec.services.build.tiny import build_tiny_drafter, build_tiny_family
+
+    target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
+    refused = {
+        "children per node must be at least 1": dict(draft_tree=(2, 0)),
+        "with method dflash only, not ngram": dict(method="ngram", drafter=None, draft_tree=(2,)),
+        "not allowed with invariant mode, adaptive k or prompt lookup": dict(draft_tree=(2,), adaptive_k=True),
+    }
+    for message, settings in refused.items():
+        args = {"target": target, "drafter": drafter, "method": "dflash", "max_batch": 2, **settings}
+        with pytest.raises(InvalidArgument, match=message) as err:
+            Engine(**args)
+        assert err.value.field == "draft_tree"
+    hybrid = build_tiny_family(tmp_path / "hybrid", "qwen3_5", tokenizer=tokenizer)
+    with pytest.raises(InvalidArgument, match="needs a target of attention layers only"):
+        Engine(hybrid, build_tiny_drafter(tmp_path / "hybrid-drafter", hybrid), "dflash", max_batch=2, draft_tree=(2,))
