@@ -88,9 +88,9 @@ def test_settings_that_cannot_take_a_tree_are_refused_by_name(tiny_models, dflas
 
     target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
     refused = {
-        "children per node must be at least 1": dict(draft_tree=(2, 0)),
-        "with method dflash only, not ngram": dict(method="ngram", drafter=None, draft_tree=(2,)),
-        "not allowed with invariant mode, adaptive k or prompt lookup": dict(draft_tree=(2,), adaptive_k=True),
+        "children per node must be at least 1": {"draft_tree": (2, 0)},
+        "with method dflash only, not ngram": {"method": "ngram", "drafter": None, "draft_tree": (2,)},
+        "not allowed with invariant mode, adaptive k or prompt lookup": {"draft_tree": (2,), "adaptive_k": True},
     }
     for message, settings in refused.items():
         args = {"target": target, "drafter": drafter, "method": "dflash", "max_batch": 2, **settings}
