@@ -25,6 +25,15 @@ def bounded(low: int, high: int | None = None):
     return number
 
 
+def draft_tree(value: str) -> tuple[int, ...]:
+    """argparse type: a draft tree's children per node by depth, "N[,N...]" (each 1..16)."""
+    parts = value.split(",")
+    if not all(p.strip().isdecimal() and p.strip().isascii() and 1 <= int(p) <= 16 for p in parts):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a draft tree: children per node by depth, N[,N...] with "
+                                         "each N in 1..16 (e.g. 3 or 2,2)")
+    return tuple(int(p) for p in parts)
+
+
 def address(value: str) -> str:
     """argparse type: HOST:PORT (port 1..65535; gRPC would wrap 99999 to 34463) or unix:PATH."""
     if value.startswith("unix:") and len(value) > len("unix:"):

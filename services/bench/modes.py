@@ -22,6 +22,7 @@ class Mode:
     replay: bool = False  # engine methods: the drafts of an untimed run given back at no cost (ReplayProposer)
     lookup: bool = False  # engine methods: prompt lookup first, the drafter for the rest (StepLoop.prompt_lookup)
     lookup_tokens: int | None = None  # ... drafting this many tokens (`lookupN`; None: k)
+    tree: tuple[int, ...] = ()  # dflash: a draft tree's children per node by depth (`tree3x2`: Engine's draft_tree)
 
     @property
     def label(self) -> str:
@@ -31,20 +32,28 @@ class Mode:
     @property
     def flag(self) -> str:
         lookup = f" lookup{self.lookup_tokens or ''}" if self.lookup else ""
-        return lookup + (" adaptive" if self.adaptive else " replay" if self.replay else "")
+        tree = f" tree{'x'.join(map(str, self.tree))}" if self.tree else ""
+        return lookup + tree + (" adaptive" if self.adaptive else " replay" if self.replay else "")
 
 
 FLAGS = ("adaptive", "replay", "lookup")
 _LOOKUP_N = re.compile(r"lookup[0-9]+")
+_TREE = re.compile(r"tree[1-9][0-9]*(x[1-9][0-9]*)*")
 SERVER = Mode("server")  # `bench --server`'s rows: Mode("server", k), k = 0 plain decoding (the baseline)
 
 
 def parse_modes(text: str) -> list[Mode]:
-    """"none,dflash:3,dflash:7:adaptive,dflash:7:replay,dflash:7:lookup,ngram:5,hf,hf-lookup:5" -> modes."""
+    """"none,dflash:3,dflash:7:adaptive,dflash:7:replay,dflash:7:lookup,dflash:5:tree3x2,ngram:5,hf,hf-lookup:5" ->
+    modes."""
     modes = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, rest = item.partition(":")
         k, *flags = rest.split(":")
+        trees = [tuple(map(int, f.removeprefix("tree").split("x"))) for f in flags if _TREE.fullmatch(f)]
+        if trees and (name != "dflash" or len(flags) > 1):
+            raise InvalidArgument("--modes", f"{item!r}: a draft tree (':treeN', ':treeNxM...': children per node "
+                                             "by depth) goes with dflash alone, without other flags")
+        flags = [f for f in flags if not _TREE.fullmatch(f)]
         tokens = [f.removeprefix("lookup") for f in flags if _LOOKUP_N.fullmatch(f)]
         takes_k = name not in ("none", "hf")
         flags = ["lookup" if _LOOKUP_N.fullmatch(f) else f for f in flags]
@@ -64,7 +73,7 @@ def parse_modes(text: str) -> list[Mode]:
             if k and not k.isascii():  # int() reads other scripts' digits too
                 raise ValueError(k)
             modes.append(Mode(name, int(k) if k else 0, "adaptive" in flags, "replay" in flags, "lookup" in flags,
-                              int(tokens[0]) if tokens else None))
+                              int(tokens[0]) if tokens else None, trees[0] if trees else ()))
         except ValueError:
             raise InvalidArgument("--modes", f"{item!r}: k must be an integer") from None
         if takes_k and modes[-1].k < 1:

@@ -126,7 +126,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,
                     max_batch=concurrency, max_len=min(room, model_context(target)), adaptive_k=mode.adaptive,
                     prompt_lookup=mode.lookup, prompt_lookup_tokens=mode.lookup_tokens, device=device[0], dtype=device[1],
-                    threads=torch.get_num_threads())  # a fixed count: every mode measured alike
+                    threads=torch.get_num_threads(), draft_tree=mode.tree)  # a fixed thread count: modes measured alike
     try:
         _engine_run(engine, prompts[:1], 8, mode.k or None, sampling=sampling)  # warm-up
     except InvalidArgument as e:

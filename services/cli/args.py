@@ -48,7 +48,7 @@ def out_dir(text: str) -> Path:
 # `role`'s errors name the flag the user typed instead.
 _FLAG_OF = {"k": "-k", "num_speculative_tokens": "-k", "max_tokens": "--max-tokens", "max_model_len": "--max-model-len",
             "prompt_lookup_tokens": "--prompt-lookup-tokens", "drafter": "--drafter", "method": "--method",
-            "stop": "--stop", "text": "prompt"}
+            "stop": "--stop", "text": "prompt", "draft_tree": "--draft-tree"}
 
 
 def as_flag(field: str) -> str:

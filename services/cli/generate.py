@@ -8,14 +8,23 @@ import json
 import statistics
 import sys
 
-from blockspec.common.argtypes import address, bounded
+from blockspec.common.argtypes import address, bounded, draft_tree
 from blockspec.common.config import DEFAULT_K, MAX_BATCH, MAX_LOOKUP_TOKENS, MIN_MODEL_LEN
 from blockspec.common.detokenize import TextStream
 from blockspec.common.device import add_device_args
 from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import RULES, SamplingParams
-from blockspec.services.cli.args import UINT32, UINT64, add_tls_client_args, as_flag, client_tls, read_prompts, seconds, threads
+from blockspec.services.cli.args import (
+    UINT32,
+    UINT64,
+    add_tls_client_args,
+    as_flag,
+    client_tls,
+    read_prompts,
+    seconds,
+    threads,
+)
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
@@ -59,6 +68,9 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--no-path-selector", action="store_true", help="dflash ablation: per-slot argmax")
     gen.add_argument("--threads", type=threads, help="CPU threads (default: one per core that other processes leave "
                      "free, followed as their load changes)")
+    gen.add_argument("--draft-tree", type=draft_tree, default=(), metavar="N[,N...]",
+                     help="dflash: draft a tree, N children per node at each depth (1 past the list; e.g. 3 or 2,2), "
+                          "verified in one forward (docs/sampling.md#draft-trees)")
     gen.add_argument("--adaptive-k", action="store_true", help="choose k <= K per request per step (0 when drafting does not pay)")
     gen.add_argument("--prompt-lookup", action="store_true",
                      help="draft a repeat of the context by n-gram lookup; the drafter drafts the other requests")
@@ -227,7 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         use_dynamic_conv=not args.no_dynamic_conv, use_path_selector=not args.no_path_selector,
                         adaptive_k=args.adaptive_k, prompt_lookup=args.prompt_lookup,
                         prompt_lookup_tokens=args.prompt_lookup_tokens, device=device, dtype=dtype,
-                        threads=args.threads, backend=args.runner)
+                        threads=args.threads, backend=args.runner, draft_tree=args.draft_tree)
         # Validate every prompt before anything is generated or written.
         validate_stops(args.stop or [], "--stop")
         sampling = _sampling(args)

@@ -43,7 +43,8 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--max-tokens", type=bounded(1), default=128, help="new tokens per request (default 128)")
     bn.add_argument("--modes", help="comma list: none, ngram:K, draft_model:K, dflash:K (':adaptive' after K: adaptive "
                     "k up to K; ':replay': the drafts of an untimed run given back at no cost; ':lookup': prompt lookup first, "
-                    "the drafter for the rest), hf, hf-lookup:K, "
+                    "the drafter for the rest; dflash ':treeN' or ':treeNxM...': a draft tree, N children per node at "
+                    "depth 1, M at 2, ...), hf, hf-lookup:K, "
                     "hf-assisted:K (fixed k, threshold 0), hf-assisted-default:K (transformers' schedule from K; "
                     f"draft_model and hf-assisted need --assistant). Default: {DEFAULT_MODES}, and with an assistant "
                     f"{ASSISTANT_MODES}")

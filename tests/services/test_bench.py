@@ -23,10 +23,14 @@ def test_modes_parse_and_bad_ones_name_the_flag():
     assert Mode("dflash", 5, adaptive=True, lookup=True).label == "dflash lookup adaptive k=5"
     assert parse_modes("dflash:7:lookup16") == [Mode("dflash", 7, lookup=True, lookup_tokens=16)]
     assert Mode("dflash", 7, lookup=True, lookup_tokens=16).label == "dflash lookup16 k=7"
+    assert parse_modes("dflash:5:tree3,dflash:4:tree2x2x1") == [Mode("dflash", 5, tree=(3,)),
+                                                               Mode("dflash", 4, tree=(2, 2, 1))]
+    assert Mode("dflash", 4, tree=(2, 2)).label == "dflash tree2x2 k=4"
     for bad in ("magic:3", "dflash", "ngram:x", "hf-lookup:3:adaptive", "dflash:3:fast", "hf-lookup:3:replay", "none:1:replay",
                 "ngram:5:lookup", "none:1:lookup", "dflash:7:lookup:lookup", "dflash:7:adaptive:replay", "hf-lookup:3:lookup",
                 "dflash:7:lookup0", "dflash:7:lookupx", "dflash:7:lookup16:adaptive", "dflash:7:lookup:lookup16",
-                "dflash:7:lookup\u00b2", "dflash:\u0663", "dflash:7:lookup49"):  # a superscript, an Arabic-Indic 3, > 48
+                "dflash:7:lookup\u00b2", "dflash:\u0663", "dflash:7:lookup49", "dflash:5:tree0", "dflash:5:tree2x",
+                "ngram:5:tree2", "dflash:5:tree2:adaptive", "dflash:5:tree2:tree3"):  # a superscript, an Arabic-Indic 3, > 48
         with pytest.raises(InvalidArgument) as e:
             parse_modes(bad)
         assert e.value.field == "--modes"
