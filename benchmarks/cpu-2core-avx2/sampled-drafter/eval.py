@@ -8,6 +8,9 @@ at most be accepted with). Plain decoding runs the same settings first; tokens/s
 every run leave out the slot counting's own time.
 
     .venv/bin/python benchmarks/cpu-2core-avx2/sampled-drafter/eval.py [--seeds 0,1,2,3] DRAFTER_DIR [DRAFTER_DIR ...]
+
+With --draft-tree N[,N...] each drafter drafts a tree (`Engine(draft_tree=...)`): tau and tokens/s only (the slots'
+figures and adaptive k are a path's).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from blockspec.common.argtypes import draft_tree
 from blockspec.common.distributions import log_probs, process
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.serving.engine import Engine
@@ -72,15 +76,16 @@ def run(engine: Engine, prompts: list, name: str, sampling: SamplingParams, mete
             "tokens_per_s": round(sum(len(e.token_ids) for e in done) / elapsed, 1)}
 
 
-def measure(drafter: Path | None, seeds: list[int]) -> dict:
+def measure(drafter: Path | None, seeds: list[int], tree: tuple[int, ...] = ()) -> dict:
     """One drafter (None: plain decoding) at every setting; sampled settings at every seed."""
     base = ROOT / "models" / "base"
-    engine = Engine(base / "target", drafter, "dflash" if drafter else "none", max_batch=1)
+    engine = Engine(base / "target", drafter, "dflash" if drafter else "none", max_batch=1,
+                    draft_tree=tree if drafter else ())
     prompts = [engine.encode(json.loads(line)) for line in (base / "heldout_prompts.jsonl").read_text().splitlines()]
-    adaptive = Engine(base / "target", drafter, "dflash", max_batch=1, adaptive_k=True) if drafter else None
+    adaptive = Engine(base / "target", drafter, "dflash", max_batch=1, adaptive_k=True) if drafter and not tree else None
     out = {}
     for name, temperature in SETTINGS.items():
-        meter = SlotMeter() if drafter else None
+        meter = SlotMeter() if drafter and not tree else None
         if not temperature:
             out[name] = run(engine, prompts, name, GREEDY, meter)
             continue
@@ -104,9 +109,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("drafters", nargs="+", type=Path)
     parser.add_argument("--seeds", default="0,1,2,3", help="comma list of the sampled runs' seeds (0 always runs)")
+    parser.add_argument("--draft-tree", type=draft_tree, default=(), help="N[,N...]: each drafter drafts this tree")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    results = {"plain decoding": measure(None, seeds)} | {str(d): measure(d, seeds) for d in args.drafters}
+    label = f" tree {','.join(map(str, args.draft_tree))}" if args.draft_tree else ""
+    results = {"plain decoding": measure(None, seeds)} | {f"{d}{label}": measure(d, seeds, args.draft_tree)
+                                                          for d in args.drafters}
     print(json.dumps(results, indent=1))
 
 

@@ -245,28 +245,31 @@ class DFlashProposer:
         tokens: list[int] = []
         parents: list[int] = []
         q_rows: dict[int, tuple[int, torch.Tensor]] = {}  # node row (0: the anchor) -> (slot, q over its first m)
-        frontier = [(-1, int(inp.token_ids[-1]))]
+        frontier, last = [-1], [int(inp.token_ids[-1])]  # the deepest nodes' indices and tokens
         position = len(inp.token_ids)
         for t in range(min(inp.k, hidden.shape[0])):
             n = self.tree[t] if t < len(self.tree) else 1
-            noise = None if not temperature else gumbel_at(seed, position + t, stream, candidates[t, :m])
-            grown = []
-            for index, token in frontier:
-                scores = (unary[t] if selector is None else
-                          selector.scores(hidden[t], unary[t], candidates[t], torch.tensor(token)))
-                if not temperature:
-                    picks = [int(scores.argmax())] if n == 1 else scores.topk(min(n, scores.shape[0])).indices.tolist()
-                else:
-                    z = scores[:m].double() / temperature
-                    key = z if not keeps_q else z.log_softmax(-1)
-                    if keeps_q:
-                        q_rows[index + 1] = (t, key.exp())
-                    key = key + noise
-                    picks = [int(key.argmax())] if n == 1 else key.topk(min(n, m)).indices.tolist()
-                for j in picks:
-                    tokens.append(int(candidates[t, j]))
+            P = len(frontier)  # every frontier node's scores at once: [P, top_k]
+            scores = (unary[t].expand(P, -1) if selector is None else
+                      selector.scores(hidden[t].expand(P, -1), unary[t].expand(P, -1), candidates[t].expand(P, -1),
+                                      torch.tensor(last)))
+            if not temperature:
+                picks = scores.argmax(-1, keepdim=True) if n == 1 else scores.topk(min(n, scores.shape[-1])).indices
+            else:
+                z = scores[:, :m].double() / temperature
+                key = z if not keeps_q else z.log_softmax(-1)
+                if keeps_q:
+                    q_rows.update((index + 1, (t, row)) for index, row in zip(frontier, key.exp()))
+                key = key + gumbel_at(seed, position + t, stream, candidates[t, :m])
+                picks = key.argmax(-1, keepdim=True) if n == 1 else key.topk(min(n, m)).indices
+            ids = candidates[t][picks].tolist()  # [P, n]
+            grown, last = [], []
+            for index, children in zip(frontier, ids):
+                for token in children:
+                    tokens.append(token)
                     parents.append(index)
-                    grown.append((len(tokens) - 1, tokens[-1]))
+                    grown.append(len(tokens) - 1)
+                    last.append(token)
             frontier = grown
         q = None
         if keeps_q:
