@@ -38,6 +38,16 @@ def test_greedy_draft_trees_equal_the_target_alone(tiny_models, dflash_drafters,
         assert tau > 1.0, "nothing was accepted: the test would not exercise the tree"
 
 
+def test_a_tree_near_the_end_of_the_context_is_cut_to_fit(tiny_models, dflash_drafters, prompts, references):
+    """Requests that run to the last position of the cache: the tree's depth shrinks where its tokens would not fit."""
+    target, prompt = tiny_models["qwen3"]["target"], prompts[0]
+    new = len(references["qwen3"][0])
+    engine = Engine(target, dflash_drafters["qwen3-trained"], "dflash", max_batch=1, max_len=len(prompt) + new,
+                    draft_tree=(3, 3))
+    got, _ = texts(engine, [prompt], 5, new)
+    assert list(got["None-0"]) == references["qwen3"][0]
+
+
 def test_a_wider_tree_accepts_more_and_one_child_per_node_is_the_path(tiny_pair):
     """On the trained tiny pair: tau grows with the tree; (1,) drafts and judges exactly what the path does (the torch
     walk, which the tree's walk follows), text for text under `rejection`."""

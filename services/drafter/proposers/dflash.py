@@ -234,6 +234,16 @@ class DFlashProposer:
             drafts[inp.request_id] = Draft(tuple(first), tree=tree)
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
 
+    def _tree_depth(self, inp: ProposeInput, slots: int) -> int:
+        """The request's k, less where the tree's tokens would not fit the context after its committed ones."""
+        depth, size, width = 0, 0, 1
+        while depth < min(inp.k, slots):
+            width *= self.tree[depth] if depth < len(self.tree) else 1
+            if len(inp.token_ids) + size + width > self.max_len:
+                break
+            size, depth = size + width, depth + 1
+        return depth
+
     def _tree_of(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, inp: ProposeInput,
                  temperature: float, seed: int, stream: int, keeps_q: bool) -> DraftTree:
         """A node at depth d gets tree[d] children (1 past the setting's end) among slot d + 1's candidates, scored
@@ -247,7 +257,7 @@ class DFlashProposer:
         q_rows: dict[int, tuple[int, torch.Tensor]] = {}  # node row (0: the anchor) -> (slot, q over its first m)
         frontier, last = [-1], [int(inp.token_ids[-1])]  # the deepest nodes' indices and tokens
         position = len(inp.token_ids)
-        for t in range(min(inp.k, hidden.shape[0])):
+        for t in range(self._tree_depth(inp, hidden.shape[0])):
             n = self.tree[t] if t < len(self.tree) else 1
             P = len(frontier)  # every frontier node's scores at once: [P, top_k]
             scores = (unary[t].expand(P, -1) if selector is None else
