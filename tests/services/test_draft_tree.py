@@ -38,6 +38,20 @@ def test_greedy_draft_trees_equal_the_target_alone(tiny_models, dflash_drafters,
         assert tau > 1.0, "nothing was accepted: the test would not exercise the tree"
 
 
+def test_a_tree_with_penalties_equals_transformers_generate(tiny_pair):
+    """Each tree row is processed with its own path as the history (a repetition penalty sees the branch's tokens)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_greedy
+
+    prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
+    engine = Engine(tiny_pair.target, tiny_pair.drafter, "dflash", max_batch=1, draft_tree=(3, 2))
+    for settings in ({"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 3}):
+        done = engine.complete([engine.request("0", prompt, 32, 4, SamplingParams(**settings))])[0]
+        assert list(done.token_ids) == hf_greedy(tiny_pair.target, prompt, 32, **settings), settings
+        assert done.stats.accepted > 0
+
+
 def test_a_tree_near_the_end_of_the_context_is_cut_to_fit(tiny_models, dflash_drafters, prompts, references):
     """Requests that run to the last position of the cache: the tree's depth shrinks where its tokens would not fit."""
     target, prompt = tiny_models["qwen3"]["target"], prompts[0]
