@@ -134,7 +134,8 @@ def _judge(tree: DraftTree, kids: list[int], row: int, logp: LogProbRows, seed: 
         total = float(residual.sum())
         p = residual / total if total > 0 else p  # total 0: p equals q, whose draw is never rejected
         q[x] = 0.0
-        q = q / q.sum()
+        mass = float(q.sum())
+        q = q / mass if mass > 0 else q  # no mass left: no later child can have been drawn from it
     return None, sample(p.log(), seed, position, STREAM_ACCEPT, offset=1)
 
 
