@@ -198,6 +198,17 @@ class SpecDecodeConfig(_Section):
         "draft a repeat of the context by n-gram lookup; the drafter drafts the other requests"))
     prompt_lookup_tokens: int | None = Field(None, ge=1, le=MAX_LOOKUP_TOKENS, description=(
         "a lookup's draft tokens when a request runs alone (unset: k); needs prompt_lookup"))
+    draft_tree: list[int] = Field(default_factory=list, description=(
+        "dflash: draft a tree verified in one forward, its children per node at each depth, 1..16 each ([3]: three "
+        "first tokens, each continued by one path; [2, 2]); empty: one path. serve --inprocess, a target of "
+        "attention layers, the eager runner (docs/sampling.md#draft-trees)"))
+
+    @field_validator("draft_tree")
+    @classmethod
+    def _tree_counts(cls, value: list[int]) -> list[int]:
+        if any(not 1 <= n <= 16 for n in value):
+            raise ValueError(f"{value}: children per node must be 1..16")
+        return value
 
 
 VERSION_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"

@@ -31,7 +31,7 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     if cfg.server.replicas != 1:
         raise InvalidArgument("server.replicas", f"{cfg.server.replicas}: with --inprocess the server runs one replica "
                                                  "(its engine in this process)")
-    p = plan(cfg)  # the same checks, before anything loads, as for the role processes
+    p = plan(cfg, inprocess=True)  # the same checks, before anything loads, as for the role processes
     device, dtype = resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")
     loaded: dict = {}
 
@@ -60,4 +60,5 @@ def build_engine(cfg: BlockspecConfig, p: Plan, device: torch.device | str, dtyp
                   use_path_selector=spec.use_path_selector,
                   adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                   prompt_lookup_tokens=spec.prompt_lookup_tokens, prefill_chunk=cfg.server.prefill_chunk_tokens,
-                  device=device, dtype=dtype, backend=m.runner, tensor_parallel_size=m.tensor_parallel_size)
+                  device=device, dtype=dtype, backend=m.runner, tensor_parallel_size=m.tensor_parallel_size,
+                  draft_tree=spec.draft_tree)

@@ -33,10 +33,14 @@ def _check_dir(key: str, path: str) -> None:
         raise InvalidArgument(key, e.message + f" ({path})") from None
 
 
-def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1) -> Plan:
+def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: bool = False) -> Plan:
     """The roles' command lines for this config; `replicas_per_gpu` replicas share model.device's memory (--no-ray
-    puts every replica there, Ray gives each its own)."""
+    puts every replica there, Ray gives each its own). inprocess: the checks only, for an engine in the server's
+    process (a draft tree is verified there; role processes verify paths)."""
     m, spec = cfg.model, cfg.model.spec_decode
+    if spec.draft_tree and not inprocess:
+        raise InvalidArgument("model.spec_decode.draft_tree", f"{spec.draft_tree}: a draft tree is verified by an "
+                                                              "engine in the server's process: serve --inprocess")
     _check_dir("model.target_model_path", m.target_model_path)
     _check_context(m.target_model_path, m.max_model_len)
     _check_tensor_parallel(m.target_model_path, m.tensor_parallel_size)

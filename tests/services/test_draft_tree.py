@@ -124,3 +124,31 @@ def test_settings_that_cannot_take_a_tree_are_refused_by_name(tiny_models, dflas
     hybrid = build_tiny_family(tmp_path / "hybrid", "qwen3_5", tokenizer=tokenizer)
     with pytest.raises(InvalidArgument, match="needs a target of attention layers only"):
         Engine(hybrid, build_tiny_drafter(tmp_path / "hybrid-drafter", hybrid), "dflash", max_batch=2, draft_tree=(2,))
+
+
+def test_the_config_key_reaches_the_inprocess_engine_and_role_processes_refuse_it(tiny_models, dflash_drafters,
+                                                                                  prompts, references):
+    """model.spec_decode.draft_tree: `serve --inprocess` builds its engine with it; the role processes' plan (--no-ray,
+    Ray, `blockspec plan`) refuses it naming the key; a count out of range is the config's own error."""
+    import torch
+
+    from blockspec.common.config import load_yaml, parse_config
+    from blockspec.services.serving.inprocess import build_engine
+    from blockspec.services.serving.plan import plan
+    from tests.services.test_serve import CONFIG
+
+    text = CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
+    raw = load_yaml(text, "config")
+    raw["model"]["spec_decode"]["draft_tree"] = [3, 2]
+    cfg = parse_config(raw)
+    with pytest.raises(InvalidArgument, match=r"\[3, 2\]: a draft tree is verified by an engine in the server's "
+                                              r"process: serve --inprocess") as err:
+        plan(cfg)
+    assert err.value.field == "model.spec_decode.draft_tree"
+    engine = build_engine(cfg, plan(cfg, inprocess=True), "cpu", torch.float32)
+    assert engine.proposer.tree == (3, 2)
+    got, tau = texts(engine, prompts[:2], 5, len(references["qwen3"][0]))
+    assert [list(got[f"None-{i}"]) for i in range(2)] == references["qwen3"][:2] and tau > 1.0
+    raw["model"]["spec_decode"]["draft_tree"] = [2, 17]
+    with pytest.raises(InvalidArgument, match="model.spec_decode.draft_tree"):
+        parse_config(raw)
