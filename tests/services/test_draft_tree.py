@@ -12,7 +12,7 @@ from blockspec.services.router.step_loop import FinishEvent
 from blockspec.services.serving.engine import Engine
 from tests.services.test_sampling import P_FAIL, SAMPLES, chi_square_p, exact_cells, sample_sequences
 
-TREES = [(2,), (3, 2), (2, 2, 2)]
+TREES = [(2,), (3, 2), pytest.param((2, 2, 2), marks=pytest.mark.slow)]
 
 
 def texts(engine: Engine, prompts: list[list[int]], k: int, max_tokens: int,
@@ -91,7 +91,7 @@ def test_strict_draft_trees_give_plain_decodings_text(tiny_pair, tree):
     assert tau > 1.0
 
 
-@pytest.mark.parametrize(("tree", "temperature"), [((3, 2), 1.0), ((2, 2), 0.7)])
+@pytest.mark.parametrize(("tree", "temperature"), [((3, 2), 1.0), pytest.param((2, 2), 0.7, marks=pytest.mark.slow)])
 def test_rejection_over_a_draft_tree_keeps_the_target_distribution(tiny_pair, tree, temperature):
     """10,000 sequences of 3 tokens against the target's exact probabilities (test_sampling's chi-square)."""
     from transformers import AutoTokenizer
