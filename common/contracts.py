@@ -50,6 +50,14 @@ class DraftTree:
             out[p + 1].append(i)
         return out
 
+    def first_path(self) -> tuple[int, ...]:
+        """The tokens of the path that takes each node's first child: the walk's own draft."""
+        children, path, node = self.children(), [], 0
+        while children[node]:
+            path.append(self.token_ids[children[node][0]])
+            node = children[node][0] + 1
+        return tuple(path)
+
     def head(self, k: int) -> DraftTree:
         """The tokens at depth k at most (a prefix: tokens come by depth)."""
         n = sum(1 for d in self.depths() if d <= k)

@@ -226,12 +226,7 @@ class DFlashProposer:
         drafts = {}
         for r, inp in enumerate(live):
             tree = self._tree_of(hidden[r], unary[r], candidates[r], inp, temps[r], seeds[r], streams[r], keeps_q[r])
-            children = tree.children()
-            first, node = [], 0  # the first path: each node's first child
-            while children[node]:
-                first.append(tree.token_ids[children[node][0]])
-                node = children[node][0] + 1
-            drafts[inp.request_id] = Draft(tuple(first), tree=tree)
+            drafts[inp.request_id] = Draft(tree.first_path(), tree=tree)
         return [drafts.get(i.request_id, Draft(())) for i in inputs]
 
     def _tree_depth(self, inp: ProposeInput, slots: int) -> int:
