@@ -15,6 +15,9 @@ from blockspec.common.sampling import GREEDY, SamplingParams
 if TYPE_CHECKING:
     from blockspec.common.distributions import DraftDist
 
+Q_WIDTH = 128  # a draft distribution keeps at most this many tokens per position (the proposer's top ones)
+Q_ROWS = 16  # draft positions whose q a remote drafter can share with the verifier (>= every method's k)
+
 
 @dataclass(frozen=True)
 class ProposeInput:

@@ -18,9 +18,6 @@ import torch
 from blockspec.common import cpu_kernels
 from blockspec.common.sampling import SamplingParams
 
-Q_WIDTH = 32  # draft distributions keep at most this many tokens per position (the proposer's top ones)
-Q_ROWS = 16  # draft positions whose q a remote drafter can share with the verifier (>= every method's k)
-
 # Noise streams: one counter-based generator per (seed, stream), indexed by absolute position.
 STREAM_TARGET = 0  # strict rule: the Gumbel noise of the target's sample (the drafter reuses it: coupling)
 STREAM_DRAFT = 1  # rejection rule: the drafter's own sampling
@@ -289,17 +286,17 @@ class WalkSampler:
     slot's candidates [R, S, m] (token ids) before its first pick, and then once per slot t with that slot's scores
     [R, K] (K >= m: the first m columns are the candidates'); back comes each row's index. The noise of every
     candidate is drawn on the host in one go (the candidates come over once) and moved to their device. Row r follows
-    params[r], its slot t at position positions[r] + t: greedy the best of all K scores; strict the argmax of
-    z + g(STREAM_TARGET) with z = scores / T (fp64); rejection the argmax of log_softmax(z) + g(STREAM_DRAFT), q =
-    softmax(z) kept for `q`. The numbers `draft_pick` draws, batched."""
+    params[r], its slot t at position positions[r] + t: greedy the best of the first greedy_width scores (`begin`;
+    None: all K); strict the argmax of z + g(STREAM_TARGET) with z = scores / T (fp64); rejection the argmax of
+    log_softmax(z) + g(STREAM_DRAFT), q = softmax(z) kept for `q`. The numbers `draft_pick` draws, batched."""
 
     def __init__(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> None:
         self.params, self.positions = list(params), list(positions)
         self.noise: torch.Tensor | None = None
         self._logq: list[torch.Tensor] = []
 
-    def begin(self, candidates: torch.Tensor) -> None:
-        self.candidates = candidates
+    def begin(self, candidates: torch.Tensor, greedy_width: int | None = None) -> None:
+        self.candidates, self.greedy_width = candidates, greedy_width
         R, S, m = candidates.shape
         dev = candidates.device
         temps, row_seeds, row_streams, _ = walk_rows(self.params)
@@ -324,7 +321,7 @@ class WalkSampler:
         logq = z.log_softmax(-1)
         self._logq.append(logq)
         key = torch.where(self.strict[:, None], z, logq) + self.noise[:, t]
-        return torch.where(self.greedy, scores.argmax(-1), key.argmax(-1))
+        return torch.where(self.greedy, scores[:, : self.greedy_width].argmax(-1), key.argmax(-1))
 
     def q(self) -> torch.Tensor:
         """q [R, S, m] (float32, on the host) of every slot picked so far: meaningful in the rejection rows."""

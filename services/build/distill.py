@@ -40,6 +40,7 @@ class DistillConfig:
     conv_group_size: int = 16
     selector_rank: int | None = 8  # codebooks cost vocab x rank each: keep small for small targets
     selector_top_k: int = 16
+    sampling_top_k: int | None = None  # for the config: a sampling walk's candidates (None: selector_top_k)
     anchors_per_sequence: int = 16
     batch_sequences: int = 8
     steps: int = 400
@@ -76,6 +77,7 @@ def drafter_config(target_dir: str | Path, cfg: DistillConfig) -> DFlashConfig:
         mask_token_id=target.tokenizer.mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
         conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
         selector_top_k=cfg.selector_top_k, short_blocks=True,  # greedy drafts of k + 1 slots: see docs/models.md
+        sampling_top_k=cfg.sampling_top_k,
     )
 
 

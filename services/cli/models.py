@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from blockspec.common.argtypes import bounded
+from blockspec.common.contracts import Q_WIDTH
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.cli.args import minutes, out_dir, threads
 
@@ -58,8 +59,11 @@ def add_model_commands(sub) -> None:
                                                                        "softmax(logits / this) (default 1)")
     td.add_argument("--kl-top-k", type=bounded(1, 1024), default=32,
                     help="the target's most likely tokens kept for the soft terms, renormalised (default 32)")
-    td.add_argument("--selector-top-k", type=bounded(1, 32), default=16,
-                    help="candidates per slot of the path selector (default 16; sampling drafts from them)")
+    td.add_argument("--selector-top-k", type=bounded(1, Q_WIDTH), default=16,
+                    help="candidates per slot of the path selector (default 16)")
+    td.add_argument("--sampling-top-k", type=bounded(1, Q_WIDTH),
+                    help="candidates per slot that a request which samples draws from, the drafter's top ones: its "
+                         f"q's support (at least --selector-top-k, at most {Q_WIDTH}; default: --selector-top-k)")
     td.add_argument("--selector-kl-weight", type=float, default=0.0,
                     help="weight of the selector's soft term: cross-entropy to the target's distribution over its "
                          "candidates (default 0)")
@@ -117,6 +121,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     if args.selector_only and not args.init_from:
         raise InvalidArgument("--selector-only", "trains the path selector of a drafter: give it --init-from")
+    if args.sampling_top_k is not None and args.sampling_top_k < args.selector_top_k:
+        raise InvalidArgument("--sampling-top-k", f"{args.sampling_top_k} is under --selector-top-k "
+                                                  f"{args.selector_top_k}: a walk that samples sees at least the "
+                                                  "greedy walk's candidates")
     tokenizer = load_checkpoint(args.target).tokenizer
     out_dir(args.out)  # before the training, not after it
     ids = tokenizer.encode("\n".join(_read_texts(args.text_file)))
@@ -124,7 +132,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise InvalidArgument("--text-file", f"{len(ids)} tokens of text; need more than --prompt-len {args.prompt_len}")
     cfg = DistillConfig(steps=args.steps, block_size=args.block_size, num_layers=args.layers, seed=args.seed,
                         temperatures=args.temperatures, kl_weight=args.kl_weight, kl_temperature=args.kl_temperature,
-                        kl_top_k=args.kl_top_k, selector_top_k=args.selector_top_k,
+                        kl_top_k=args.kl_top_k, selector_top_k=args.selector_top_k, sampling_top_k=args.sampling_top_k,
                         selector_kl_weight=args.selector_kl_weight, selector_only=args.selector_only,
                         init_from=args.init_from, lr=args.lr)
     distill(Path(args.target), Path(args.out), ids, args.prompts, args.prompt_len, args.new_tokens, cfg)

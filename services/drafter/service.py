@@ -11,9 +11,8 @@ import psutil
 import torch
 
 from blockspec.common import cpu_kernels, tracing
-from blockspec.common.contracts import ProposeInput
+from blockspec.common.contracts import Q_ROWS, ProposeInput
 from blockspec.common.device import claim_gpu_share, tensor_bytes
-from blockspec.common.distributions import Q_ROWS
 from blockspec.common.footprint import drafter_bytes
 from blockspec.common.models import load_checkpoint
 from blockspec.common.role_stream import RoleStream

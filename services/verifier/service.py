@@ -10,8 +10,8 @@ import grpc
 import torch
 
 from blockspec.common import tracing
-from blockspec.common.contracts import VerifyInput
-from blockspec.common.distributions import Q_ROWS, Q_WIDTH, DraftDist
+from blockspec.common.contracts import Q_ROWS, Q_WIDTH, VerifyInput
+from blockspec.common.distributions import DraftDist
 from blockspec.common.role_stream import RoleStream
 from blockspec.common.sampling import from_pb
 from blockspec.common.tensor_share import SharedTensors, handle_to_pb

@@ -186,7 +186,7 @@ def test_a_stop_sequence_in_the_last_step_ends_the_text(capsys, tiny_models, tok
     *[(["train-drafter", "--target", "t", "--out", "o", "--text-file", "f", flag, value], f"argument {flag}: {value} is out")
       for flag, value in (("--prompts", "0"), ("--prompt-len", "0"), ("--steps", "0"), ("--block-size", "1"),
                           ("--layers", "0"), ("--seed", "-1"), ("--new-tokens", "0"), ("--kl-top-k", "0"),
-                          ("--selector-top-k", "33"))],
+                          ("--selector-top-k", "129"), ("--sampling-top-k", "129"), ("--sampling-top-k", "0"))],
     # An address whose port gRPC would wrap (99999 -> 34463), or none at all
     (["generate", "hi", "--server", "127.0.0.1:99999"], "argument --server: '127.0.0.1:99999' is not HOST:PORT"),
     (["bench", "--server", ""], "argument --server: '' is not HOST:PORT"),
@@ -246,6 +246,9 @@ def test_bad_files_and_places_are_one_line_naming_them(capsys, tmp_path, tiny_mo
     code, _, err = run_cli(capsys, "train-drafter", "--target", "t", "--out", str(tmp_path / "o"), "--text-file", "f",
                            "--selector-only")
     assert code == 2 and "--selector-only: trains the path selector of a drafter: give it --init-from" in err
+    code, _, err = run_cli(capsys, "train-drafter", "--target", "t", "--out", str(tmp_path / "o"), "--text-file", "f",
+                           "--selector-top-k", "32", "--sampling-top-k", "16")
+    assert code == 2 and "--sampling-top-k: 16 is under --selector-top-k 32" in err
 
 
 def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bind(tiny_models, capsys):

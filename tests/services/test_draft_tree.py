@@ -10,7 +10,14 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.router.step_loop import FinishEvent
 from blockspec.services.serving.engine import Engine
-from tests.services.test_sampling import P_FAIL, SAMPLES, chi_square_p, exact_cells, sample_sequences
+from tests.services.test_sampling import (
+    P_FAIL,
+    SAMPLES,
+    chi_square_p,
+    exact_cells,
+    sample_sequences,
+    with_sampling_top_k,
+)
 
 TREES = [(2,), (3, 2), pytest.param((2, 2, 2), marks=pytest.mark.slow)]
 
@@ -92,15 +99,17 @@ def test_strict_draft_trees_give_plain_decodings_text(tiny_pair, tree):
 
 
 @pytest.mark.parametrize(("tree", "temperature"), [((3, 2), 1.0), pytest.param((2, 2), 0.7, marks=pytest.mark.slow)])
-def test_rejection_over_a_draft_tree_keeps_the_target_distribution(tiny_pair, tree, temperature):
-    """10,000 sequences of 3 tokens against the target's exact probabilities (test_sampling's chi-square)."""
+def test_rejection_over_a_draft_tree_keeps_the_target_distribution(tiny_pair, tmp_path, tree, temperature):
+    """10,000 sequences of 3 tokens against the target's exact probabilities (test_sampling's chi-square); the T 1.0
+    tree's drafter draws from 64 candidates a slot (sampling_top_k; its greedy walk 16), the other's from 16."""
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
     params = SamplingParams(temperature=temperature, rule="rejection")
     cells = exact_cells(tiny_pair.target, prompt, params, 3, SAMPLES)
-    engine = Engine(tiny_pair.target, tiny_pair.drafter, "dflash", max_batch=512, max_len=len(prompt) + 16,
-                    draft_tree=tree)
+    drafter = tiny_pair.drafter if temperature != 1.0 else with_sampling_top_k(tiny_pair.drafter, 64, tmp_path / "d")
+    engine = Engine(tiny_pair.target, drafter, "dflash", max_batch=512, max_len=len(prompt) + 16, draft_tree=tree)
+    assert engine.proposer.cfg.sampling_width == (64 if temperature == 1.0 else 16)
     counts, acceptance = sample_sequences(engine, prompt, params, 3, 2, SAMPLES)
     p_value = chi_square_p(counts, cells, SAMPLES)
     assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"

@@ -4,6 +4,7 @@ without speculation, and greedy decoding with penalties equals transformers `gen
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sysconfig
@@ -116,6 +117,15 @@ def vocab_drafter(tiny_pair, tmp_path_factory):
     return out
 
 
+def with_sampling_top_k(drafter: Path, width: int, out: Path) -> Path:
+    """A copy of a DFlash drafter checkpoint whose sampling walks draw from `width` candidates a slot."""
+    shutil.copytree(drafter, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw["dflash_config"]["sampling_top_k"] = width
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
 def engine_for(pair, method: str, drafter: Path | None = None) -> Engine:
     paths, prompt = pair
     drafter = drafter or {"dflash": paths.drafter, "draft_model": paths.target, "ngram": None, "none": None}[method]
@@ -157,6 +167,17 @@ def test_a_draft_vocabulary_keeps_the_target_distribution(pair, vocab_drafter):
     target's distribution (tokens outside the draft vocabulary come from the residual)."""
     assert engine_for(pair, "dflash", vocab_drafter).proposer.vocab_ids.numel() == 128
     p_value, acceptance = check_distribution(pair, "dflash", "rejection", 1.0, 0, 1.0, 3, vocab_drafter)
+    assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
+    assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
+
+
+def test_a_wider_sampling_walk_keeps_the_target_distribution(pair, tmp_path):
+    """sampling_top_k 64 (the greedy walk: 16): the rejection rows draw from, and carry q over, 64 candidates
+    a slot, and the rule still gives the target's distribution."""
+    wide = with_sampling_top_k(pair[0].drafter, 64, tmp_path / "drafter")
+    assert json.loads((wide / "config.json").read_text())["dflash_config"]["selector_top_k"] == 16
+    assert engine_for(pair, "dflash", wide).proposer.cfg.sampling_width == 64
+    p_value, acceptance = check_distribution(pair, "dflash", "rejection", 1.0, 0, 1.0, 3, wide)
     assert p_value > P_FAIL, f"chi-square p = {p_value:.2e}: the output is not distributed as the target's samples"
     assert acceptance > 0.05, "drafts were (almost) never accepted: the test would not exercise the rule"
 

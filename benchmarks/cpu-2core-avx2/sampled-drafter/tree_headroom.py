@@ -31,8 +31,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from blockspec.common.contracts import Q_WIDTH
 from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import Q_WIDTH
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.model import DrafterContext
 

@@ -18,7 +18,7 @@ from blockspec.common.models import rope_settings
 DEFAULT_BLOCK_SIZE = 16
 DRAFTER_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "conv_kernel_size", "conv_group_size",
                 "selector_rank", "selector_top_k", "output_multiplier", "final_logit_softcapping",
-                "input_embedding_scale", "short_blocks")
+                "input_embedding_scale", "short_blocks", "sampling_top_k")
 # Top-level keys read below, and those with no bearing on drafting (bookkeeping, the target's token ids, training).
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "num_target_layers", "rms_norm_eps", "hidden_act", "rope_theta",
@@ -72,6 +72,14 @@ class DFlashConfig:
     # blockspec's own: a greedy proposal runs only the k + 1 block slots it needs, not block_size (cheaper, other
     # drafts than the reference's); set on the drafters blockspec trains, where it is measured.
     short_blocks: bool = False
+    # blockspec's own: the candidates per slot a sampling request's walk draws from (its q's support), the selector's
+    # top ones by unary score; None: selector_top_k. Greedy walks keep selector_top_k.
+    sampling_top_k: int | None = None
+
+    @property
+    def sampling_width(self) -> int:
+        """Candidates per slot of a walk that samples (never fewer than the greedy walk's)."""
+        return max(self.sampling_top_k or 0, self.selector_top_k)
 
     @property
     def mlp_bias(self) -> bool:
@@ -111,6 +119,8 @@ class DFlashConfig:
                 dflash[key] = getattr(self, key)
         if self.short_blocks:
             dflash["short_blocks"] = True
+        if self.sampling_top_k is not None:
+            dflash["sampling_top_k"] = self.sampling_top_k
         rope = {"rope_theta": self.rope_theta, "rope_type": "llama3" if self.rope_scaling else "default",
                 **dict(self.rope_scaling)}
         extra = {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window} if self.layer_types else {}
@@ -190,7 +200,11 @@ class DFlashConfig:
             sliding_window=window,
             is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
             short_blocks=bool(value("short_blocks", False)),
+            sampling_top_k=None if value("sampling_top_k") is None else int(value("sampling_top_k")),
         )
+        if cfg.sampling_top_k is not None and not cfg.selector_top_k <= cfg.sampling_top_k <= cfg.vocab_size:
+            raise ModelLoadError(path, f"sampling_top_k {cfg.sampling_top_k} must lie between selector_top_k "
+                                       f"{cfg.selector_top_k} and vocab_size {cfg.vocab_size}")
         if cfg.block_size < 2:
             raise ModelLoadError(path, f"block_size {cfg.block_size} must be at least 2")
         if cfg.conv_kernel_size is not None and cfg.hidden_size % cfg.conv_group_size:

@@ -264,7 +264,7 @@ struct Proposer {
   torch::Tensor lm_head;
   double scale, softcap;
   torch::Tensor proj, A, Bc;
-  int64_t top_k;
+  int64_t top_k, wide;  // candidates a slot: greedy rows, rows that sample
   torch::Tensor ids;
   std::vector<torch::Tensor> watched;
   std::vector<int64_t> versions;
@@ -295,7 +295,7 @@ struct Proposer {
   }
 
   // `propose` where requests sample: per request its temperature (0: greedy), seed, noise stream, the position of
-  // its first draft and whether it is a rejection row -> (tokens, q_ids, q_probs), the q rows [R, S, top_k]
+  // its first draft and whether it is a rejection row -> (tokens, q_ids, q_probs), the q rows [R, S, wide]
   // meaningful for rejection rows only.
   std::optional<std::tuple<Rows, torch::Tensor, torch::Tensor>> propose_sampled(
       const std::vector<torch::Tensor>& features, const std::vector<int64_t>& ctx_slots,
@@ -310,7 +310,7 @@ struct Proposer {
                 int64_t(positions.size()) == R && int64_t(rejection.size()) == R, "one sampling entry per request");
     std::vector<RowSampling> sampling(R);
     for (int64_t r = 0; r < R; ++r) sampling[r] = {temperatures[r], seeds[r], streams[r], positions[r], rejection[r]};
-    const int64_t width = std::min(top_k, vocab_columns());
+    const int64_t width = std::min(std::max(wide, top_k), vocab_columns());
     auto q_ids = torch::zeros({R, S, width}, torch::kLong);
     auto q_probs = torch::zeros({R, S, width}, torch::kFloat);
     Rows tokens = run(features, ctx_slots, starts, ends, anchors, slots, lens, B, S, sampling.data(),
@@ -352,7 +352,7 @@ struct Proposer {
       for (int64_t i = 0; i < R * S * V; ++i) logits[i] = float(softcap) * std::tanh(logits[i] / float(softcap));
     std::vector<int64_t> flat(R * S);
     walk_rows(rows, logits, R, S, V, H, proj, A, Bc, anchors.data(), std::min(top_k, V),
-              column_ids(ids, V), flat.data(), sampling, q_ids, q_probs);
+              std::min(std::max(wide, top_k), V), column_ids(ids, V), flat.data(), sampling, q_ids, q_probs);
     Rows tokens(R);
     for (int64_t r = 0; r < R; ++r) tokens[r].assign(flat.begin() + r * S, flat.begin() + (r + 1) * S);
     return tokens;
@@ -369,7 +369,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, int64_t,
                     int64_t, int64_t, int64_t, double, torch::Tensor, double, double, torch::Tensor, torch::Tensor,
-                    torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>>())
+                    torch::Tensor, int64_t, int64_t, torch::Tensor, std::vector<torch::Tensor>,
+                    std::vector<int64_t>>())
       .def("__call__", &Proposer::propose, py::call_guard<py::gil_scoped_release>())
       .def("sampled", &Proposer::propose_sampled, py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>());

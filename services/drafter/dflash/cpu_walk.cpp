@@ -65,24 +65,29 @@ struct RowSampling {
   bool rejection;
 };
 
-// The selector's walk: per slot the top_k logits (highest first, the lower token id first among equals), then the
-// candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)> (or a sample, `sampling` per row where not null); the
-// choice is the next slot's predecessor. hidden [R, S, H], logits [R, S, V], proj [rank, H], A and B [vocab, rank]
-// -> [R, S]. ids (or null): the token id of each logit column, increasing (a draft vocabulary: V < vocab columns).
-// q_ids / q_probs [R, S, top_k] (where not null): a rejection row's candidates and q at every slot.
+// The selector's walk: per slot the top_k logits (highest first, the lower token id first among equals; a row that
+// samples, the top `wide`), then the candidate with the best U_t(b) + <A(prev) * (P h_t), B(b)> (or a sample,
+// `sampling` per row where not null); the choice is the next slot's predecessor. hidden [R, S, H], logits [R, S, V],
+// proj [rank, H], A and B [vocab, rank] -> [R, S]. ids (or null): the token id of each logit column, increasing (a
+// draft vocabulary: V < vocab columns). q_ids / q_probs [R, S, wide] (where not null): a rejection row's candidates
+// and q at every slot.
 static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, int64_t V, int64_t H,
                       const torch::Tensor& proj, const torch::Tensor& A, const torch::Tensor& Bc,
-                      const int64_t* anchor, int64_t top_k, const int64_t* ids, int64_t* tokens,
+                      const int64_t* anchor, int64_t top_k, int64_t wide, const int64_t* ids, int64_t* tokens,
                       const RowSampling* sampling = nullptr, int64_t* q_ids = nullptr, float* q_probs = nullptr) {
   const int64_t rank = proj.size(0);
   const float* pw = proj.data_ptr<float>();
   const float* ap = A.data_ptr<float>();
   const float* bp = Bc.data_ptr<float>();
-  std::vector<float> val(top_k + 1), q(rank), scores(top_k);
-  std::vector<double> z(top_k);
-  std::vector<int64_t> idx(top_k + 1);
+  wide = std::max(wide, top_k);
+  std::vector<float> val(wide + 1), q(rank), scores(wide);
+  std::vector<double> z(wide);
+  std::vector<int64_t> idx(wide + 1);
+  const int64_t greedy_k = top_k;
   for (int64_t r = 0; r < R; ++r) {
     int64_t prev = anchor[r];
+    const RowSampling* rs = sampling ? sampling + r : nullptr;
+    const int64_t top_k = rs && rs->temperature > 0 ? wide : greedy_k;  // this row's candidates a slot
     for (int64_t t = 0; t < S; ++t) {
       const float* lg = lp + (r * S + t) * V;
       int64_t n = -1;
@@ -124,7 +129,6 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
         scores[b] = val[b] + pair;
         if (scores[b] > best_score || b == 0) { best_score = scores[b]; best = b; }
       }
-      const RowSampling* rs = sampling ? sampling + r : nullptr;
       if (rs && rs->temperature > 0) {
         double top = -INFINITY, sum = 0.0, best_key = -INFINITY;
         for (int64_t b = 0; b < n; ++b) top = std::max(top, z[b] = double(scores[b]) / rs->temperature);
@@ -137,8 +141,8 @@ static void walk_rows(const float* hp, const float* lp, int64_t R, int64_t S, in
         }
         if (rs->rejection && q_ids)
           for (int64_t b = 0; b < n; ++b) {
-            q_ids[(r * S + t) * top_k + b] = idx[b];
-            q_probs[(r * S + t) * top_k + b] = float(std::exp(z[b] - shift));
+            q_ids[(r * S + t) * wide + b] = idx[b];
+            q_probs[(r * S + t) * wide + b] = float(std::exp(z[b] - shift));
           }
       }
       prev = idx[best];
@@ -159,15 +163,16 @@ torch::Tensor walk(torch::Tensor hidden, torch::Tensor logits, torch::Tensor pro
   const int64_t R = logits.size(0), S = logits.size(1);
   auto out = torch::empty({R, S}, anchor.options());
   walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
-            anchor.data_ptr<int64_t>(), top_k, column_ids(ids, logits.size(2)), out.data_ptr<int64_t>());
+            anchor.data_ptr<int64_t>(), top_k, top_k, column_ids(ids, logits.size(2)), out.data_ptr<int64_t>());
   return out;
 }
 
-// `walk` where requests sample (RowSampling per request, as Proposer.propose_sampled takes them) -> (tokens [R, S],
-// q_ids, q_probs [R, S, top_k]: the candidates and q of every slot, meaningful in rejection rows).
+// `walk` where requests sample (RowSampling per request, as Proposer.propose_sampled takes them; a row that samples
+// walks over the top `wide` candidates) -> (tokens [R, S], q_ids, q_probs [R, S, wide]: the candidates and q of every
+// slot, meaningful in rejection rows).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> walk_sampled(
     torch::Tensor hidden, torch::Tensor logits, torch::Tensor proj, torch::Tensor A, torch::Tensor Bc,
-    torch::Tensor anchor, int64_t top_k, torch::Tensor ids, const std::vector<double>& temperatures,
+    torch::Tensor anchor, int64_t top_k, int64_t wide, torch::Tensor ids, const std::vector<double>& temperatures,
     const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& streams, const std::vector<uint64_t>& positions,
     const std::vector<bool>& rejection) {
   const int64_t R = logits.size(0), S = logits.size(1);
@@ -176,10 +181,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> walk_sampled(
   std::vector<RowSampling> sampling(R);
   for (int64_t r = 0; r < R; ++r) sampling[r] = {temperatures[r], seeds[r], streams[r], positions[r], rejection[r]};
   auto out = torch::empty({R, S}, anchor.options());
-  auto q_ids = torch::zeros({R, S, top_k}, torch::kLong);
-  auto q_probs = torch::zeros({R, S, top_k}, torch::kFloat);
+  wide = std::min(std::max(wide, top_k), logits.size(2));
+  auto q_ids = torch::zeros({R, S, wide}, torch::kLong);
+  auto q_probs = torch::zeros({R, S, wide}, torch::kFloat);
   walk_rows(hidden.data_ptr<float>(), logits.data_ptr<float>(), R, S, logits.size(2), hidden.size(2), proj, A, Bc,
-            anchor.data_ptr<int64_t>(), top_k, column_ids(ids, logits.size(2)), out.data_ptr<int64_t>(),
+            anchor.data_ptr<int64_t>(), top_k, wide, column_ids(ids, logits.size(2)), out.data_ptr<int64_t>(),
             sampling.data(), q_ids.data_ptr<int64_t>(), q_probs.data_ptr<float>());
   return std::make_tuple(out, q_ids, q_probs);
 }

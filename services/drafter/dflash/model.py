@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.common.contracts import Q_WIDTH
 from blockspec.common.cpu_kernels import Linear, fused_linear, linear
 from blockspec.common.decoder import RMSNorm, apply_rope
-from blockspec.common.distributions import Q_WIDTH, WalkSampler
+from blockspec.common.distributions import WalkSampler
 from blockspec.common.mlp import MLP
 from blockspec.services.drafter.dflash.config import DFlashConfig
 
@@ -159,6 +160,7 @@ class CandidateSelector(nn.Module):
         super().__init__()
         r = cfg.selector_rank
         self.top_k = cfg.selector_top_k
+        self.sampling_top_k = cfg.sampling_width
         self.hidden_projection = Linear(cfg.hidden_size, r, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # A: [V, r]
         self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # B: [V, r]
@@ -175,9 +177,11 @@ class CandidateSelector(nn.Module):
 
         At slot t each row takes the candidate with the best score (the greedy walk), or the one `sampler`
         (common/distributions.WalkSampler: first given every slot's first Q_WIDTH candidates) picks from the
-        scores [R, top_k]; the chosen token is the next slot's predecessor.
+        scores [R, width]; the chosen token is the next slot's predecessor. With a sampler the candidates are the top
+        sampling_top_k, of which greedy rows still score the first top_k.
         """
-        unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [R, S, top_k]
+        width = self.top_k if sampler is None else self.sampling_top_k
+        unary, candidates = logits.topk(min(width, logits.shape[-1]), dim=-1)  # [R, S, width]
         if ids is not None:
             candidates = ids[candidates]
         R, S, K = unary.shape
@@ -188,7 +192,7 @@ class CandidateSelector(nn.Module):
         table = unary[:, :, None] + query @ self.successor_codebook[candidates].transpose(-1, -2)  # [R, S, K, K]
         rows, index = torch.arange(R, device=unary.device), torch.zeros(R, dtype=torch.long, device=unary.device)
         if sampler is not None:
-            sampler.begin(candidates[..., :Q_WIDTH])
+            sampler.begin(candidates[..., :Q_WIDTH], greedy_width=self.top_k)
         chosen = []
         for t in range(S):
             s = table[rows, t, index]  # [R, top_k]: the scores after the predecessor chosen at t - 1

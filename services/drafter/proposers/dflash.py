@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from blockspec.common import cpu_kernels
-from blockspec.common.contracts import Draft, DraftTree, ProposeInput
+from blockspec.common.contracts import Q_WIDTH, Draft, DraftTree, ProposeInput
 from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import Q_WIDTH, DraftDist, WalkSampler, gumbel_at, walk_rows
+from blockspec.common.distributions import DraftDist, WalkSampler, gumbel_at, walk_rows
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
@@ -156,7 +156,7 @@ class DFlashProposer:
                 rows = self._blocks.propose([i.token_ids[-1] for i in live], slot_ids, ctx_lens, B, pending)
             return self._drafts(inputs, live, rows, None)
         cpu = self._cpu if self._cpu is not None and cpu_kernels.enabled() else None  # the kernels may be switched off since
-        fused = cpu is not None and self.use_path_selector and (greedy or self.cfg.selector_top_k <= Q_WIDTH)
+        fused = cpu is not None and self.use_path_selector and (greedy or self.cfg.sampling_width <= Q_WIDTH)
         panels = cpu.lm_head_panels(self.lm_head) if fused else None
         if panels is not None:  # the whole proposal in one C++ call (no autograd state to enter: it runs after
             # every target forward, on cold caches, where each Python step around it costs several times its warm cost)
@@ -183,7 +183,7 @@ class DFlashProposer:
             else:
                 tokens = self.greedy_tokens(hidden, logits, anchors)
             return self._drafts(inputs, live, tokens.tolist(), None)  # one tolist for the batch
-        if self.use_path_selector and cpu is not None and self.cfg.selector_top_k <= Q_WIDTH:
+        if self.use_path_selector and cpu is not None and self.cfg.sampling_width <= Q_WIDTH:
             tokens, q_ids, q = cpu.walk(hidden, logits, anchors, self.vocab_ids, self._walk_sampling(live))
         else:  # the torch walk, sampling every row and slot without a transfer between the slots
             sampler = WalkSampler([i.sampling for i in live], [len(i.token_ids) for i in live])
@@ -218,7 +218,11 @@ class DFlashProposer:
     def _propose_tree(self, inputs: Sequence[ProposeInput], live: Sequence[ProposeInput], hidden: torch.Tensor,
                       logits: torch.Tensor) -> list[Draft]:
         """A draft tree per live request (`_tree_of`) from the block's hidden [R, k, H] and logits [R, k, V]."""
-        unary, candidates = logits.topk(min(self.cfg.selector_top_k or Q_WIDTH, logits.shape[-1]), dim=-1)
+        width = Q_WIDTH  # a greedy row's children come from the first selector_top_k (`_tree_of`)
+        if self.use_path_selector:
+            greedy = all(i.sampling.greedy for i in live)
+            width = self.cfg.selector_top_k if greedy else self.cfg.sampling_width
+        unary, candidates = logits.topk(min(width, logits.shape[-1]), dim=-1)
         if self.vocab_ids is not None:
             candidates = self.vocab_ids[candidates]
         temps, seeds, streams, keeps_q = walk_rows([i.sampling for i in live])
@@ -245,8 +249,10 @@ class DFlashProposer:
         after the node's token by the path selector: the best ones (greedy), or drawn without replacement by the
         Gumbel top-n of the walk's own keys at that position (strict: z plus the target's noise; rejection: log q
         plus the drafter's, q kept for the node's row). One child per node is the walk's own pick."""
-        m = min(Q_WIDTH, candidates.shape[-1])
         selector = self.model.candidate_selector if self.use_path_selector else None
+        if not temperature and selector is not None:
+            unary, candidates = unary[:, : selector.top_k], candidates[:, : selector.top_k]
+        m = min(Q_WIDTH, candidates.shape[-1])
         tokens: list[int] = []
         parents: list[int] = []
         q_rows: dict[int, tuple[int, torch.Tensor]] = {}  # node row (0: the anchor) -> (slot, q over its first m)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from blockspec.common.contracts import Draft, ProposeInput
-from blockspec.common.distributions import Q_WIDTH, DraftDist, draft_pick
+from blockspec.common.contracts import Q_WIDTH, Draft, ProposeInput
+from blockspec.common.distributions import DraftDist, draft_pick
 from blockspec.common.models import Checkpoint
 from blockspec.common.runner import Runner, Segment
 

@@ -107,10 +107,12 @@ def test_a_warm_start_may_add_layers_that_start_as_the_identity(supervision, tmp
     assert trained.layers[1].mlp.down_proj.weight.abs().sum() > 0
     with pytest.raises(ValueError, match="2 layers; cannot start a drafter of 1"):
         distill.warm_start(DFlashDrafter(one.cfg), tmp_path / "two")
-    # selector_only: the selector (here widened to 32 candidates) trains on its own; every other weight stays.
+    # selector_only: the selector (here widened to 32 candidates) trains on its own; every other weight stays. The
+    # sampling walk's width goes into the saved config.
     widened = train_drafter(target, tmp_path / "sel", sequences, lens,
                             replace(SMALL, steps=3, init_from=str(tmp_path / "one"), selector_only=True,
-                                    selector_top_k=32), progress=False)
-    assert widened.cfg.selector_top_k == 32
+                                    selector_top_k=32, sampling_top_k=64), progress=False)
+    assert widened.cfg.selector_top_k == 32 and widened.cfg.sampling_width == 64
+    assert load_drafter(tmp_path / "sel").cfg.sampling_width == 64
     for (name, a), b in zip(one.state_dict().items(), widened.state_dict().values()):
         assert torch.equal(a, b) != name.startswith("candidate_selector."), name

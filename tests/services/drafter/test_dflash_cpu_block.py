@@ -20,6 +20,7 @@ from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.serving.engine import Engine
+from tests.services.test_sampling import with_sampling_top_k
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")
 
@@ -206,16 +207,26 @@ SAMPLED = [SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1
            GREEDY]
 
 
+@pytest.mark.parametrize("width", [None, 24], ids=["selector-width", "sampling-top-k-24"])
 @pytest.mark.parametrize("name", ["qwen3-trained", "qwen3-trained-vocab"])
-def test_sampled_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch, name):
+def test_sampled_proposals_equal_the_torch_path(tiny_models, dflash_drafters, prompts, monkeypatch, tmp_path, name,
+                                                width):
     """A batch mixing rejection, strict and greedy requests: the one-call sampled walk and the C++ walk after a torch LM
     head pick the tokens the torch walk with `WalkSampler` picks (the same noise), and a rejection row's q is the
-    torch path's (its candidates, and its probabilities to fp32 rounding); strict and greedy rows carry no q."""
+    torch path's (its candidates, and its probabilities to fp32 rounding); strict and greedy rows carry no q. With
+    sampling_top_k wider than the selector's top_k, the sampling rows' q spans that many candidates and the greedy
+    row drafts what it drafts alone."""
     monkeypatch.setenv(ENV_BF16, "0")  # fp32 weights: the module's arithmetic
-    engines = [Engine(tiny_models["qwen3"]["target"], dflash_drafters[name], "dflash", max_batch=3) for _ in range(3)]
+    path = dflash_drafters[name] if width is None else with_sampling_top_k(dflash_drafters[name], width, tmp_path / "d")
+    engines = [Engine(tiny_models["qwen3"]["target"], path, "dflash", max_batch=3) for _ in range(3)]
     engines[1].proposer._cpu = None  # the torch module
     engines[2].proposer._cpu.lm_head_panels = lambda lm_head: None  # block, LM head and walk apart (a shared LM head)
-    for engine in engines:
+    narrow = None if width is None else Engine(tiny_models["qwen3"]["target"], dflash_drafters[name], "dflash",
+                                               max_batch=3)
+    for engine in [*engines, narrow] if narrow else engines:
+        if narrow:  # a pairwise term that can lift a candidate past the unary top_k
+            with torch.no_grad():
+                engine.proposer.model.candidate_selector.successor_codebook.mul_(200)
         for i, p in enumerate(prompts[:3]):
             engine.verifier.add(str(i), p)
         engine.verifier.prefill([str(i) for i in range(3)])
@@ -225,12 +236,14 @@ def test_sampled_proposals_equal_the_torch_path(tiny_models, dflash_drafters, pr
         assert [d.token_ids for d in fused] == [d.token_ids for d in ref] == [d.token_ids for d in apart]
         for drafts in (fused, apart):
             assert drafts[0].q is not None and drafts[1].q is None and drafts[2].q is None
-            assert drafts[0].q.token_ids.shape == (k, engines[0].proposer.cfg.selector_top_k)
+            assert drafts[0].q.token_ids.shape == (k, width or engines[0].proposer.cfg.selector_top_k)
             for j in range(k):  # the same candidates (each walk's own order) and probabilities
                 got, want = ({int(t): float(p) for t, p in zip(d.q.token_ids[j], d.q.probs[j])}
                              for d in (drafts[0], ref[0]))
                 assert got.keys() == want.keys()
                 torch.testing.assert_close(torch.tensor([got[t] for t in want]), torch.tensor(list(want.values())))
+        if narrow is not None:  # the greedy row walks the selector's own top_k, as with the unwidened drafter
+            assert narrow.proposer.propose(inputs)[2].token_ids == fused[2].token_ids
 
 
 needs_bf16 = pytest.mark.skipif(not cpu_block._extension.get().bf16_supported(),

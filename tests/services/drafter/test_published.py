@@ -141,6 +141,20 @@ def test_a_key_blockspec_does_not_implement_is_refused_by_name(published, tmp_pa
         DFlashConfig.from_hf(raw, str(out))
 
 
+def test_sampling_top_k_widens_a_sampling_walk_and_is_checked(published):
+    """blockspec's own key: absent, a sampling walk keeps the selector's top_k; given, it goes back out in to_hf; under
+    top_k or over the vocabulary, refused by name."""
+    raw = json.loads((published["dflash2"] / "config.json").read_text())
+    assert DFlashConfig.from_hf(raw, "x").sampling_width == 8
+    raw["dflash_config"]["sampling_top_k"] = 64
+    cfg = DFlashConfig.from_hf(raw, "x")
+    assert cfg.sampling_width == 64 and cfg.to_hf()["dflash_config"]["sampling_top_k"] == 64
+    for bad in (4, raw["vocab_size"] + 1):
+        raw["dflash_config"]["sampling_top_k"] = bad
+        with pytest.raises(ModelLoadError, match=f"sampling_top_k {bad} must lie between selector_top_k 8"):
+            DFlashConfig.from_hf(raw, "x")
+
+
 def test_absent_taps_and_block_size_take_the_references_defaults(published):
     raw = json.loads((published["dflash"] / "config.json").read_text())
     del raw["block_size"], raw["dflash_config"]["target_layer_ids"]
