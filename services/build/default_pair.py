@@ -151,11 +151,13 @@ BASE_STAGE3 = replace(BASE_REFINE, lr=5e-4, seed=2)
 # Stages 4-6, for requests that sample (models/base/drafter-sampled), on the target's continuations of prompt seed 4,
 # greedy and sampled at T 0.7 and 1.0 in turn. 4: warm start from stage 3, the soft term on the target's distribution
 # at each drafted slot. 5: a second layer (it starts as the identity), the soft term weighed 3 over the target's top 64.
-# 6: the path selector widened to 32 candidates and trained on the target's distribution over them too.
+# 6: the path selector widened to 32 candidates and trained on the target's distribution over them too; requests
+# that sample draw from the drafter's top 128 (sampling_top_k: written to the config, no bearing on the training).
 SAMPLED_PROMPT_SEED = 4
 BASE_SAMPLED = replace(BASE_STAGE3, temperatures=(0.0, 0.7, 1.0), kl_weight=1.0, seed=4, steps=3000)
 BASE_SAMPLED_DEEP = replace(BASE_SAMPLED, num_layers=2, kl_weight=3.0, kl_top_k=64)
-BASE_SAMPLED_SELECT = replace(BASE_SAMPLED_DEEP, selector_top_k=32, selector_kl_weight=1.5, lr=3e-4, steps=2500, seed=5)
+BASE_SAMPLED_SELECT = replace(BASE_SAMPLED_DEEP, selector_top_k=32, selector_kl_weight=1.5, lr=3e-4, steps=2500, seed=5,
+                              sampling_top_k=128)
 SAMPLED_STAGES = (BASE_SAMPLED, BASE_SAMPLED_DEEP, BASE_SAMPLED_SELECT)
 
 
