@@ -122,7 +122,7 @@ class CpuDrafter:
             walk_args = (() if sel is None else  # plain DFlash: no walk, `propose` is not called
                          (cfg.output_multiplier or 0.0, cfg.final_logit_softcapping or 0.0,
                           sel.hidden_projection.weight.detach(), sel.predecessor_codebook.detach(),
-                          sel.successor_codebook.detach(), sel.top_k, sel.sampling_top_k))
+                          sel.successor_codebook.detach(), sel.top_k, sel.sampling_width))
             self._prepared = (block_w, context_args, block_args, walk_args)
             self._prepared_for = tuple(p._version for p in self._copied)
         return self._prepared
@@ -200,7 +200,7 @@ class CpuDrafter:
         sampling (None: every walk greedy): per request (temperatures, seeds, noise streams, positions of the
         first draft, rejection flags), lists; each walk then picks as `distributions.draft_pick` does, with the
         same noise (drawn in the C++ at the candidates' tokens), and the call returns (tokens, q_ids, q_probs): the
-        candidates and q [R, block - 1, width] of every slot (width: the selector's sampling_top_k), meaningful in
+        candidates and q [R, block - 1, width] of every slot (width: the selector's sampling_width), meaningful in
         rejection rows.
 
         The fixed arguments are bound once per set of prepared weights and LM head (a C++ `Proposer`, which also
@@ -240,7 +240,7 @@ class CpuDrafter:
         ext = _extension.get()
         if sampling is None:
             return ext.walk(*args, _column_ids(vocab_ids))
-        return ext.walk_sampled(*args, min(sel.sampling_top_k, logits.shape[-1]), _column_ids(vocab_ids), *sampling)
+        return ext.walk_sampled(*args, min(sel.sampling_width, logits.shape[-1]), _column_ids(vocab_ids), *sampling)
 
     def context(self, taps: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -160,7 +160,7 @@ class CandidateSelector(nn.Module):
         super().__init__()
         r = cfg.selector_rank
         self.top_k = cfg.selector_top_k
-        self.sampling_top_k = cfg.sampling_width
+        self.sampling_width = cfg.sampling_width  # candidates a slot of a walk that samples
         self.hidden_projection = Linear(cfg.hidden_size, r, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # A: [V, r]
         self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, r) * 0.02)  # B: [V, r]
@@ -178,9 +178,9 @@ class CandidateSelector(nn.Module):
         At slot t each row takes the candidate with the best score (the greedy walk), or the one `sampler`
         (common/distributions.WalkSampler: first given every slot's first Q_WIDTH candidates) picks from the
         scores [R, width]; the chosen token is the next slot's predecessor. With a sampler the candidates are the top
-        sampling_top_k, of which greedy rows still score the first top_k.
+        sampling_width, of which greedy rows still score the first top_k.
         """
-        width = self.top_k if sampler is None else self.sampling_top_k
+        width = self.top_k if sampler is None else self.sampling_width
         unary, candidates = logits.topk(min(width, logits.shape[-1]), dim=-1)  # [R, S, width]
         if ids is not None:
             candidates = ids[candidates]
