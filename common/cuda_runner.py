@@ -30,7 +30,8 @@ import torch
 from blockspec.common import gpu_kernels as gk
 from blockspec.common.cuda_steps import HybridStaticStep, StaticStep
 from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.models import Checkpoint, ModelConfig
+from blockspec.common.model_config import ModelConfig
+from blockspec.common.models import Checkpoint
 from blockspec.common.runner import ForwardResult, Segment, build_decoder
 from blockspec.common.state_cache import HybridKVCache
 

@@ -13,7 +13,7 @@ from blockspec.common import cpu_kernels
 from blockspec.common.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
 from blockspec.common.kv_cache import SlotKVCache
 from blockspec.common.mlp import mlp_of
-from blockspec.common.models import ModelConfig
+from blockspec.common.model_config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.models import ModelConfig
+from blockspec.common.model_config import ModelConfig
 from blockspec.common.state_cache import SlotStates
 
 SPECULATIVE_BLOCK = 16  # the widest verify a slot keeps rollback inputs for, in info's figures (k = 15)

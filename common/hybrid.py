@@ -16,7 +16,7 @@ from torch import nn
 
 from blockspec.common.cpu_kernels import Linear, cached_attention
 from blockspec.common.decoder import AttentionBatch, Decoder, mlp_of
-from blockspec.common.models import ModelConfig
+from blockspec.common.model_config import ModelConfig
 from blockspec.common.state_cache import StateStep, delta_rule_steps, l2_normalise
 
 

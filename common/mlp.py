@@ -14,7 +14,7 @@ from torch import nn
 
 from blockspec.common import cpu_kernels
 from blockspec.common.cpu_kernels import Linear, fused_linear
-from blockspec.common.models import ModelConfig
+from blockspec.common.model_config import ModelConfig
 
 
 class MLP(nn.Module):

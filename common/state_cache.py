@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.models import ModelConfig
+from blockspec.common.model_config import ModelConfig
 
 ROLLBACKS = ("replay", "states")
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.decoder import Decoder
-from blockspec.common.models import ModelConfig
+from blockspec.common.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

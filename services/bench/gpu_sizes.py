@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models import Checkpoint, parse_config
+from blockspec.common.model_config import parse_config
+from blockspec.common.models import Checkpoint
 
 # name -> (layers, hidden, heads, kv heads, intermediate, vocab), untied LM head: 0.75B, 8.2B and 26.7B
 # parameters. "27b" has the reference target's size (~54 GB bf16); its drafter 2.2B.

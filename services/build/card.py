@@ -58,7 +58,7 @@ def _target(path: Path, raw: dict, dtype: str, contexts: tuple[int, ...]) -> lis
     import torch
 
     from blockspec.common.footprint import parameters, slot_bytes
-    from blockspec.common.models import parse_config
+    from blockspec.common.model_config import parse_config
 
     cfg = parse_config(raw, path)
     types = [cfg.layer_type(i) for i in range(cfg.num_layers)]

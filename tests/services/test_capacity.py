@@ -30,7 +30,7 @@ def write_config(tmp_path: Path, target: Path, drafter: Path | None, max_batch: 
 @pytest.fixture(scope="module")
 def reference_pairs(tmp_path_factory, tokenizer) -> dict[str, tuple[Path, Path]]:
     """Config-only checkpoints (config.json and tokenizer, no weights) of the 27B shapes and their drafters."""
-    from blockspec.common.models import parse_config
+    from blockspec.common.model_config import parse_config
     from blockspec.services.bench.gpu_sizes import hf_config, random_drafter
 
     root = tmp_path_factory.mktemp("plans")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.models import rope_settings
+from blockspec.common.model_config import DEFAULTS, rope_settings
 
 DEFAULT_BLOCK_SIZE = 16
 DRAFTER_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "conv_kernel_size", "conv_group_size",
@@ -28,6 +28,7 @@ INERT_KEYS = ("architectures", "model_type", "dtype", "torch_dtype", "transforme
               "initializer_range", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
               "max_position_embeddings", "tie_word_embeddings", "auto_map", "_name_or_path", "blockspec_training")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
+QWEN3 = DEFAULTS["qwen3"]  # the reference's drafter is a Qwen3 model: transformers' Qwen3 defaults for absent keys
 
 
 def default_target_layer_ids(num_target_layers: int, num_layers: int) -> tuple[int, ...]:
@@ -62,7 +63,7 @@ class DFlashConfig:
     final_logit_softcapping: float | None = None
     input_embedding_scale: float | None = None  # the block's token embeddings scaled by this
     attention_bias: bool = False  # q, k, v and o projections with biases
-    rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters (common.models.rope_settings)
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters (common.model_config.rope_settings)
     # Per layer: full attention, or sliding-window attention seeing keys less than sliding_window positions away.
     layer_types: tuple[str, ...] = ()  # empty: all full attention
     sliding_window: int | None = None
@@ -177,8 +178,8 @@ class DFlashConfig:
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            num_kv_heads=int(raw.get("num_key_value_heads") or QWEN3["num_key_value_heads"]),
+            head_dim=int(raw.get("head_dim") or QWEN3["head_dim"]),
             vocab_size=int(raw["vocab_size"]),
             num_target_layers=int(raw["num_target_layers"]),
             target_layer_ids=(tuple(int(i) for i in taps) if taps is not None
