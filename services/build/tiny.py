@@ -3,6 +3,7 @@ and demos."""
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from pathlib import Path
 
@@ -196,46 +197,86 @@ def tiny_family_config(family: str, tokenizer: object, num_layers: int = 4, hidd
     return {**cfg, **overrides}
 
 
-def build_tiny_family(out: str | Path, family: str = "qwen3_5", layout: str = "text", seed: int = 0,
-                      tokenizer: object | None = None, lm_head_scale: float = 1.0, **config: object) -> Path:
-    """A random-weight checkpoint of a published family (tiny_family_config) saved as transformers saves it:
-    `layout="text"` its causal LM (model.*), `"multimodal"` (the Qwen3.5 families) its conditional-generation model
-    with a one-block vision tower (the language model under model.language_model.*). Norms, decays, step biases,
-    experts and the router are drawn away from their initial values so that every term of the arithmetic shows;
-    lm_head_scale > 1 sharpens the next-token distributions (a sampling test needs more than a near-uniform target)."""
+# transformers' classes per family: text config, causal LM, and (the Qwen3.5 families) the multimodal config and the
+# conditional-generation model the published checkpoints are.
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", None, None),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", None, None),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", None, None),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None, None),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", None, None),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
+                    "Qwen3_5MoeForConditionalGeneration"),
+}
+
+
+def build_family(out: str | Path, family: str, config: dict, layout: str = "text", seed: int = 0,
+                 tokenizer: object | None = None, weight_scale: float = 1.0, lm_head_scale: float = 1.0,
+                 outer: dict | None = None, drop_keys: tuple[str, ...] = (), drop_top_keys: tuple[str, ...] = ()
+                 ) -> Path:
+    """A random-weight checkpoint of `family` built by transformers' own classes from `config` (the language model's
+    keys), saved as transformers saves it: layout "text" its causal LM (model.*), "multimodal" (the Qwen3.5 families)
+    its conditional-generation model with a one-block vision tower and the top-level keys `outer` (the language model
+    under model.language_model.*). Norms, biases, decays, step biases, experts and the router are drawn away from their
+    initial values so that every term of the arithmetic shows; then every weight of two or more dimensions is scaled by
+    weight_scale (sharper logits: no near-ties) and the LM head by lm_head_scale. drop_keys (the language model's) and
+    drop_top_keys (a multimodal config's top level) are removed from the saved config.json: read as absent."""
     import transformers as tf
 
-    classes = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config",
-                           "Qwen3_5ForConditionalGeneration"),
-               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig",
-                               "Qwen3_5MoeForConditionalGeneration"),
-               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None, None),
-               "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", None, None)}
-    text_cfg, text_model, mm_cfg, mm_model = (getattr(tf, c) if c else None for c in classes[family])
+    text_cfg, text_model, mm_cfg, mm_model = (getattr(tf, c) if c else None for c in FAMILY_CLASSES[family])
     tokenizer = tokenizer or tiny_tokenizer()
-    text = tiny_family_config(family, tokenizer, **config)
     torch.manual_seed(seed)
     if layout == "text":
-        model = text_model(text_cfg(**text))
+        model = text_model(text_cfg(**config))
     elif layout == "multimodal" and mm_model is not None:
         vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-                  "out_hidden_size": text["hidden_size"], "num_position_embeddings": 16}
-        model = mm_model(mm_cfg(text_config=text, vision_config=vision, tie_word_embeddings=False))
+                  "out_hidden_size": config["hidden_size"], "num_position_embeddings": 16}
+        model = mm_model(mm_cfg(text_config=config, vision_config=vision, **{"tie_word_embeddings": False,
+                                                                             **(outer or {})}))
     else:
         raise ValueError(f"layout {layout!r} for {family}: expected 'text'" + (" or 'multimodal'" if mm_model else ""))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
-            elif "experts" in name or "shared_expert" in name:
-                p.normal_(0.0, 0.05)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
-            elif name == "lm_head.weight":
-                p.mul_(lm_head_scale)
+    _perturb(model, weight_scale, lm_head_scale)
     out = Path(out)
     model.eval().save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if drop_keys or drop_top_keys:
+        raw = json.loads((out / "config.json").read_text())
+        for level, keys in ((raw.get("text_config", raw), drop_keys), (raw, drop_top_keys)):
+            for key in keys:
+                level.pop(key, None)
+        (out / "config.json").write_text(json.dumps(raw, indent=2))
     return out
+
+
+@torch.no_grad()
+def _perturb(model: torch.nn.Module, weight_scale: float, lm_head_scale: float) -> None:
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:  # a tied weight, once
+            continue
+        seen.add(id(p))
+        if name.endswith(("norm.weight", "dt_bias")):
+            p.add_(torch.randn_like(p) * 0.3)
+        elif name.endswith("A_log"):
+            p.copy_(torch.empty_like(p).uniform_(-2.0, 1.0))
+        elif "experts" in name or "shared_expert" in name:
+            p.normal_(0.0, 0.05)
+        elif name.endswith("mlp.gate.weight"):
+            p.normal_(0.0, 0.3)
+        elif name.endswith(".bias"):
+            p.normal_(0.0, 0.1)
+        if p.dim() >= 2 and weight_scale != 1.0:
+            p.mul_(weight_scale)
+        if name == "lm_head.weight":
+            p.mul_(lm_head_scale)
+
+
+def build_tiny_family(out: str | Path, family: str = "qwen3_5", layout: str = "text", seed: int = 0,
+                      tokenizer: object | None = None, lm_head_scale: float = 1.0, **config: object) -> Path:
+    """A random-weight checkpoint of a published family (tiny_family_config, `config` overriding its keys) built and
+    saved by `build_family`; lm_head_scale > 1 sharpens the next-token distributions (a sampling test needs more than
+    a near-uniform target)."""
+    tokenizer = tokenizer or tiny_tokenizer()
+    return build_family(out, family, tiny_family_config(family, tokenizer, **config), layout, seed, tokenizer,
+                        lm_head_scale=lm_head_scale)

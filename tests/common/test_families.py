@@ -232,3 +232,48 @@ def test_the_cuda_runners_steps_equal_the_target_alone(targets, hybrid_drafter, 
     done = engine.complete([engine.request(str(i), p, NEW, k) for i, p in enumerate(hybrid_prompts)])
     assert [list(d.token_ids) for d in done] == target_references[target]
     assert sum(d.stats.drafted for d in done) > 0
+
+
+# The four checkpoints of the report these tests answer, built as it describes: hidden 128, 4 layers (3 linear, 1 full
+# attention), 4 attention heads over 2 KV heads of 32 dims, 4 value heads over 2 key heads of 16 dims, conv kernel 4,
+# partial rotary 0.25; 8 experts, 2 a token, experts and shared expert of 64, no norm_topk_prob key; every weight of
+# two or more dimensions scaled by 3; the shipped target's tokenizer.
+REPORTED = (("qwen3_5", "text"), ("qwen3_5", "multimodal"), ("qwen3_5_moe", "text"), ("qwen3_moe", "text"))
+
+
+def reported_config(family: str, vocab: int) -> dict:
+    cfg = {"vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "eos_token_id": 0, "pad_token_id": 0}
+    if family != "qwen3_moe":
+        cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+    if family != "qwen3_5":
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    if family == "qwen3_5_moe":
+        cfg["shared_expert_intermediate_size"] = 64
+        del cfg["intermediate_size"]
+    return cfg
+
+
+@pytest.mark.parametrize(("family", "layout"), REPORTED, ids=["-".join(r) for r in REPORTED])
+def test_the_reported_checkpoints_decode_as_transformers_generate(family, layout, tmp_path):
+    """Six held-out prompts, 24 tokens each, greedy: plain decoding and dflash at k 5 (a drafter tapping a linear
+    layer and the last one) equal transformers' `generate` of the checkpoint's own class."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from blockspec.services.build.tiny import build_family
+
+    shipped = Path(__file__).resolve().parents[2] / "models" / "base"
+    tokenizer = AutoTokenizer.from_pretrained(shipped / "target")
+    path = build_family(tmp_path / "target", family, reported_config(family, len(tokenizer)), layout,
+                        tokenizer=tokenizer, weight_scale=3.0)
+    drafter = build_tiny_drafter(tmp_path / "drafter", path, target_layer_ids=(1, 3))
+    texts = [json.loads(line) for line in (shipped / "heldout_prompts.jsonl").read_text().splitlines()[:6]]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    for method, k in (("none", None), ("dflash", 5)):
+        engine = Engine(path, drafter if method == "dflash" else None, method, max_batch=6, threads=1)
+        done = engine.complete([engine.request(str(i), p, 24, k) for i, p in enumerate(prompts)])
+        assert [list(d.token_ids) for d in done] == want, method
