@@ -223,8 +223,9 @@ static torch::Tensor add_residual(const torch::Tensor& x, torch::Tensor y) {
 // [starts[b], starts[b] + lengths[b]) of its slot host_slots[b], attention over the cache and the MLP, with the same
 // kernels and arithmetic as the module path (common/decoder.py), so the result is bitwise the module's.
 // w: 8 tensors a layer (input norm, q|k|v panels, q norm, k norm, o panels, post-attention norm, gate|up panels,
-// down panels). Returns [final-normed hidden [B, T, D], the outputs of the layers in `taps` (ascending)]; with a
-// tap_dest ([slots, max_len, n_taps * D] fp32, contiguous; empty: none) the taps' real rows go there instead.
+// down panels). Returns [final-normed hidden [B, T, D], the outputs of the layers in `taps` (ascending; tap L is the
+// final-normed hidden itself)]; with a tap_dest ([slots, max_len, n_taps * D] fp32, contiguous; empty: none) the taps'
+// real rows go there instead.
 std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb, std::vector<torch::Tensor> w,
                                         torch::Tensor final_w, torch::Tensor k_cache, torch::Tensor v_cache,
                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
@@ -264,6 +265,10 @@ std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb,
     }
   }
   out[0] = rms_norm_rows(x, final_w, eps);
+  if (tap < taps.size() && taps[tap] == L) {
+    if (to_dest) store_tap(out[0], tap_dest, (int64_t)tap, host_slots, starts, lengths);
+    else out.push_back(out[0]);
+  }
   return out;
 }
 

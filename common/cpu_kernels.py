@@ -326,7 +326,8 @@ def decoder_rows(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[to
                  spans: tuple[list[int], list[int], list[int]], taps: list[int], heads: int, kv_heads: int,
                  eps: float, tap_dest: torch.Tensor | None = None) -> list[torch.Tensor]:
     """A decoder's layers over rows of real tokens (tokens [B, T], T <= ATTENTION_MAX_QUERIES, B * T <= MAX_ROWS) in one
-    C++ call: [final-normed hidden [B, T, H], the outputs of the layers in `taps`]. spans = (slots, starts, lengths)
+    C++ call: [final-normed hidden [B, T, H], the outputs of the layers in `taps` (ascending; tap id len(layers): the
+    final-normed hidden)]. spans = (slots, starts, lengths)
     on the host: row b's first lengths[b] tokens are real (the rest padding, computed and never stored) and their
     K/V go to slot slots[b] from position starts[b]. With `tap_dest` (`stores_taps`), the taps' real rows go there
     at the same slot and positions instead, and the list is [hidden]. The same kernels and arithmetic as the

@@ -145,9 +145,10 @@ class CudaRunner:
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.query_width = None
         self.tap_layers = tuple(tap_layers)
-        bad = [layer for layer in self.tap_layers if not 0 <= layer < cfg.num_layers]
+        bad = [layer for layer in self.tap_layers if not 0 <= layer <= cfg.num_layers]
         if bad:
-            raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
+            raise ValueError(f"tap layers {bad} outside 0..{cfg.num_layers}: the target's layers and {cfg.num_layers}, "
+                             "its final norm's output")
         self.model = build_decoder(checkpoint, dtype).to(self.device)
         if cfg.hybrid:
             self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots)

@@ -88,6 +88,8 @@ class StaticStep(nn.Module):
                                         self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps)
             if i in self.tap_layers:
                 taps.append(residual)  # the layer's output
+        if n in self.tap_layers:
+            taps.append(h)  # the final norm's output
         if taps and self.tap_dest is not None:
             self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
         return (*greedy_head(self, h, tokens, real, last), ())
@@ -284,6 +286,8 @@ class HybridStaticStep(nn.Module):
                                         self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps, True)
             if i in self.tap_layers:
                 taps.append(residual)
+        if n in self.tap_layers:
+            taps.append(h)  # the final norm's output
         if taps and self.tap_dest is not None:
             self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
         return (*greedy_head(self, h, tokens, real, last), kept)

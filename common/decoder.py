@@ -124,6 +124,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def final_norm(norm: nn.Module, x: torch.Tensor, taps: list[torch.Tensor], tapped: bool
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The decoder's output norm(x) and its taps, with norm(x) as the last of them where `tapped` (tap id num_layers)."""
+    hidden = norm(x)
+    return hidden, [*taps, hidden] if tapped else taps
+
+
 class AttentionBatch:
     """Per-forward attention inputs shared by every layer: where each row sits and what it may see."""
 
@@ -241,7 +248,8 @@ class Decoder(nn.Module):
         self, tokens: torch.Tensor, batch: AttentionBatch, tap_layers: tuple[int, ...] = (),
         tap_dest: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers`. A forward
+        """tokens [B, T] -> normed hidden [B, T, H] and the outputs of the decoder layers in `tap_layers` (tap id
+        num_layers: the final norm's output, what transformers returns as the last hidden state). A forward
         attending in place (the requests' decodes, verifies and short prefill chunks on the CPU) of at most
         MAX_ROWS tokens runs as one C++ call where the kernels take the weights (`cpu_kernels.decoder_rows`, bitwise
         this path); given a tap_dest it takes (`cpu_kernels.stores_taps`), that call puts the taps' real rows there
@@ -261,7 +269,7 @@ class Decoder(nn.Module):
             x = layer(x, i, batch)
             if i in tap_layers:
                 taps.append(x)
-        return self.norm(x), taps
+        return final_norm(self.norm, x, taps, len(self.layers) in tap_layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over hidden [..., H] -> fp32 logits. Rows [N, H] of a decoder that runs as one C++ call go

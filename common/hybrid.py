@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.cpu_kernels import Linear, cached_attention
-from blockspec.common.decoder import AttentionBatch, Decoder, mlp_of
+from blockspec.common.decoder import AttentionBatch, Decoder, final_norm, mlp_of
 from blockspec.common.model_config import ModelConfig
 from blockspec.common.state_cache import StateStep, delta_rule_steps, l2_normalise
 
@@ -181,7 +181,7 @@ class HybridDecoder(Decoder):
             if i in tap_layers:
                 taps.append(x)
         step.finish()
-        return self.norm(x), taps
+        return final_norm(self.norm, x, taps, len(self.layers) in tap_layers)
 
     def _row_weights(self) -> None:
         return None  # no C++ decode: `logits` takes the LM head in torch

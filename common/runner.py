@@ -142,9 +142,10 @@ class Runner:
         # the kernel's tile (measured: 4 rows); a remainder row takes another code path.
         self.query_width = -(-query_width // ROW_TILE) * ROW_TILE if query_width else None
         self.tap_layers = tuple(tap_layers)
-        bad = [layer for layer in self.tap_layers if not 0 <= layer < cfg.num_layers]
+        bad = [layer for layer in self.tap_layers if not 0 <= layer <= cfg.num_layers]
         if bad:
-            raise ValueError(f"tap layers {bad} outside the target's {cfg.num_layers} layers")
+            raise ValueError(f"tap layers {bad} outside 0..{cfg.num_layers}: the target's layers and {cfg.num_layers}, "
+                             "its final norm's output")
         self.model = build_decoder(checkpoint, dtype)
         if tp[1] > 1:
             self.model = shard(self.model, *tp)

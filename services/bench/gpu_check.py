@@ -265,7 +265,7 @@ def roles(target: Checkpoint, drafter, query_width: int | None, max_len: int, dt
     from blockspec.services.verifier.verifier import Verifier
 
     verifier = Verifier(target, num_slots=slots, max_len=max_len, query_width=query_width,
-                        tap_layers=drafter.cfg.target_layer_ids, dtype=dtype, device=device, backend=backend)
+                        tap_layers=drafter.cfg.tap_points, dtype=dtype, device=device, backend=backend)
     proposer = DFlashProposer(drafter, verifier.runner.embedding, verifier.runner.lm_head, verifier.features, slots,
                               verifier.max_len, tap_buffer=verifier.tap_buffer)
     return verifier, proposer

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from blockspec.common.decoder import rope_table
-from blockspec.common.models import load_checkpoint
+from blockspec.common.models import load_checkpoint, read_config
 from blockspec.common.runner import Runner, Segment
 from blockspec.services.drafter.dflash.checkpoint import save_drafter
 from blockspec.services.drafter.dflash.config import DFlashConfig
@@ -67,17 +67,20 @@ def default_taps(num_layers: int, n: int = 3) -> tuple[int, ...]:
 
 
 def drafter_config(target_dir: str | Path, cfg: DistillConfig) -> DFlashConfig:
+    """The drafter's config for the target; a refinement (init_from) keeps its drafter's taps and their reading."""
     target = load_checkpoint(target_dir)
     t = target.config
+    init = DFlashConfig.from_hf(read_config(cfg.init_from), cfg.init_from) if cfg.init_from else None
+    taps = cfg.target_layer_ids or (tuple(sorted(set(init.target_layer_ids))) if init else default_taps(t.num_layers))
     return DFlashConfig(
         hidden_size=t.hidden_size, intermediate_size=cfg.intermediate_size or t.hidden_size, num_layers=cfg.num_layers,
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=t.hidden_size // cfg.num_heads,
         vocab_size=t.vocab_size, num_target_layers=t.num_layers,
-        target_layer_ids=cfg.target_layer_ids or default_taps(t.num_layers), block_size=cfg.block_size,
+        target_layer_ids=taps, block_size=cfg.block_size,
         mask_token_id=target.tokenizer.mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
         conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank,
         selector_top_k=cfg.selector_top_k, short_blocks=True,  # greedy drafts of k + 1 slots: see docs/models.md
-        sampling_top_k=cfg.sampling_top_k,
+        sampling_top_k=cfg.sampling_top_k, last_tap_before_norm=bool(init and init.last_tap_before_norm),
     )
 
 
@@ -228,7 +231,7 @@ def train_drafter(
     torch.manual_seed(cfg.seed)
     dcfg = drafter_config(target_dir, cfg)
     runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
-                    tap_layers=dcfg.target_layer_ids)
+                    tap_layers=dcfg.tap_points)
     top_k = cfg.kl_top_k if cfg.kl_weight or cfg.selector_kl_weight else 0
     taps = tap_features(runner, sequences, dtype=getattr(torch, cfg.feature_dtype), top_k=top_k,
                         temperature=cfg.kl_temperature)
@@ -283,6 +286,9 @@ def warm_start(model: DFlashDrafter, source: str | Path) -> None:
     old = load_drafter(source)
     if old.cfg.num_layers > model.cfg.num_layers:
         raise ValueError(f"{source}: {old.cfg.num_layers} layers; cannot start a drafter of {model.cfg.num_layers}")
+    if old.cfg.tap_points != model.cfg.tap_points:
+        raise ValueError(f"{source}: it reads the target's taps {old.cfg.tap_points}, this drafter "
+                         f"{model.cfg.tap_points} (target_layer_ids)")
     missing, unexpected = model.load_state_dict(old.state_dict(), strict=False)
     added = {f"layers.{i}." for i in range(old.cfg.num_layers, model.cfg.num_layers)}
     if unexpected or any(not any(k.startswith(a) for a in added) for k in missing):
@@ -300,7 +306,7 @@ def soft_overlap(model: DFlashDrafter, target_dir: str | Path, sequences: Sequen
     give a q sampled at the target's temperature."""
     dcfg = model.cfg
     runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
-                    tap_layers=dcfg.target_layer_ids)
+                    tap_layers=dcfg.tap_points)
     features, *soft = tap_features(runner, sequences, top_k=cfg.kl_top_k, temperature=cfg.kl_temperature)
     batcher = _Batcher(sequences, prompt_lens, features, dcfg.block_size, np.random.default_rng(1234), soft)
     cos, sin = rope_table(dcfg, runner.max_len + dcfg.block_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.models import ModelConfig, load_weights, read_config
+from blockspec.common.model_config import ModelConfig
+from blockspec.common.models import load_weights, read_config
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.config import DFlashConfig
 from blockspec.services.drafter.dflash.model import DFlashDrafter
@@ -44,9 +46,25 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlash
     for name, param in expected.items():
         if tuple(weights[name].shape) != tuple(param.shape):
             raise ModelLoadError(str(p), f"tensor {name} has shape {tuple(weights[name].shape)}, config implies {tuple(param.shape)}")
+    cfg, weights = in_tap_order(cfg, weights)
+    if cfg is not model.cfg:
+        model = DFlashDrafter(cfg)
     model.load_state_dict(weights, strict=True)
     model.draft_vocab = draft_vocab.load(p, cfg.vocab_size)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def in_tap_order(cfg: DFlashConfig, weights: dict[str, torch.Tensor]) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+    """The reference concatenates the tapped layers' outputs in the order target_layer_ids lists them (a layer listed
+    twice, twice); the verifier keeps each tapped layer once, in increasing order (`DFlashConfig.tap_points`). For ids
+    listed otherwise, fc's input columns are rearranged to that order, a repeated layer's columns summed: the same
+    product over the verifier's features."""
+    ids, order = cfg.target_layer_ids, tuple(sorted(set(cfg.target_layer_ids)))
+    if ids == order:
+        return cfg, weights
+    H, fc = cfg.hidden_size, weights["fc.weight"]  # [H, len(ids) * H]
+    blocks = [sum(fc[:, j * H : (j + 1) * H] for j, i in enumerate(ids) if i == layer) for layer in order]
+    return dataclasses.replace(cfg, target_layer_ids=order), {**weights, "fc.weight": torch.cat(blocks, dim=1)}
 
 
 def check_fits_target(cfg: DFlashConfig, target: ModelConfig, path: str) -> None:

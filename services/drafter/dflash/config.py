@@ -18,7 +18,7 @@ from blockspec.common.model_config import DEFAULTS, rope_settings
 DEFAULT_BLOCK_SIZE = 16
 DRAFTER_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "conv_kernel_size", "conv_group_size",
                 "selector_rank", "selector_top_k", "output_multiplier", "final_logit_softcapping",
-                "input_embedding_scale", "short_blocks", "sampling_top_k")
+                "input_embedding_scale", "short_blocks", "sampling_top_k", "last_tap_before_norm")
 # Top-level keys read below, and those with no bearing on drafting (bookkeeping, the target's token ids, training).
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "num_target_layers", "rms_norm_eps", "hidden_act", "rope_theta",
@@ -50,7 +50,9 @@ class DFlashConfig:
     head_dim: int
     vocab_size: int  # the target's vocabulary
     num_target_layers: int  # layer count of the target the drafter was trained on
-    target_layer_ids: tuple[int, ...]  # tapped target layers (decoder layer outputs, 0-based)
+    # Tapped target layers, 0-based, read as the reference reads transformers' hidden_states[i + 1]: layer i's output,
+    # and for the last layer the final norm's output. The features are concatenated in this order.
+    target_layer_ids: tuple[int, ...]
     block_size: int  # anchor + block_size - 1 draft slots
     mask_token_id: int
     rms_norm_eps: float = 1e-6
@@ -76,6 +78,18 @@ class DFlashConfig:
     # blockspec's own: the candidates per slot a sampling request's walk draws from (its q's support), the selector's
     # top ones by unary score; None: selector_top_k. Greedy walks keep selector_top_k.
     sampling_top_k: int | None = None
+    # blockspec's own: the last target layer is tapped before the final norm, not after it as the reference reads it;
+    # set on the drafters trained so (the shipped ones), whose weights expect those features.
+    last_tap_before_norm: bool = False
+
+    @property
+    def tap_points(self) -> tuple[int, ...]:
+        """The verifier's tap ids (`runner.Runner`) for target_layer_ids, increasing and distinct: a layer's id for its
+        output, num_target_layers for the final norm's output (the last layer as the reference reads it). The drafter
+        reads its features in this order (`checkpoint.load_drafter` arranges `fc` for it)."""
+        last = self.num_target_layers - 1
+        return tuple(sorted({self.num_target_layers if i == last and not self.last_tap_before_norm else i
+                             for i in self.target_layer_ids}))
 
     @property
     def sampling_width(self) -> int:
@@ -122,6 +136,8 @@ class DFlashConfig:
             dflash["short_blocks"] = True
         if self.sampling_top_k is not None:
             dflash["sampling_top_k"] = self.sampling_top_k
+        if self.last_tap_before_norm:
+            dflash["last_tap_before_norm"] = True
         rope = {"rope_theta": self.rope_theta, "rope_type": "llama3" if self.rope_scaling else "default",
                 **dict(self.rope_scaling)}
         extra = {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window} if self.layer_types else {}
@@ -202,6 +218,7 @@ class DFlashConfig:
             is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
             short_blocks=bool(value("short_blocks", False)),
             sampling_top_k=None if value("sampling_top_k") is None else int(value("sampling_top_k")),
+            last_tap_before_norm=bool(value("last_tap_before_norm", False)),
         )
         if cfg.sampling_top_k is not None and not cfg.selector_top_k <= cfg.sampling_top_k <= cfg.vocab_size:
             raise ModelLoadError(path, f"sampling_top_k {cfg.sampling_top_k} must lie between selector_top_k "

@@ -40,7 +40,7 @@ def verifier_needs(method: str, dflash_cfg=None) -> tuple[tuple[int, ...], int]:
     """What the verifier provides for a method: the target layers whose outputs the drafter reads (dflash's
     taps), and the most draft tokens one step verifies (invariant mode's query width is that + 1)."""
     if method == "dflash":
-        return tuple(dflash_cfg.target_layer_ids), dflash_cfg.max_k
+        return dflash_cfg.tap_points, dflash_cfg.max_k
     return (), 0 if method == "none" else MAX_K
 
 
