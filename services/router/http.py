@@ -2,8 +2,8 @@
 the OpenAI-compatible /v1 paths (openai_http.py).
 
 What the server bounds for every connection: the listen backlog (BACKLOG), the time to send a request's head
-(HEAD_TIMEOUT_S: a client that trickles header bytes is cut off), a head's size (llhttp's limit), the time and
-size of a body (openai_http.py). With `tls`, the TLS handshake is this module's (asyncio's start_tls), so a refused
+(HEAD_TIMEOUT_S: a client that trickles header bytes is cut off), a head's size (MAX_HEAD_BYTES: 431 and the
+connection closed), the time and size of a body (openai_http.py). With `tls`, the TLS handshake is this module's (asyncio's start_tls), so a refused
 handshake is counted and logged with its peer."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import httptools
 import uvicorn
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
@@ -36,6 +37,14 @@ log = logging.getLogger(__name__)
 BACKLOG = 2048  # connections the kernel queues before accept (as uvicorn's and nginx's default; capped by somaxconn)
 HEAD_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head (and TLS handshake) in this long is closed
 HEALTH_MAX_AGE_S = 0.5  # /health answers from a readiness at most this old (asked of the roles in one thread)
+# A request head (request line and headers) past this is refused with 431 and its connection closed, before more of
+# it is held: nginx's default bound (4 buffers of 8 KiB); llhttp itself has none.
+MAX_HEAD_BYTES = 32 << 10
+LINGER_S = 1.0  # after a refused head, what the client still sends is read and dropped this long before the close
+
+
+class HeadTooLarge(Exception):
+    """Raised inside the parser's callback to stop parsing a head past MAX_HEAD_BYTES."""
 
 
 class Ready(NamedTuple):
@@ -126,9 +135,11 @@ class FrontProtocol(HttpToolsProtocol):
 
     tls = None  # a common.tls.ServerTls (set on a subclass per server)
     head_timeout_s = HEAD_TIMEOUT_S
+    max_head_bytes = MAX_HEAD_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._made, self._head_timer, self._early = False, None, []
+        self._head_bytes: int | None = 0  # bytes of the head being received; None once it is whole
         if self.tls is None:
             self._made = True
             super().connection_made(transport)
@@ -158,10 +169,61 @@ class FrontProtocol(HttpToolsProtocol):
         self._early.clear()
 
     def data_received(self, data: bytes) -> None:
+        """uvicorn's, with the head's size bounded: a chunk that is all head counts whole (a head that ends within a
+        chunk is measured when it is whole, `on_headers_complete`)."""
         if not self._made:  # the request that came with the handshake's end, before start_tls returned here
             self._early.append(data)
             return
-        super().data_received(data)
+        if self._head_bytes == -1:  # refused: dropped while the answer reaches the client
+            return
+        in_head = self._head_bytes is not None
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            if isinstance(e.__context__, HeadTooLarge):
+                return self._refuse_head()
+            self._bad_request()
+            return
+        except httptools.HttpParserError:
+            self._bad_request()
+            return
+        except httptools.HttpParserUpgrade:  # no WebSocket here (ws="none"): the request is answered as HTTP
+            self._unsupported_upgrade_warning()
+        if in_head and self._head_bytes is not None and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse_head()
+
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.max_head_bytes:
+            raise HeadTooLarge
+        self._head_bytes = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_bytes = 0  # the next request's head begins
+
+    def _bad_request(self) -> None:
+        log.debug("HTTP: %s sent a request that is not HTTP/1.1", self.client)
+        self.send_400_response("Invalid HTTP request received.")
+
+    def _refuse_head(self) -> None:
+        """431, then the connection closed: the head is neither parsed further nor kept. Closing a socket with unread
+        bytes resets it, which can destroy the answer in flight, so the write side is shut first and what the client
+        still sends is dropped for LINGER_S (nginx's lingering close); over TLS it closes at once."""
+        log.info("HTTP: refused a request head over %d bytes from %s", self.max_head_bytes, self.client)
+        self._head_bytes, self.headers, self.url = -1, [], b""
+        body = f"request head over {self.max_head_bytes} bytes (the request line and headers)\n".encode()
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8"
+                             b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        if self.tls is not None or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:

@@ -204,6 +204,8 @@ def _sampling(req: OpenAIRequest, sp: api_pb2.SamplingParams) -> None:
     sp.temperature = 1.0 if req.temperature is None else req.temperature
     sp.top_p = 1.0 if req.top_p is None else req.top_p
     sp.top_k = 0 if req.top_k in (None, -1) else _unsigned("top_k", req.top_k)
+    if req.top_p == 0:  # nucleus sampling's limit, the most likely token alone (gRPC reads top_p 0 as unset)
+        sp.top_p, sp.top_k = 1.0, 1
     sp.presence_penalty = req.presence_penalty or 0.0
     sp.frequency_penalty = req.frequency_penalty or 0.0
     if req.repetition_penalty is not None:

@@ -34,6 +34,9 @@ from blockspec.services.router.server import VERSION_HEADER
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a request body past this is refused (413), declared or streamed (chunked)
+# A header value that travels on as gRPC metadata (Authorization) or an id past this is refused (431, naming it): gRPC
+# refuses metadata over 8 KiB at random and over 16 KiB always, as RESOURCE_EXHAUSTED, which reads as a rate limit.
+MAX_HEADER_VALUE_BYTES = 4096
 BODY_TIMEOUT_S = 30.0  # a body not received whole in this long is refused (408) and its connection closed
 MODEL_INFO_S = 1.0  # the served model's name is asked again after this long (a rollout changes it)
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET"}
@@ -103,11 +106,24 @@ async def _next(call) -> api_pb2.GenerateResponse:
 
 def header(request: Request, name: str) -> str | None:
     """A request header's value, which must be printable ASCII (it goes into gRPC metadata, a response header or an
-    id): 400 naming the header otherwise."""
+    id): 400 naming the header otherwise; 431 naming it past MAX_HEADER_VALUE_BYTES."""
     raw = request.headers.get(name)
+    if raw is not None and len(raw) > MAX_HEADER_VALUE_BYTES:
+        raise ApiError("431 Request Header Fields Too Large", "invalid_request_error",
+                       f"{name}: {len(raw)} bytes; at most {MAX_HEADER_VALUE_BYTES} are read", name)
     if raw is not None and not all(" " <= ch <= "~" for ch in raw):
         raise bad_request(name, "must be printable ASCII (no control or non-ASCII characters)")
     return raw
+
+
+def json_body(request: Request) -> None:
+    """A body's Content-Type, where given, must be JSON (application/json, or a +json type): 415 naming it otherwise."""
+    given = request.headers.get("content-type")
+    media = (given or "").split(";")[0].strip().lower()
+    if given is not None and media != "application/json" and not media.endswith("+json"):
+        raise ApiError("415 Unsupported Media Type", "invalid_request_error",
+                       f"Content-Type: {given[:100]!r}; the body is read as JSON: send application/json",
+                       "Content-Type")
 
 
 async def complete(upstream: Upstream, req: OpenAIRequest, request: Request, metadata: tuple) -> Response:
@@ -211,6 +227,7 @@ async def _route(upstream: Upstream, request: Request) -> Response:
             {"id": info.target, "object": "model", "created": 0, "owned_by": "blockspec",
              "max_model_len": info.context_len}]})
     kind = ChatRequest if path == "/v1/chat/completions" else CompletionRequest
+    json_body(request)
     return await complete(upstream, parse(await _body(request), kind), request, metadata)
 
 

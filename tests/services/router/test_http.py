@@ -1,7 +1,8 @@
-"""The router's HTTP front (uvicorn): what a hostile or broken client does to it. Every test here is a defect of the
-hand-written server it replaced: a listen backlog of 5, connections held open by trickled header bytes, a stalled body
-ending in a 500 and a traceback, header bytes that reached gRPC metadata or a response header raw, chunked bodies
-ignored, and a drafter restart answered 503."""
+"""The router's HTTP front (uvicorn): what a hostile or broken client does to it. Every test here is a defect a probe
+found: a listen backlog of 5, connections held open by trickled header bytes, a stalled body ending in a 500 and a
+traceback, header bytes that reached gRPC metadata or a response header raw, chunked bodies ignored, a drafter restart
+answered 503, request heads of any size held whole, a long Authorization answered as a rate limit, a text/plain body
+read as JSON, and top_p 0 served as top_p 1."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from blockspec.services.router import openai_http
-from blockspec.services.router.http import BACKLOG, Ready, start_http
+from blockspec.services.router.http import BACKLOG, MAX_HEAD_BYTES, Ready, start_http
 from tests.services.router.test_openai import Served
 
 
@@ -41,6 +43,23 @@ def exchange(port: int, raw: bytes, timeout: float = 10.0) -> bytes:
         except TimeoutError:
             pass
     return data
+
+
+@pytest.fixture(scope="module")
+def v1(tiny_models):
+    """A router with the /v1 paths behind the HTTP front, plain decoding of the tiny qwen3 target."""
+    from blockspec.services.serving.engine import Engine
+
+    served = Served(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2))
+    yield served
+    served.close()
+
+
+def post(port: int, headers: bytes, body: bytes) -> tuple[bytes, bytes]:
+    """A POST /v1/completions with the given extra header lines: the status line and the body of the answer."""
+    reply = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"Content-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return reply.partition(b"\r\n")[0], reply.partition(b"\r\n\r\n")[2]
 
 
 def test_an_idle_connection_does_not_hold_up_the_health_probe(front):
@@ -192,3 +211,86 @@ def test_health_says_degraded_while_serving_without_the_drafter(monkeypatch):
     assert readiness() == Ready(True, "ok\n")
     state["replicas"] = []  # --inprocess: no role to ask
     assert readiness() == Ready(True, "ok\n")
+
+
+@pytest.mark.parametrize("head", [b"X-Big: " + b"a" * (8 << 20) + b"\r\n", b"X-A: b\r\n" * 200_000,
+                                  b"X-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n"],
+                         ids=["one-8MiB-header", "200k-headers", "just-over-the-limit"])
+def test_a_head_over_the_limit_is_431_and_its_connection_closed(front, head):
+    """Before: any head was read whole (a 64 MiB header answered 200 after 6 s, a million headers took 97 MiB)."""
+    reply = exchange(front.server_port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+    assert reply.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), reply[:100]
+    assert b"connection: close" in reply and reply.endswith(b"(the request line and headers)\n")  # then closed
+
+
+def test_a_head_within_the_limit_is_served_and_the_next_one_on_the_connection_is_bounded_too(front):
+    near = b"X-Big: " + b"a" * (MAX_HEAD_BYTES - 200) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", front.server_port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + near + b"\r\n")
+        answer = b""
+        while not answer.endswith(b"ready\n"):
+            answer += s.recv(1000)
+        assert answer.startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + near * 2 + b"\r\n")
+        answer = b""
+        while chunk := s.recv(1000):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 431")
+
+
+def test_parallel_large_heads_leave_the_servers_memory_bounded(front):
+    """Twenty connections each sending a 16 MiB header at once (before: the process grew by hundreds of MiB until
+    the head deadline)."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (16 << 20) + b"\r\n\r\n"
+    process = psutil.Process()
+    before = process.memory_info().rss
+    replies: list[bytes] = []
+
+    def send() -> None:
+        try:
+            replies.append(exchange(front.server_port, head)[:40])
+        except OSError as e:  # the server closed while this client still sent: refused too
+            replies.append(repr(e).encode())
+
+    threads = [threading.Thread(target=send) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    grown = (process.memory_info().rss - before) / 2**20
+    assert len(replies) == 20 and all(r.startswith(b"HTTP/1.1 431") or b"Error" in r for r in replies), replies
+    assert grown < 64, f"the process grew {grown:.0f} MiB"
+
+
+def test_an_authorization_header_over_the_limit_is_431_naming_it_not_a_rate_limit(v1):
+    """Before: over 16 KB it reached gRPC's metadata limit and came back 429 rate_limit_error, which clients retry."""
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    status, answer = post(v1.port, b"Content-Type: application/json\r\nAuthorization: Bearer " + b"k" * 20000
+                          + b"\r\n", body)
+    assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
+    error = json.loads(answer)["error"]
+    assert error["param"] == "Authorization" and error["type"] == "invalid_request_error"
+    status, _ = post(v1.port, b"Content-Type: application/json\r\nAuthorization: Bearer " + b"k" * 3000 + b"\r\n",
+                     body)
+    assert status == b"HTTP/1.1 200 OK"  # a long token within the limit (no keys configured: any key serves)
+
+
+@pytest.mark.parametrize(("content_type", "status"), [(b"text/plain", b"415"), (b"application/x-www-form-urlencoded",
+                                                      b"415"), (b"application/json; charset=utf-8", b"200"),
+                                                     (None, b"200")])
+def test_a_body_that_is_not_sent_as_json_is_415(v1, content_type, status):
+    """Before: any Content-Type was read as JSON. Absent, the body is read as JSON."""
+    line = b"" if content_type is None else b"Content-Type: " + content_type + b"\r\n"
+    got, answer = post(v1.port, line, b'{"prompt": "hi", "max_tokens": 2}')
+    assert got.startswith(b"HTTP/1.1 " + status), (got, answer)
+    if status == b"415":
+        assert json.loads(answer)["error"]["param"] == "Content-Type"
+
+
+def test_top_p_0_is_the_most_likely_token_alone_never_the_whole_distribution(v1, prompts, references, tokenizer):
+    """Before: top_p 0 went to gRPC, where 0 means unset, and sampled from everything at temperature 1."""
+    model = v1.client.models.list().data[0].id
+    for seed in (1, 2, 3):
+        out = v1.client.completions.create(model=model, prompt=prompts[3], max_tokens=24, temperature=1.0, top_p=0,
+                                           seed=seed)
+        assert out.choices[0].text == tokenizer.decode(references["qwen3"][3][:24], skip_special_tokens=True)
