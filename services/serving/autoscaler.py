@@ -31,6 +31,9 @@ class Autoscaler:
         self.router, self.fleet = router, fleet
         self.starting = 0
         self.tasks: set[asyncio.Task] = set()
+        # Replicas lost with their verifier whose capacity is not back: /health says degraded, naming them, until a
+        # replica started after the loss is ready, or the policy wants no replacement (nothing starting).
+        self.replacing: list[str] = []
 
     @property
     def live(self) -> int:
@@ -43,9 +46,14 @@ class Autoscaler:
         if decision is not None:
             log.info("autoscaling: %d -> %d replicas: %s", live, decision.replicas, decision.reason)
             for _ in range(decision.replicas - live):
+                self.starting += 1  # counted from now: the step's own checks below see it
                 self._spawn(self._up())
             if decision.replicas < live:
                 self._spawn(self._down())
+        if self.replacing and not self.starting:  # no replacement wanted: the capacity is what the policy asks
+            log.info("autoscaling: replica %s is not replaced (%d replicas serve, as the queue asks)",
+                     ", ".join(self.replacing), live)
+            self.replacing.clear()
         self._gauges(waiting, decision.replicas if decision is not None else None)
 
     def _gauges(self, waiting: int, desired: int | None) -> None:
@@ -68,7 +76,6 @@ class Autoscaler:
 
     async def _up(self) -> None:
         release = self.fleet.active
-        self.starting += 1
         index, release.next_index = release.next_index, release.next_index + 1
         try:
             pair = await asyncio.to_thread(release.start_replica, index)
@@ -81,11 +88,14 @@ class Autoscaler:
             loop = await asyncio.to_thread(release.make_loop, pair)
             scheduler = await self.router.add_replica(loop, release.version)
             release.roles[id(scheduler)] = pair
-            log.info("autoscaling: replica %s is ready and takes requests (version %s)", scheduler.replica, release.name)
+            replaced = f" in place of replica {self.replacing.pop(0)}" if self.replacing else ""
+            log.info("autoscaling: replica %s is ready and takes requests%s (version %s)", scheduler.replica, replaced,
+                     release.name)
         except Exception as e:  # noqa: BLE001 - a replica that did not start: the policy asks again
             log.error("autoscaling: starting a replica failed (%s)", e)
         finally:
             self.starting -= 1
+            self._gauges(self.router.waiting, None)  # the ready count as /health sees it, not a step later
 
     async def _down(self) -> None:
         release = self.fleet.active
@@ -114,6 +124,8 @@ class Autoscaler:
         release.pairs.remove(pair)
         del release.roles[id(scheduler)]
         release.version.draining.add(scheduler)  # from now on, before the drain task runs
+        self.replacing.append(scheduler.replica)
+        self._gauges(self.router.waiting, None)
         self._spawn(self._remove(scheduler, pair, release.version))
 
     async def _remove(self, scheduler, pair: tuple, version) -> None:

@@ -59,6 +59,12 @@ class Release:
     def name(self) -> str:
         return self.cfg.version
 
+    def replica_name(self, pair: tuple) -> str:
+        """The router's name of the replica over `pair` (its scheduler's, as in metrics and logs); its index among
+        the pairs before the router has one."""
+        schedulers = self.version.schedulers if self.version is not None else ()
+        return next((s.replica for s in schedulers if self.roles.get(id(s)) is pair), str(self.pairs.index(pair)))
+
     def status(self) -> dict:
         v = self.version
         out = {"version": self.name, "state": self.state, "since": round(self.since, 3),

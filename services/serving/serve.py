@@ -284,8 +284,9 @@ def _loopback(host: str, state: dict) -> str | None:
 
 def _readiness(state: dict) -> Callable[[], Ready]:
     """/health's answer from serve_roles' state: serving once the router is up, a verifier answers and no step is
-    stalled; degraded (still serving) while some replica's verifier (the others serve) or drafter (k = 0) does not
-    answer."""
+    stalled; degraded (still serving) while some replica's verifier does not answer or was lost and its replacement is
+    not yet ready (the others serve), or a drafter does not answer (k = 0). Replicas are named as in the router's
+    metrics and logs."""
 
     def readiness() -> Ready:
         router = state["router"]
@@ -293,17 +294,23 @@ def _readiness(state: dict) -> Callable[[], Ready]:
             return Ready(False, "starting\n")
         fleet = state.get("fleet")  # the active release's replicas (a rollout's candidate does not count)
         replicas = list(fleet.active.pairs if fleet is not None else state["replicas"])
-        verifiers_down = [i for i, (verifier, _) in enumerate(replicas) if not _answers(verifier)]
+        names = [fleet.active.replica_name(pair) if fleet is not None else str(i) for i, pair in enumerate(replicas)]
+        verifiers_down = [name for name, (verifier, _) in zip(names, replicas) if not _answers(verifier)]
         if replicas and len(verifiers_down) == len(replicas):  # none serves (--inprocess has no role to ask)
-            return Ready(False, f"replica {', '.join(map(str, verifiers_down))}: verifier not answering\n")
+            return Ready(False, f"replica {', '.join(verifiers_down)}: verifier not answering\n")
         if router.stalled(STALL_S):
             return Ready(False, f"no step finished in {STALL_S:.0f} s\n")
-        if verifiers_down:  # the others serve; the lost one is being replaced
-            return Ready(True, f"degraded: replica {', '.join(map(str, verifiers_down))}: verifier not answering "
+        if verifiers_down:  # the others serve
+            return Ready(True, f"degraded: replica {', '.join(verifiers_down)}: verifier not answering "
                                "(the other replicas serve)\n", degraded=True)
-        drafters_down = [i for i, (_, drafter) in enumerate(replicas) if drafter is not None and not _answers(drafter)]
+        autoscaler = state.get("autoscaler")
+        if autoscaler is not None and autoscaler.replacing:
+            return Ready(True, f"degraded: replica {', '.join(autoscaler.replacing)}: verifier lost, its replacement "
+                               "is starting (the other replicas serve)\n", degraded=True)
+        drafters_down = [name for name, (_, drafter) in zip(names, replicas) if drafter is not None
+                         and not _answers(drafter)]
         if drafters_down:
-            return Ready(True, f"degraded: replica {', '.join(map(str, drafters_down))}: drafter not answering "
+            return Ready(True, f"degraded: replica {', '.join(drafters_down)}: drafter not answering "
                                "(requests run at k=0)\n", degraded=True)
         return Ready(True, "ok\n")
 

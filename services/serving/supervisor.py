@@ -43,6 +43,7 @@ async def route(cfg: BlockspecConfig, router_over: Callable, http_port: int, sta
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     fixed = AutoscalingConfig(min_replicas=cfg.server.replicas, max_replicas=cfg.server.replicas)
     autoscaler = Autoscaler(cfg.server.autoscaling or fixed, router, fleet) if start_replica is not None else None
+    state["autoscaler"] = autoscaler  # /health reads which lost replicas are being replaced
     try:
         return await supervise(fleet, stop, router, readiness, autoscaler)
     finally:

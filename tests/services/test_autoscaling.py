@@ -4,6 +4,8 @@ load ending drains it back to one; every stream is the target alone's, none fail
 from __future__ import annotations
 
 import re
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,13 +70,25 @@ def test_replicas_follow_the_queue_up_to_max_and_back_to_min(tiny_models, dflash
 def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_models, dflash_drafters, tmp_path,
                                                                            prompts, references):
     """Two replicas; one's verifier is killed mid-stream: its streams end UNAVAILABLE (retriable), the other
-    replica's finish as the target alone's, the server stays up, and a new replica takes the lost one's place."""
+    replica's finish as the target alone's, the server stays up, and a new replica takes the lost one's place.
+    /health says degraded, naming replica 0, from the loss until the replacement is ready (before: `ok` while the
+    replacement started, and the wrong replica named)."""
     import os
     import signal
 
     import grpc
 
     info, log = serve_replicas(tiny_models, dflash_drafters, tmp_path, TWO_REPLICAS, "--no-ray")
+    health: list[tuple[float | None, str]] = []  # (ready replicas, /health's text) sampled from the kill on
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            ready = gauge(info["http"], "blockspec_replicas", '{state="ready"}')
+            with urllib.request.urlopen(f"http://127.0.0.1:{info['http']}/health", timeout=5) as r:
+                health.append((ready, r.read().decode()))
+            time.sleep(0.2)
+
     try:
         verifiers = role_pids(info["proc"], "role verifier")
         assert len(verifiers) == 2
@@ -82,6 +96,8 @@ def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_m
             futures = [pool.submit(generate, info["stub"], prompts[i], 128, 300) for i in (2, 3, 4, 5)]
             assert wait_for(lambda: gauge(info["http"], "blockspec_requests_running", '{replica="0"}') == 2, 60)
             os.kill(verifiers[0], signal.SIGKILL)
+            watcher = threading.Thread(target=watch)
+            watcher.start()
             outcomes = []
             for i, f in zip((2, 3, 4, 5), futures, strict=True):
                 try:
@@ -94,12 +110,22 @@ def test_a_replica_whose_verifier_dies_is_replaced_while_the_other_serves(tiny_m
         assert sorted(set(outcomes)) == ["ok", "unavailable"] and info["proc"].poll() is None
         assert wait_for(lambda: len(role_pids(info["proc"], "role verifier")) == 2, 60)
         assert wait_for(lambda: gauge(info["http"], "blockspec_replicas", '{state="ready"}') == 2, 60)
+        assert wait_for(lambda: health and health[-1][1] == "ok\n", 10), health[-5:]
+        watching.set()
+        watcher.join(10)
         for i in (6, 7):
             ids, _, _ = generate(info["stub"], prompts[i], 32)
             assert ids == references["qwen3"][i][:32]
     finally:
+        watching.set()
         stop_serve(info)
-    assert "lost its verifier" in log.read_text()
+    text = log.read_text()
+    assert "lost its verifier" in text and "in place of replica 0" in text
+    short = [h for ready, h in health if ready is not None and ready < 2]
+    assert short and all(h.startswith("degraded: replica 0: verifier ") for h in short), sorted(set(health), key=str)
+    assert any("replica 0: verifier lost, its replacement is starting" in h for h in short)
+    first_ok = next(i for i, (_, h) in enumerate(health) if h == "ok\n")
+    assert all(h.startswith("degraded: replica 0") for _, h in health[:first_ok]), sorted(set(health), key=str)
 
 
 @pytest.mark.slow  # a local Ray cluster and a second placement group: a minute and more

@@ -294,3 +294,42 @@ def test_top_p_0_is_the_most_likely_token_alone_never_the_whole_distribution(v1,
         out = v1.client.completions.create(model=model, prompt=prompts[3], max_tokens=24, temperature=1.0, top_p=0,
                                            seed=seed)
         assert out.choices[0].text == tokenizer.decode(references["qwen3"][3][:24], skip_special_tokens=True)
+
+
+def test_health_names_replicas_as_the_router_does_and_stays_degraded_until_a_lost_one_is_replaced(monkeypatch):
+    """Before: a lost replica left the pairs at once and /health said ok while its replacement started (17 s in the
+    probe); a replica was named by its position among the pairs, not by its name."""
+    from blockspec.services.serving import serve
+
+    class Role:
+        def __init__(self, up: bool) -> None:
+            self.up, self.address = up, "x"
+
+    class Release:
+        def __init__(self, pairs: dict[str, tuple]) -> None:
+            self.pairs, self.names = list(pairs.values()), {id(p): name for name, p in pairs.items()}
+
+        def replica_name(self, pair: tuple) -> str:
+            return self.names[id(pair)]
+
+    class Router:
+        @staticmethod
+        def stalled(limit_s: float) -> bool:
+            return False
+
+    class Autoscaler:
+        replacing: list[str] = []
+
+    monkeypatch.setattr(serve, "_answers", lambda role: role.up)
+    fleet, autoscaler = type("Fleet", (), {})(), Autoscaler()
+    fleet.active = Release({"1": (Role(True), Role(True)), "2": (Role(False), Role(True))})
+    state = {"router": Router(), "replicas": [], "fleet": fleet, "autoscaler": autoscaler}
+    readiness = serve._readiness(state)
+    assert readiness().detail == "degraded: replica 2: verifier not answering (the other replicas serve)\n"
+    fleet.active = Release({"1": (Role(True), Role(True))})  # replica 2 lost: out of the pairs
+    autoscaler.replacing = ["2"]
+    assert readiness() == Ready(True, "degraded: replica 2: verifier lost, its replacement is starting (the other "
+                                      "replicas serve)\n", degraded=True)
+    fleet.active = Release({"1": (Role(True), Role(True)), "3": (Role(True), Role(False))})
+    autoscaler.replacing = []  # replica 3 ready in its place
+    assert readiness().detail == "degraded: replica 3: drafter not answering (requests run at k=0)\n"
