@@ -26,6 +26,11 @@ class RoleStream(abc.ABC):
     def __init__(self) -> None:
         self._sessions: dict[str, object] = {}  # request -> the stream (router) that last sent it
 
+    @property
+    def held(self) -> int:
+        """Requests a router sent and has not released (their state is kept for the next op)."""
+        return len(self._sessions)
+
     @abc.abstractmethod
     def _run(self, request, session: object):
         """One op of the stream; returns its response message."""

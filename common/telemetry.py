@@ -67,6 +67,12 @@ class RouterMetrics:
         view._instruments, view.version, view._bound = self._instruments, version, {}
         return view
 
+    def drop(self) -> None:
+        """Remove every series of this view's version from the instruments: a version that stopped serving (a retired
+        or failed release) leaves no gauge reading on stale, and its series end."""
+        for metric in vars(self._instruments).values():
+            metric.remove_by_labels({"version": self.version})
+
     def __getattr__(self, name: str) -> _Bound:
         if name.startswith("_"):
             raise AttributeError(name)

@@ -103,6 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
     from blockspec.common.grpc_server import BindError
+    from blockspec.services.serving.launch import freeze_for_exit
     from blockspec.services.serving.serve import RoleStartError, serve_external, serve_processes
 
     cfg = load_config(args.config)
@@ -132,6 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (RoleStartError, BindError) as e:  # a role that ended before it served (it printed why), no room on Ray
         print(f"blockspec: error: {e}", file=sys.stderr)  # for one, a port taken by another process
         return 1
+    finally:
+        freeze_for_exit()
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

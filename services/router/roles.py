@@ -81,11 +81,18 @@ class RemoteVerifier:
         self._pending[request_id] = item
 
     def release(self, request_id: str) -> None:
+        """The release travels with the next op; with none to come (this was the last request), in an op of its own
+        now: a verifier must not hold a request after its stream has ended."""
         if self._pending.pop(request_id, None) is not None:
             return  # the verifier never heard of it
         if self._active.pop(request_id, None) is not None or request_id in self._prefilling:
             self._prefilling.discard(request_id)
             self._release.append(request_id)
+        if self._release and not (self._active or self._prefilling or self._pending):
+            try:
+                self._call()
+            except Exception as e:  # noqa: BLE001 - the verifier is gone: it holds nothing; the next op says so
+                log.warning("releasing %d requests at the verifier failed (%s)", len(self._release), e)
 
     def _call(self, **ops) -> list[VerifyResult]:
         self._seq += 1
@@ -169,8 +176,19 @@ class RemoteDrafter:
         self._next_try = time.monotonic() + self.retry_s
 
     def release(self, request_id: str) -> None:
+        """As RemoteVerifier.release: with the next propose, or now when no request is left to propose for."""
         if self._sent.pop(request_id, None) is not None:
             self._release.append(request_id)
+        if self._release and not self._sent and self._stream is not None:
+            self._seq += 1
+            try:
+                resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, release=self._release), self.timeout_s)
+                if resp.seq != self._seq:
+                    raise RuntimeError(f"drafter answered op {resp.seq} to op {self._seq}")
+            except Exception as e:  # noqa: BLE001 - as a failed propose: reconnect later, the releases go then
+                self._down(e)
+                return
+            self._release = []
 
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
         if self._stream is None and time.monotonic() >= self._next_try:

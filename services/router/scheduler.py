@@ -149,7 +149,7 @@ class Scheduler:
 
     def _drive(self) -> None:
         """Jobs first (they change what the next step runs; none waiting and nothing to step: wait for one), then
-        one step; until stop() (after the step in flight)."""
+        one step; until stop() (after the step in flight), which cancels what is left so that the roles free it."""
         while True:
             try:
                 job = self._jobs.get(block=self.step_loop.idle)
@@ -157,6 +157,10 @@ class Scheduler:
                 self._step()
                 continue
             if job is None:
+                try:
+                    self.step_loop.cancel_all()
+                except Exception:  # noqa: BLE001 - a role that is gone holds nothing
+                    log.debug("cancelling the requests left at stop failed", exc_info=True)
                 return
             self._run_job(*job)
 

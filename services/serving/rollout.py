@@ -288,6 +288,8 @@ class Fleet:
         if version is not None:
             await asyncio.gather(*(self.router.drain(s, version=version) for s in list(version.schedulers)))
             self.router.service.versions.pop(release.name, None)
+            if version.metrics is not None:
+                version.metrics.drop()
         for pair in list(release.pairs):
             release.pairs.remove(pair)
             for role in pair:

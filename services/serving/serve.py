@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -256,10 +257,15 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
     finally:
         http.shutdown()
         fleet = state.get("fleet")
-        for verifier, drafter in [p for r in fleet.releases for p in r.pairs] if fleet else state["replicas"]:
-            for role in (drafter, verifier):
-                if role is not None:
-                    role.stop()
+        pairs = [p for r in fleet.releases for p in r.pairs] if fleet else state["replicas"]
+        stop_together([role for pair in pairs for role in pair if role is not None])
+
+
+def stop_together(roles: list) -> None:
+    """Stop the roles at the same time: each waits for its process to exit, which one after another adds up."""
+    if roles:
+        with ThreadPoolExecutor(len(roles)) as pool:
+            list(pool.map(lambda role: role.stop(), roles))
         tracing.shutdown_tracing()
 
 

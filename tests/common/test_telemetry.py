@@ -14,3 +14,20 @@ def test_process_memory_is_read_again_only_when_older_than_asked():
     assert process_memory(max_age_s=3600.0) == (rss, gpu)  # the last reading: recent enough
     assert process_memory()[0] >= rss + 32 * 2**20  # read again
     del grown
+
+
+def test_a_versions_series_are_dropped_with_it_and_the_others_stay():
+    from prometheus_client import CollectorRegistry
+
+    from blockspec.common.telemetry import RouterMetrics
+
+    registry = CollectorRegistry()
+    blue = RouterMetrics(registry, version="blue")
+    green = blue.at("green")
+    for metrics in (blue, green):
+        metrics.steps.inc()
+        metrics.requests_running.labels(replica="0").set(2)
+        metrics.requests_finished.labels(reason="length").inc()
+    green.drop()
+    text = "\n".join(f"{s.name} {s.labels}" for m in registry.collect() for s in m.samples)
+    assert "'green'" not in text and text.count("'blue'") >= 3

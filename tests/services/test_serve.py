@@ -537,3 +537,24 @@ def test_a_drafter_that_cannot_load_ends_serve_with_one_line_naming_its_file(tin
     # The verifier reads the drafter's checkpoint too (its tap layers): whichever role starts first says so.
     assert re.search(r"blockspec: error: the (verifier|drafter)-0 role exited before serving \(code 2\); its error is "
                      r"above", proc.stderr)
+
+
+def test_the_roles_are_stopped_together_not_one_after_another():
+    """Each role's stop waits for its process to exit; before, serve stopped them in turn and an idle server took over
+    5 s to exit on SIGTERM. Three stops that each wait for the others to have begun only finish together."""
+    import threading
+
+    from blockspec.services.serving.serve import stop_together
+
+    begun = threading.Barrier(3, timeout=10)
+
+    class Role:
+        stopped = False
+
+        def stop(self) -> None:
+            begun.wait()  # BrokenBarrierError where the stops run one after another
+            self.stopped = True
+
+    roles = [Role() for _ in range(3)]
+    stop_together(roles)
+    assert all(role.stopped for role in roles)
