@@ -4,6 +4,9 @@ reads it, so a bad one is exit code 2 and one line before anything runs."""
 from __future__ import annotations
 
 import argparse
+import re
+
+from blockspec.common.errors import InvalidArgument
 
 
 def port(value: str) -> int:
@@ -42,3 +45,11 @@ def address(value: str) -> str:
     if not (sep and host.strip() and number.isdecimal() and number.isascii() and 1 <= int(number) <= 65535):
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port 1..65535) or unix:PATH")
     return value
+
+
+def check_device_name(name: str, field: str = "--device") -> str:
+    """The device's syntax only ("cpu", "cuda", "cuda:N"), for a flag or a config key (`field`): what can be checked
+    anywhere (common/device.py checks that the device exists on this machine)."""
+    if not re.fullmatch(r"cpu(:0)?|cuda(:[0-9]+)?", name):
+        raise InvalidArgument(field, f"{name!r} is not a device; use cpu, cuda or cuda:N")
+    return name

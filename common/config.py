@@ -13,6 +13,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from blockspec.common.argtypes import check_device_name
 from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.common.errors import InvalidArgument
 
@@ -22,14 +23,6 @@ MIN_MODEL_LEN = 16  # model.max_model_len
 MAX_LOOKUP_TOKENS = 48  # model.spec_decode.prompt_lookup_tokens
 DEFAULT_K = 5  # draft tokens per step where neither the request nor model.spec_decode.num_speculative_tokens says
 DEFAULT_MAX_LEN = 4096  # tokens per request (KV cache per slot) when the model's context is longer
-
-def check_device_name(name: str, field: str = "--device") -> str:
-    """The device's syntax only ("cpu", "cuda", "cuda:N"): what a config can be checked for anywhere (common/device.py
-    checks that the device exists on this machine)."""
-    if not re.fullmatch(r"cpu(:0)?|cuda(:[0-9]+)?", name):
-        raise InvalidArgument(field, f"{name!r} is not a device; use cpu, cuda or cuda:N")
-    return name
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)

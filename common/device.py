@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from blockspec.common.config import check_device_name
+from blockspec.common.argtypes import check_device_name
 from blockspec.common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)

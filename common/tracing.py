@@ -1,7 +1,9 @@
 """OpenTelemetry tracing in one place: span and attribute names, exporter setup from the standard
 OTEL_* variables, and the traceparent carried in role messages (one stream, many steps).
 
-Model code never imports this; the router's servicer and step loop and the role servicers do.
+Model code never imports this; the router's servicer and step loop and the role servicers do. Where OpenTelemetry is
+not installed (the GPU machines' image, which runs `gpu-check`'s step loops) nothing records and the step loop makes
+no span; the servers need it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import logging
 import os
 from collections.abc import Sequence
 
-from opentelemetry import context, trace
-from opentelemetry.trace import Link, Span, SpanContext
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+try:
+    from opentelemetry import context, trace
+    from opentelemetry.trace import Link, Span, SpanContext
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+except ImportError:
+    trace = None
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ ATTR_LOOKED_UP = "blockspec.looked_up"  # requests drafted by prompt lookup inst
 ATTR_ROLE = "blockspec.role"
 ATTR_ITEMS = "blockspec.items"  # requests in a role message
 
-_propagator = TraceContextTextMapPropagator()
+_propagator = TraceContextTextMapPropagator() if trace is not None else None
 _configured = False
 
 
@@ -69,12 +74,14 @@ def setup_tracing(service_name: str) -> None:
 
 def shutdown_tracing() -> None:
     """Flush and stop the exporter (on the way out)."""
+    if trace is None:
+        return
     provider = trace.get_tracer_provider()
     if hasattr(provider, "shutdown"):
         provider.shutdown()
 
 
-def tracer() -> trace.Tracer:
+def tracer() -> "trace.Tracer":
     return trace.get_tracer(TRACER)
 
 
@@ -94,7 +101,7 @@ def recording() -> bool:
     """Whether spans go anywhere: a tracer provider has been set (setup_tracing, or a test's own). Until then
     every span is a no-op, and the step loop makes none (right after a target forward, with its caches
     cold, even a no-op step span and its context cost a measurable share of a step)."""
-    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    return trace is not None and not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
 def step_span(parents: Sequence[SpanContext | None]) -> Span:
@@ -103,6 +110,11 @@ def step_span(parents: Sequence[SpanContext | None]) -> Span:
     parents = [p for p in parents if p is not None and p.is_valid]
     ctx = trace.set_span_in_context(trace.NonRecordingSpan(parents[0])) if parents else context.Context()
     return tracer().start_span(SPAN_STEP, context=ctx, links=[Link(p) for p in parents])
+
+
+def use_span(span: Span):
+    """The step's span as the current one until the block ends, then ended."""
+    return trace.use_span(span, end_on_exit=True)
 
 
 def set_step_attributes(span: Span, report) -> None:

@@ -9,8 +9,8 @@
 # It runs under the GPU machine's own Python and CUDA build of torch: the pins in pyproject.toml name
 # the CPU build, and such machines are often offline. PYTHON picks the interpreter (default: the first
 # of .venv's and python3 whose torch sees a GPU, else .venv's). Where blockspec is not installed for
-# it, this checkout is put on its path as the package; besides torch it needs numpy, safetensors, tqdm
-# and opentelemetry-api.
+# it, this checkout is put on its path as the package; besides torch it needs numpy, safetensors, tqdm,
+# transformers and grpcio/protobuf, not the serving packages (pydantic, opentelemetry, ray, uvicorn, starlette).
 # SIZES (default 1b,8b,27b,27b-hybrid), OUT (default gpu-check-out) and DEVICE (default cuda) are passed on; PEER=0
 # leaves out transformers' compiled generate. A size that fails is said under the table and the others still run.
 set -euo pipefail

@@ -13,9 +13,18 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.services.cli.args import as_flag
 from blockspec.services.cli.rollout import add_rollout_command
 
-# Commands that never load torch: `blockspec rollout ...` builds only its own parser, so that it answers in a fraction
-# of a second instead of after torch's import (seconds, more on a busy machine).
-LIGHT = {"rollout": add_rollout_command}
+
+
+def _add_gpu_check(sub) -> None:
+    from blockspec.services.cli.perf import add_gpu_check_command
+
+    add_gpu_check_command(sub)
+
+
+# Commands whose parser is built alone: `blockspec rollout ...` never loads torch, so it answers in a fraction of a
+# second instead of after torch's import (seconds, more on a busy machine); `gpu-check` runs on GPU machines that
+# have none of the serving packages (pydantic, opentelemetry, ray, uvicorn), which the other commands' parsers import.
+LIGHT = {"rollout": add_rollout_command, "gpu-check": _add_gpu_check}
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ ASSISTANT_MODES = "draft_model:3,draft_model:3:lookup,hf-assisted:5,hf-assisted-
 
 
 def add_perf_commands(sub) -> None:
-    """Register `bench` and `gpu-check` on the CLI's subparsers."""
+    """Register `bench` on the CLI's subparsers (`gpu-check`: add_gpu_check_command)."""
     from blockspec.services.build.default_pair import default_home
 
     home = default_home() / "base"
@@ -76,6 +76,10 @@ def add_perf_commands(sub) -> None:
                     "(the prompts cycled), c in flight: mostly steady state, not one wave's ramp and tail")
     add_device_args(bn)
     bn.set_defaults(func=cmd_bench)
+
+
+def add_gpu_check_command(sub) -> None:
+    """Register `gpu-check`: its parser alone (services/cli/main.py's LIGHT) needs none of the serving packages."""
     gc = sub.add_parser("gpu-check", help="step costs against the floor, throughput, exactness on random targets")
     gc.add_argument("--sizes", default="1b,8b,27b,27b-hybrid",
                     help="comma list of tiny, 1b, 8b, 27b (the reference shape), tiny-hybrid, 27b-hybrid (Qwen3.5-27B)")

@@ -10,8 +10,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from opentelemetry import trace
-
 from blockspec.common import tracing
 from blockspec.common.contracts import Draft, DrafterRole, ProposeInput, VerifierRole, VerifyInput, VerifyResult
 from blockspec.common.lookup import ContextTexts, lookup
@@ -34,7 +32,7 @@ class Request:
     max_tokens: int
     k: int  # draft tokens per step; 0 = plain decoding
     sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.validate)
-    span_context: trace.SpanContext | None = None  # the request's span: step spans link to it
+    span_context: tracing.SpanContext | None = None  # the request's span: step spans link to it
 
 
 @dataclass(frozen=True)
@@ -287,7 +285,7 @@ class StepLoop:
         wants, looked_up, lookup_s = self._plan(lives)  # the lookup's time counts as drafting
         span = tracing.step_span([lv.request.span_context for lv in lives]) if tracing.recording() else None
         # The role calls carry the step span as their parent.
-        with trace.use_span(span, end_on_exit=True) if span is not None else contextlib.nullcontext():
+        with tracing.use_span(span) if span is not None else contextlib.nullcontext():
             fallbacks = getattr(self.drafter, "fallbacks", 0)
             t0 = time.perf_counter()
             drafted = dict(looked_up)

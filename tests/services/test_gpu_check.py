@@ -77,6 +77,28 @@ def test_gpu_check_script_puts_the_checkout_on_the_path_where_blockspec_is_not_i
     assert "| tiny |" in done.stdout and json.loads((tmp_path / "out" / "gpu_check.json").read_text())[0]["size"] == "tiny"
 
 
+def test_gpu_check_runs_where_the_serving_packages_are_not_installed(tmp_path):
+    """The GPU machines' image has no pydantic, OpenTelemetry, Ray, uvicorn or Starlette: deploy/gpu_check.sh runs its
+    CPU size with each of them unimportable (before: the CLI's parser imported the config schema, and the step loop
+    OpenTelemetry, so the check failed before it measured anything)."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pydantic', 'opentelemetry', 'ray', 'uvicorn', 'starlette'):\n"
+        "            raise ImportError('not on the GPU image: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker), "PYTHON": sys.executable, "DEVICE": "cpu", "SIZES": "tiny",
+           "PEER": "0", "OUT": str(tmp_path / "out")}
+    assert subprocess.run([sys.executable, "-c", "import pydantic"], env=env, capture_output=True).returncode != 0
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["bash", "deploy/gpu_check.sh"], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Failed" not in done.stdout, (done.stdout + done.stderr)[-2000:]
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())[0]["exact"]["spec-1"] > 0
+
+
 def test_gpu_check_refuses_unknown_sizes_and_a_missing_gpu(capsys):
     assert main(["gpu-check", "--sizes", "huge"]) == 2
     assert "--sizes" in capsys.readouterr().err
