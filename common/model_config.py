@@ -309,8 +309,6 @@ def _hybrid_fields(read: _Reader, num_layers: int, head_dim: int) -> dict:
     if unknown or len(types) != num_layers:
         read.refuse(f"layer_types: {len(types)} entries for {num_layers} layers"
                     + (f", unknown types {unknown}" if unknown else "") + f"; known: {LAYER_TYPES}")
-    if read("hidden_act") != "silu":
-        read.refuse(f"hidden_act {read('hidden_act')!r} is not supported; supported: 'silu'")
     for key, value in (("attn_output_gate", True), ("output_gate_type", "swish"), ("mamba_ssm_dtype", "float32")):
         if raw.get(key, value) != value:  # what transformers' Qwen3.5 computes, whatever the key says
             read.refuse(f"{key}={raw[key]!r} is not supported (the model runs with {key}={value!r})")

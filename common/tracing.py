@@ -87,6 +87,8 @@ def tracer() -> "trace.Tracer":
 
 def traceparent() -> str:
     """The current span as a W3C traceparent ('' when no span is recording)."""
+    if trace is None:
+        return ""
     carrier: dict[str, str] = {}
     _propagator.inject(carrier)
     return carrier.get("traceparent", "")

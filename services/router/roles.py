@@ -180,15 +180,21 @@ class RemoteDrafter:
         if self._sent.pop(request_id, None) is not None:
             self._release.append(request_id)
         if self._release and not self._sent and self._stream is not None:
-            self._seq += 1
             try:
-                resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, release=self._release), self.timeout_s)
-                if resp.seq != self._seq:
-                    raise RuntimeError(f"drafter answered op {resp.seq} to op {self._seq}")
+                self._op([])
             except Exception as e:  # noqa: BLE001 - as a failed propose: reconnect later, the releases go then
                 self._down(e)
-                return
-            self._release = []
+
+    def _op(self, items: list) -> roles_pb2.DrafterResponse:
+        """One op of the stream: the items and the releases pending (cleared once answered)."""
+        self._seq += 1
+        resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release,
+                                                          traceparent=tracing.traceparent()), self.timeout_s)
+        self.memory = (resp.rss_bytes, resp.gpu_bytes)
+        if resp.seq != self._seq:  # out of step with the stream: reconnect
+            raise RuntimeError(f"drafter answered op {resp.seq} to op {self._seq}")
+        self._release = []
+        return resp
 
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]:
         if self._stream is None and time.monotonic() >= self._next_try:
@@ -208,18 +214,12 @@ class RemoteDrafter:
                                          feature_slot=self.verifier.slot_of(i.request_id))
             fill_pb(i.sampling, item.sampling)
             items.append(item)
-        self._seq += 1
         try:
-            resp = self._stream.call(roles_pb2.DrafterRequest(seq=self._seq, items=items, release=self._release,
-                                                              traceparent=tracing.traceparent()), self.timeout_s)
-            self.memory = (resp.rss_bytes, resp.gpu_bytes)
-            if resp.seq != self._seq:  # out of step with the stream: reconnect
-                raise RuntimeError(f"drafter answered op {resp.seq} to op {self._seq}")
+            resp = self._op(items)
         except Exception as e:
             self._down(e)
             self.fallbacks += len(inputs)
             return [Draft(()) for _ in inputs]
-        self._release = []
         drafts = []
         for i, item in zip(inputs, resp.items):
             if item.stale:
