@@ -49,7 +49,7 @@ def address(value: str) -> str:
 
 def check_device_name(name: str, field: str = "--device") -> str:
     """The device's syntax only ("cpu", "cuda", "cuda:N"), for a flag or a config key (`field`): what can be checked
-    anywhere (common/device.py checks that the device exists on this machine)."""
+    anywhere (common/runtime/device.py checks that the device exists on this machine)."""
     if not re.fullmatch(r"cpu(:0)?|cuda(:[0-9]+)?", name):
         raise InvalidArgument(field, f"{name!r} is not a device; use cpu, cuda or cuda:N")
     return name

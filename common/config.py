@@ -14,8 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from blockspec.common.argtypes import check_device_name
-from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.wire.auth import DEFAULT_TENANT, ApiKeys
 
 # Bounds the command line's flags of the same names share (services/cli.py).
 MAX_BATCH = 1024  # server.max_batch: requests stepped together per replica
@@ -57,7 +57,7 @@ class TlsConfig(_Section):
 
     @model_validator(mode="after")
     def _loads(self) -> TlsConfig:
-        from blockspec.common.tls import ServerTls
+        from blockspec.common.wire.tls import ServerTls
 
         ServerTls(self.cert_file, self.key_file, self.client_ca_file, self.min_version)  # names the file at fault
         return self
@@ -72,7 +72,7 @@ class RoleTlsConfig(_Section):
 
     @model_validator(mode="after")
     def _loads(self) -> RoleTlsConfig:
-        from blockspec.common.tls import ServerTls
+        from blockspec.common.wire.tls import ServerTls
 
         ServerTls(self.cert_file, self.key_file, self.ca_file, field="server.role_tls")
         return self

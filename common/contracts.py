@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from blockspec.common.sampling import GREEDY, SamplingParams
 
 if TYPE_CHECKING:
-    from blockspec.common.distributions import DraftDist
+    from blockspec.common.runtime.distributions import DraftDist
 
 Q_WIDTH = 128  # a draft distribution keeps at most this many tokens per position (the proposer's top ones)
 Q_ROWS = 16  # draft positions whose q a remote drafter can share with the verifier (>= every method's k)

@@ -27,7 +27,7 @@ def no_role_key():
     """A test that starts a server in this process makes up the roles' key in os.environ (`ensure_role_key`): each
     test starts without one and takes its own away when it ends, so roles that later tests (and their module
     fixtures, set up before this fixture) start in-process are not behind a key their callers lack."""
-    from blockspec.common.auth import ENV_ROLE_KEY
+    from blockspec.common.wire.auth import ENV_ROLE_KEY
 
     saved = os.environ.pop(ENV_ROLE_KEY, None)
     yield
@@ -106,7 +106,7 @@ def chat_target(tiny_models, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.build.distill import DistillConfig, continuations, train_drafter
     from blockspec.services.build.tiny import build_tiny_drafter
     from blockspec.services.drafter.dflash import draft_vocab

@@ -126,7 +126,7 @@ def test_the_router_loads_neither_role_nor_torch():
                                 cwd=ROOT).stdout.split())
     assert "blockspec.services.router.step_loop" in loaded
     assert sorted(m for m in loaded if m.startswith("blockspec.") and area(m) in ("verifier", "drafter", *APPS)) == []
-    assert "torch" not in loaded and "blockspec.common.runner" not in loaded
+    assert "torch" not in loaded and "blockspec.common.runtime.runner" not in loaded
 
 
 def test_the_contracts_load_no_torch():

@@ -12,11 +12,11 @@ import statistics
 import subprocess
 import sys
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import grpc
 import openai
-from http.client import HTTPConnection
 
 from blockspec.protos import api_grpc, api_pb2
 

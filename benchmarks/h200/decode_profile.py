@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.bench import gpu_sizes
 
 CONTEXT = 1024

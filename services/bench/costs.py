@@ -35,7 +35,7 @@ def cost_ratios(verifier, proposer, request_id: str, ks: Sequence[int], repeats:
     reads dearer than plain decoding's own in the same process, and r(8) lower with it. Each proposal is
     timed right after a verify of its width, as in the step loop. proposer=None: no c_d."""
     from blockspec.common.contracts import ProposeInput
-    from blockspec.common.timing import interleaved
+    from blockspec.common.runtime.timing import interleaved
     from blockspec.services.verifier.verifier import rolled_back_verify
 
     verifier.roll_back([request_id])

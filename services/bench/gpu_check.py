@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common.cuda_runner import unsupported
-from blockspec.common.models import Checkpoint
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.runtime.cuda_runner import unsupported
 from blockspec.services.bench.gpu_sizes import check_fits, hf_config, random_drafter, random_target
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
 
 def copy_bandwidth(device: str) -> float:
     """Bytes per second of a large device-to-device copy (read plus written), the best of five."""
-    from blockspec.common.timing import timed
+    from blockspec.common.runtime.timing import timed
 
     size = (1 << 30) if device.startswith("cuda") else (1 << 27)
     src = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
@@ -106,7 +106,7 @@ def copy_bandwidth(device: str) -> float:
 def decode_bytes(cfg, context: int, dtype: torch.dtype) -> int:
     """What one decode step reads: every weight but the embedding table (one row of it), and the slot's KV cache or
     states at the context."""
-    from blockspec.common.footprint import parameters, slot_bytes
+    from blockspec.common.runtime.footprint import parameters, slot_bytes
 
     weights = parameters(cfg).active - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     per_slot = slot_bytes(cfg, context, dtype)
@@ -188,9 +188,9 @@ def throughput(verifier, prompt: list[int], device: str) -> tuple[float, dict[st
 def numerics_cost(target: Checkpoint, prompt: list[int], dtype: torch.dtype, device: str) -> dict[str, float]:
     """Decode ms of the CUDA runner with batch-invariant numerics (the default) and with torch's products ("fast"),
     one request and 16 at once."""
-    from blockspec.common.cuda_runner import CudaRunner
-    from blockspec.common.runner import Segment
-    from blockspec.common.timing import interleaved
+    from blockspec.common.runtime.cuda_runner import CudaRunner
+    from blockspec.common.runtime.runner import Segment
+    from blockspec.common.runtime.timing import interleaved
 
     out = {}
     runners = {n: CudaRunner(target, 16, len(prompt) + 8, (), dtype, device, numerics=n, warm_up=False)
@@ -294,7 +294,7 @@ def check_ipc(device: str) -> str:
     """Export a tensor from this process and map it in a child: same bytes, no copy (CUDA IPC / shm)."""
     import multiprocessing as mp
 
-    from blockspec.common.tensor_share import SharedTensors
+    from blockspec.common.wire.tensor_share import SharedTensors
 
     shares = SharedTensors()
     try:
@@ -310,7 +310,7 @@ def check_ipc(device: str) -> str:
 
 
 def _child_sum(handle) -> float:
-    from blockspec.common.tensor_share import open_handle
+    from blockspec.common.wire.tensor_share import open_handle
 
     return float(open_handle(handle).sum())
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.model_config import parse_config
-from blockspec.common.models import Checkpoint
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.models.model_config import parse_config
 
 # name -> (layers, hidden, heads, kv heads, intermediate, vocab), untied LM head: 0.75B, 8.2B and 26.7B
 # parameters. "27b" has the reference target's size (~54 GB bf16); its drafter 2.2B.
@@ -44,7 +44,7 @@ def hf_config(size: str) -> dict:
 
 def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
     """A checkpoint of the size's shape with random weights made directly on the device (no file, no host copy)."""
-    from blockspec.common.runner import decoder_class
+    from blockspec.common.runtime.runner import decoder_class
 
     cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
     with torch.device("meta"):
@@ -60,7 +60,7 @@ def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
 
 def weights_bytes(size: str, dtype: torch.dtype) -> int:
     """The bytes of the size's target and drafter weights in dtype (counted on the meta device: nothing allocated)."""
-    from blockspec.common.footprint import parameters
+    from blockspec.common.runtime.footprint import parameters
 
     cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
     params = parameters(cfg).total

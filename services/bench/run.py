@@ -98,7 +98,7 @@ def _engine_run(engine, prompts: Sequence[Sequence[int]], max_tokens: int, k: in
 
 def model_context(target: Path) -> int:
     """The target's context in tokens (max_position_embeddings)."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
 
     return load_checkpoint(target, with_weights=False).config.max_position_embeddings
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from blockspec.common.auth import client_channel
 from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.wire.auth import client_channel
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.bench.latency import ChunkGaps, latency
 from blockspec.services.bench.modes import SERVER, Mode, Row

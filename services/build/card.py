@@ -57,8 +57,8 @@ def _target(path: Path, raw: dict, dtype: str, contexts: tuple[int, ...]) -> lis
     """A target checkpoint's family, layer types, parameters and bytes per request slot."""
     import torch
 
-    from blockspec.common.footprint import parameters, slot_bytes
-    from blockspec.common.model_config import parse_config
+    from blockspec.common.models.model_config import parse_config
+    from blockspec.common.runtime.footprint import parameters, slot_bytes
 
     cfg = parse_config(raw, path)
     types = [cfg.layer_type(i) for i in range(cfg.num_layers)]

@@ -200,7 +200,7 @@ def distill_sampled(target: Path, drafter: Path, out: Path, train_ids, first: in
 def write_base_draft_vocab(paths: PairPaths, train_ids) -> dict:
     """The base drafter's draft vocabulary: half the target's vocabulary, the most frequent tokens of the
     target's training tokens (docs/models.md, "The DFlash-2 block drafter")."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.drafter.dflash import draft_vocab
 
     config = load_checkpoint(paths.target, with_weights=False).config
@@ -215,7 +215,7 @@ def build_assistant(paths: PairPaths, work: Path, cfg: AssistantConfig, threads:
     train_ids = np.load(work / "data" / "train.npy", mmap_mode="r")
     sequences = supervision(paths.target, train_ids, BASE_SUPERVISION, 64, 128, (0, 1, 2, 3), progress)
     report = train_assistant(paths.target, paths.assistant, sequences, 64, cfg, work, progress)
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
 
     tok = load_checkpoint(paths.target, with_weights=False).tokenizer
     prompts = [tok.encode(p) for p in (json.loads(line) for line in (paths.root / "heldout_prompts.jsonl").open())]
@@ -245,7 +245,7 @@ def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[
 
 def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> dict:
     """Measure the pair on held-out prompts and write card.json (what `blockspec info` prints)."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.build.train_target import loop_share
     from blockspec.services.drafter.dflash.checkpoint import load_drafter
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from blockspec.common.decoder import rope_table
-from blockspec.common.models import load_checkpoint, read_config
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.models.checkpoint import load_checkpoint, read_config
+from blockspec.common.models.decoder import rope_table
+from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.drafter.dflash.checkpoint import save_drafter
 from blockspec.services.drafter.dflash.config import DFlashConfig
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext

@@ -101,8 +101,8 @@ def build_tiny_drafter(
     perturbed away from its identity initialisation so that each code path does real work."""
     from transformers import AutoTokenizer
 
-    from blockspec.common.model_config import parse_config
-    from blockspec.common.models import read_config
+    from blockspec.common.models.checkpoint import read_config
+    from blockspec.common.models.model_config import parse_config
     from blockspec.services.drafter.dflash.checkpoint import save_drafter
     from blockspec.services.drafter.dflash.config import DFlashConfig
     from blockspec.services.drafter.dflash.model import DFlashDrafter

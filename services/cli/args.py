@@ -101,7 +101,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 
 
 def add_tls_client_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of a client of a server with server.tls (common/tls.py)."""
+    """The flags of a client of a server with server.tls (common/wire/tls.py)."""
     tls = parser.add_argument_group("TLS (a server with server.tls)")
     tls.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
     tls.add_argument("--tls-ca", help="PEM CA that signed the server's certificate (implies --tls)")
@@ -111,7 +111,7 @@ def add_tls_client_args(parser: argparse.ArgumentParser) -> None:
 
 def client_tls(args: argparse.Namespace):
     """The ClientTls the TLS flags ask for, or None (plaintext)."""
-    from blockspec.common.tls import ClientTls
+    from blockspec.common.wire.tls import ClientTls
 
     if args.tls_key and not args.tls_cert:
         raise InvalidArgument("--tls-key", "goes with --tls-cert")

@@ -10,11 +10,11 @@ import sys
 
 from blockspec.common.argtypes import address, bounded, draft_tree
 from blockspec.common.config import DEFAULT_K, MAX_BATCH, MAX_LOOKUP_TOKENS, MIN_MODEL_LEN
-from blockspec.common.detokenize import TextStream
-from blockspec.common.device import add_device_args
-from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.runtime.device import add_device_args
+from blockspec.common.runtime.device import resolve as resolve_device
 from blockspec.common.sampling import RULES, SamplingParams
+from blockspec.common.tokens.detokenize import TextStream
 from blockspec.services.cli.args import (
     UINT32,
     UINT64,
@@ -137,7 +137,7 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
 
     import grpc
 
-    from blockspec.common.auth import client_channel
+    from blockspec.common.wire.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
 
     channel = client_channel(args.server, tls=client_tls(args))

@@ -14,7 +14,6 @@ from blockspec.services.cli.args import as_flag
 from blockspec.services.cli.rollout import add_rollout_command
 
 
-
 def _add_gpu_check(sub) -> None:
     from blockspec.services.cli.perf import add_gpu_check_command
 
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.verifier.invariance import measure
 
     checkpoint = load_checkpoint(args.target)
@@ -54,7 +53,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
 
 def cmd_role(args: argparse.Namespace) -> int:
     """Serve one role in this process (started by `serve --no-ray`, compose or Ray); prints LISTENING <port>."""
-    from blockspec.common.grpc_server import BindError
+    from blockspec.common.wire.grpc_server import BindError
     from blockspec.services.serving import launch
 
     launch.watch_supervisor()  # before loading: a server gone meanwhile ends this role too
@@ -111,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockspec.common.config import check_ports, load_config
-    from blockspec.common.grpc_server import BindError
+    from blockspec.common.wire.grpc_server import BindError
     from blockspec.services.serving.launch import freeze_for_exit
     from blockspec.services.serving.serve import RoleStartError, serve_external, serve_processes
 

@@ -115,7 +115,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.build.default_pair import distill
     from blockspec.services.build.distill import DistillConfig
 
@@ -164,7 +164,7 @@ def _read_texts(names: list[str]) -> list[str]:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    from blockspec.common.models import load_checkpoint, read_config
+    from blockspec.common.models.checkpoint import load_checkpoint, read_config
     from blockspec.services.drafter.dflash import draft_vocab
     from blockspec.services.drafter.dflash.checkpoint import check_fits_target
     from blockspec.services.drafter.dflash.config import DFlashConfig

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from blockspec.common.argtypes import address, bounded
-from blockspec.common.device import add_device_args
-from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.runtime.device import add_device_args
+from blockspec.common.runtime.device import resolve as resolve_device
 from blockspec.common.sampling import RULES, SamplingParams, validate
 from blockspec.services.cli.args import (
     UINT32,
@@ -112,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cap = _int_list("--max-concurrency", str(args.max_concurrency))[0]
     if args.server is not None:
         return _bench_server(args, concurrency, rounds, waves, rates, cap, sampling)
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
 
     target = Path(args.target)
     tokenizer = load_checkpoint(target, with_weights=False).tokenizer
@@ -132,7 +132,7 @@ def _connect(args: argparse.Namespace):
     """`bench --server`'s channels: $BLOCKSPEC_API_KEY sent, TLS as its flags ask."""
     import functools
 
-    from blockspec.common.auth import client_channel
+    from blockspec.common.wire.auth import client_channel
 
     return functools.partial(client_channel, tls=client_tls(args))
 

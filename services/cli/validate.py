@@ -23,8 +23,8 @@ from blockspec.services.cli.args import add_tls_client_args, client_tls, http_ba
 if TYPE_CHECKING:
     import grpc
 
-    from blockspec.common.models import Checkpoint
-    from blockspec.common.tls import ClientTls
+    from blockspec.common.models.checkpoint import Checkpoint
+    from blockspec.common.wire.tls import ClientTls
     from blockspec.protos.api_pb2 import ModelInfoResponse
     from blockspec.services.bench.modes import Row
 
@@ -94,14 +94,14 @@ class Client:
     tls: ClientTls | None = None
 
     def channel(self, where: str) -> grpc.Channel:
-        from blockspec.common.auth import client_channel
+        from blockspec.common.wire.auth import client_channel
 
         return client_channel(where, tls=self.tls)
 
     def get(self, where: str, path: str) -> tuple[int, str]:
         """GET WHERE/PATH -> (status, body); an error status is an answer too. A server that does not answer raises
         URLError or OSError."""
-        from blockspec.common.auth import ENV_API_KEY
+        from blockspec.common.wire.auth import ENV_API_KEY
 
         key = os.environ.get(ENV_API_KEY)
         base, context = http_base(where, self.tls)
@@ -353,7 +353,7 @@ def check_tokenizer(info: ModelInfoResponse, texts: list[str], served: list[list
     """The served tokenizer is the target checkpoint's (the server's Tokenize against the checkpoint's own, its
     vocabulary size against ModelInfo's) and the drafter's ids are the target's - the start-up checks of `serve`,
     run again on the checkpoints ModelInfo names, where they are directories on this machine."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
 
     target = Path(info.target)
     if not (target / "config.json").is_file():
@@ -382,7 +382,7 @@ def check_tokenizer(info: ModelInfoResponse, texts: list[str], served: list[list
 def drafter_alignment(info: ModelInfoResponse, target: Checkpoint) -> tuple[str | None, str | None]:
     """(what was checked, None) for a drafter whose ids are the target's, (None, None) where its checkpoint is not
     here to read, (None, the problem) for one whose are not."""
-    from blockspec.common.models import check_same_tokenizer, load_checkpoint, read_config
+    from blockspec.common.models.checkpoint import check_same_tokenizer, load_checkpoint, read_config
     from blockspec.services.drafter.dflash import draft_vocab
     from blockspec.services.drafter.dflash.checkpoint import check_fits_target
     from blockspec.services.drafter.dflash.config import DFlashConfig

@@ -10,14 +10,15 @@ import grpc
 import psutil
 import torch
 
-from blockspec.common import cpu_kernels, tracing
 from blockspec.common.contracts import Q_ROWS, ProposeInput
-from blockspec.common.device import claim_gpu_share, tensor_bytes
-from blockspec.common.footprint import drafter_bytes
-from blockspec.common.models import load_checkpoint
-from blockspec.common.role_stream import RoleStream
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.device import claim_gpu_share, tensor_bytes
+from blockspec.common.runtime.footprint import drafter_bytes
 from blockspec.common.sampling import from_pb
-from blockspec.common.tensor_share import open_pb
+from blockspec.common.telemetry import tracing
+from blockspec.common.wire.role_stream import RoleStream
+from blockspec.common.wire.tensor_share import open_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method
 
@@ -33,7 +34,7 @@ def _claim_share(method: str, drafter_path: str | None, dflash_model, num_slots:
     if dflash_model is not None:
         weights, cfg = list(dflash_model.parameters()), dflash_model.cfg
     else:
-        from blockspec.common.decoder import Decoder
+        from blockspec.common.models.decoder import Decoder
 
         cfg = load_checkpoint(drafter_path, with_weights=False).config
         with torch.device("meta"):  # shapes only

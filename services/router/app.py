@@ -14,10 +14,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2
 
-from blockspec.common.auth import ApiKeys, AuthInterceptor
-from blockspec.common.grpc_server import start_server
-from blockspec.common.telemetry import RouterMetrics
-from blockspec.common.tls import ServerTls
+from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.common.wire.auth import ApiKeys, AuthInterceptor
+from blockspec.common.wire.grpc_server import start_server
+from blockspec.common.wire.tls import ServerTls
 from blockspec.protos import api_pb2
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.messages import ModelFacts
@@ -104,7 +104,7 @@ async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: 
                        metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None,
                        limits: TenantLimits | None = None, tls: ServerTls | None = None) -> RouterServer:
     """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up. With api_keys,
-    every method but health needs one of them (common/auth.py); limits: each tenant's rate limits. With tls the port
+    every method but health needs one of them (common/wire/auth.py); limits: each tenant's rate limits. With tls the port
     speaks TLS (mutual with a client CA), and a Unix socket of this user's (`loopback`) serves this process's HTTP
     front."""
     version = await start_version(step_loops, facts, metrics)

@@ -27,8 +27,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from blockspec.common.auth import CHALLENGE, DENIED, OPEN_HTTP_PATHS, ApiKeys
-from blockspec.common.grpc_server import BindError
+from blockspec.common.wire.auth import CHALLENGE, DENIED, OPEN_HTTP_PATHS, ApiKeys
+from blockspec.common.wire.grpc_server import BindError
 from blockspec.services.router.openai_api import ApiError
 from blockspec.services.router.openai_http import V1App, error_response, header
 

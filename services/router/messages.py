@@ -15,7 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import from_pb, validate
-from blockspec.common.telemetry import DEFAULT_VERSION
+from blockspec.common.telemetry.metrics import DEFAULT_VERSION
 from blockspec.protos import api_pb2
 from blockspec.services.router.step_loop import FinishEvent, Request
 from blockspec.services.router.validation import validate_request, validate_stops

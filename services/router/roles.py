@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from blockspec.common import tracing
-from blockspec.common.auth import ENV_ROLE_KEY, role_channel
 from blockspec.common.contracts import Draft, ProposeInput, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
+from blockspec.common.telemetry import tracing
+from blockspec.common.wire.auth import ENV_ROLE_KEY, role_channel
 from blockspec.protos import roles_grpc, roles_pb2
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from blockspec.common.telemetry import ROLE_MEMORY_MAX_AGE_S, RouterMetrics, process_memory
+from blockspec.common.telemetry.metrics import ROLE_MEMORY_MAX_AGE_S, RouterMetrics, process_memory
 from blockspec.services.router.step_loop import FinishEvent, Load, Request, StepLoop, StepReport, TokenEvent
 
 log = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
-from blockspec.common import tracing
-from blockspec.common.auth import DEFAULT_TENANT, ApiKeys
-from blockspec.common.detokenize import TextStream
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry import tracing
+from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.common.tokens.detokenize import TextStream
+from blockspec.common.wire.auth import DEFAULT_TENANT, ApiKeys
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.limits import OverLimit, TenantLimits
 from blockspec.services.router.messages import (

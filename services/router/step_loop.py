@@ -10,17 +10,17 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from blockspec.common import tracing
 from blockspec.common.contracts import Draft, DrafterRole, ProposeInput, VerifierRole, VerifyInput, VerifyResult
-from blockspec.common.lookup import ContextTexts, lookup
 from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.telemetry import tracing
+from blockspec.common.tokens.lookup import ContextTexts, lookup
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per step
 # Prompt lookup in front of the drafter: the latest earlier match of the context's last 4, 3 or 2 tokens,
-# continued periodically (common/lookup.py). On the default pair's prompts these draft better than 6..3, and
+# continued periodically (common/tokens/lookup.py). On the default pair's prompts these draft better than 6..3, and
 # 4..1 runs a little slower (a 1-token match drafts worse than the drafter).
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 2
 

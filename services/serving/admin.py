@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from blockspec.common.config import AdminConfig
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.grpc_server import BindError
+from blockspec.common.wire.grpc_server import BindError
 from blockspec.services.router.http import HttpServer
 from blockspec.services.serving.rollout import Fleet, RolloutError
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from blockspec.common.config import MIN_MODEL_LEN, BlockspecConfig
-from blockspec.common.device import DTYPES, role_fractions
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.footprint import drafter_bytes, parameters, slot_bytes, verifier_bytes
-from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.models import load_checkpoint, read_config
+from blockspec.common.models.checkpoint import load_checkpoint, read_config
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.runtime.device import DTYPES, role_fractions
+from blockspec.common.runtime.footprint import drafter_bytes, parameters, slot_bytes, verifier_bytes
 
 GIB = 2**30
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
@@ -127,7 +127,7 @@ def _role(role: str, weights: int, per_slot: int, need_at, slots: int, max_len: 
 
 def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> CapacityPlan:
     """The plan of a config (`plan.plan` resolves the method and the drafter as serving does)."""
-    from blockspec.common.backends import uses_cuda_runner
+    from blockspec.common.runtime.backends import uses_cuda_runner
     from blockspec.services.drafter.proposers import verifier_needs
     from blockspec.services.serving.engine import serving_len
     from blockspec.services.serving.plan import plan

@@ -10,10 +10,10 @@ import torch
 
 from blockspec.common.config import DEFAULT_K, DEFAULT_MAX_LEN, MIN_MODEL_LEN
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models import load_checkpoint
-from blockspec.common.runner import Runner
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.runner import Runner
+from blockspec.common.runtime.threads import ThreadGovernor
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
-from blockspec.common.threads import ThreadGovernor
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
 from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
@@ -75,7 +75,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         threads: int | None = None,  # CPU threads; None: one per core that other processes leave free (threads.py)
         backend: str = "auto",  # the verifier's runner (runner.make_runner): auto, eager or graphs
-        tensor_parallel_size: int = 1,  # ranks the target is split over (this process leads; common/tensor_parallel.py)
+        tensor_parallel_size: int = 1,  # ranks the target is split over (this process leads; common/runtime/tensor_parallel.py)
         draft_tree: Sequence[int] = (),  # a draft tree's children per node by depth (1 past the end); (): one path
     ) -> None:
         check_method(method, drafter)

@@ -12,10 +12,10 @@ from dataclasses import replace
 import torch
 
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import claim_gpu_share
-from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.runtime.device import claim_gpu_share
+from blockspec.common.runtime.device import resolve as resolve_device
+from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.services.router.app import start_router
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.serving.engine import Engine

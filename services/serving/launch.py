@@ -19,18 +19,18 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common import tracing
-from blockspec.common.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
-from blockspec.common.backends import uses_cuda_runner
 from blockspec.common.config import DEFAULT_K
-from blockspec.common.device import claim_gpu_share
-from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.grpc_server import start_server
-from blockspec.common.models import load_checkpoint
-from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
-from blockspec.common.tensor_share import remove_orphans
-from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_server_tls
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.backends import uses_cuda_runner
+from blockspec.common.runtime.device import claim_gpu_share
+from blockspec.common.runtime.device import resolve as resolve_device
+from blockspec.common.telemetry import tracing
+from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
+from blockspec.common.wire.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
+from blockspec.common.wire.grpc_server import start_server
+from blockspec.common.wire.tensor_share import remove_orphans
+from blockspec.common.wire.tls import ENV_ROLE_TLS, ServerTls, role_server_tls
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
 from blockspec.services.drafter.proposers.none import NoneProposer
@@ -108,7 +108,7 @@ async def serve_drafter(service: DrafterService, host: str = "127.0.0.1", port: 
 
 
 def _role_credentials():
-    """A role's TCP port: mutual TLS where BLOCKSPEC_ROLE_TLS_* are set (common/tls.py), else plaintext."""
+    """A role's TCP port: mutual TLS where BLOCKSPEC_ROLE_TLS_* are set (common/wire/tls.py), else plaintext."""
     tls = role_server_tls()
     return tls.grpc_credentials() if tls is not None else None
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import role_fractions
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models import read_config
+from blockspec.common.models.checkpoint import read_config
+from blockspec.common.runtime.device import role_fractions
 from blockspec.services.drafter.proposers import check_method, default_method
 
 log = logging.getLogger(__name__)
@@ -99,9 +99,9 @@ def _check_lookup_tokens(cfg: BlockspecConfig) -> None:
 
 
 def _check_tensor_parallel(target: str, world: int) -> None:
-    """model.tensor_parallel_size: a target whose heads and MLP split `world` ways (common/tensor_parallel.py)."""
-    from blockspec.common.model_config import parse_config as parse_model_config
-    from blockspec.common.tensor_parallel import unsupported
+    """model.tensor_parallel_size: a target whose heads and MLP split `world` ways (common/runtime/tensor_parallel.py)."""
+    from blockspec.common.models.model_config import parse_config as parse_model_config
+    from blockspec.common.runtime.tensor_parallel import unsupported
 
     why = unsupported(parse_model_config(read_config(Path(target)), Path(target)), world)
     if why is not None:
@@ -111,7 +111,7 @@ def _check_tensor_parallel(target: str, world: int) -> None:
 def _check_context(target: str, max_model_len: int | None) -> None:
     """model.max_model_len within the target's context, before any role starts (a role would refuse it, seconds
     later, naming its own flag)."""
-    from blockspec.common.model_config import parse_config as parse_model_config
+    from blockspec.common.models.model_config import parse_config as parse_model_config
     from blockspec.services.serving.engine import serving_len
 
     if max_model_len is None:
@@ -125,7 +125,7 @@ def _check_context(target: str, max_model_len: int | None) -> None:
 def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> None:
     """What the roles would find only once started (tracebacks in their logs, seconds later): a dflash drafter
     built for another target, and k past what the drafter drafts."""
-    from blockspec.common.model_config import parse_config as parse_model_config
+    from blockspec.common.models.model_config import parse_config as parse_model_config
     from blockspec.services.drafter.dflash.checkpoint import check_fits_target
     from blockspec.services.drafter.dflash.config import DFlashConfig
     from blockspec.services.drafter.proposers import MAX_K

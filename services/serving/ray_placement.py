@@ -14,11 +14,11 @@ import re
 import socket
 import threading
 
-from blockspec.common.auth import ensure_role_key
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import VERIFIER_SHARE
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.tensor_share import cleanup_stale
+from blockspec.common.runtime.device import VERIFIER_SHARE
+from blockspec.common.wire.auth import ensure_role_key
+from blockspec.common.wire.tensor_share import cleanup_stale
 from blockspec.services.serving.launch import remove_role_sockets, role_env, role_socket
 from blockspec.services.serving.plan import plan
 from blockspec.services.serving.serve import RoleStartError, serve_roles
@@ -34,7 +34,7 @@ class RoleActor:
     """Serves one role (`blockspec role ...` arguments) from inside a Ray actor process."""
 
     def __init__(self, argv: list[str]) -> None:
-        from blockspec.common import tracing
+        from blockspec.common.telemetry import tracing
         from blockspec.services.serving import launch
         from blockspec.services.serving.role_args import parse_role_args
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from blockspec.common.argtypes import bounded, port
 from blockspec.common.config import MAX_BATCH, MIN_MODEL_LEN, ServerConfig
-from blockspec.common.device import add_device_args
+from blockspec.common.runtime.device import add_device_args
 from blockspec.services.drafter.proposers import METHODS
 
 

@@ -241,7 +241,7 @@ class Fleet:
 
     async def _check(self, release: Release) -> None:
         """validate's go-live checks against the candidate, on a socket of this user's."""
-        from blockspec.common.grpc_server import start_server
+        from blockspec.common.wire.grpc_server import start_server
 
         service = GenerationService(release.version)
         release.candidate_socket = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{release.name}.sock")

@@ -15,15 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from blockspec.common import tracing
-from blockspec.common.auth import ApiKeys, ensure_role_key, role_channel
 from blockspec.common.config import BlockspecConfig
-from blockspec.common.device import resolve as resolve_device
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.grpc_server import check_bindable
-from blockspec.common.telemetry import RouterMetrics
-from blockspec.common.tensor_share import cleanup_stale
-from blockspec.common.tls import ENV_ROLE_TLS, ServerTls, role_client_tls, secure_channel
+from blockspec.common.runtime.device import resolve as resolve_device
+from blockspec.common.telemetry import tracing
+from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.common.wire.auth import ApiKeys, ensure_role_key, role_channel
+from blockspec.common.wire.grpc_server import check_bindable
+from blockspec.common.wire.tensor_share import cleanup_stale
+from blockspec.common.wire.tls import ENV_ROLE_TLS, ServerTls, role_client_tls, secure_channel
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App

@@ -10,9 +10,9 @@ import signal
 import time
 from collections.abc import Callable
 
-from blockspec.common.auth import ApiKeys
 from blockspec.common.config import AutoscalingConfig, BlockspecConfig
-from blockspec.common.tls import ServerTls
+from blockspec.common.wire.auth import ApiKeys
+from blockspec.common.wire.tls import ServerTls
 from blockspec.services.serving.admin import start_admin
 from blockspec.services.serving.autoscaler import Autoscaler, replica_loop
 from blockspec.services.serving.rollout import Fleet, Release

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common.contracts import DraftTree
-from blockspec.common.distributions import (
+from blockspec.common.runtime.distributions import (
     STREAM_ACCEPT,
     STREAM_SIBLING,
     STREAM_TARGET,

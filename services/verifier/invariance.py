@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.models import Checkpoint
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.runtime.runner import Runner, Segment
 
 
 @dataclass(frozen=True)

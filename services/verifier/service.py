@@ -9,12 +9,12 @@ import time
 import grpc
 import torch
 
-from blockspec.common import tracing
 from blockspec.common.contracts import Q_ROWS, Q_WIDTH, VerifyInput
-from blockspec.common.distributions import DraftDist
-from blockspec.common.role_stream import RoleStream
+from blockspec.common.runtime.distributions import DraftDist
 from blockspec.common.sampling import from_pb
-from blockspec.common.tensor_share import SharedTensors, handle_to_pb
+from blockspec.common.telemetry import tracing
+from blockspec.common.wire.role_stream import RoleStream
+from blockspec.common.wire.tensor_share import SharedTensors, handle_to_pb
 from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.verifier.verifier import Verifier
 

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common import cpu_kernels
-from blockspec.common.backends import make_runner
 from blockspec.common.contracts import DraftTree, StepCosts, VerifyInput, VerifyResult
-from blockspec.common.distributions import DraftDist, LogProbRows, process
-from blockspec.common.footprint import verifier_bytes
-from blockspec.common.models import Checkpoint
-from blockspec.common.runner import Segment
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.runtime.backends import make_runner
+from blockspec.common.runtime.distributions import DraftDist, LogProbRows, process
+from blockspec.common.runtime.footprint import verifier_bytes
+from blockspec.common.runtime.runner import Segment
+from blockspec.common.runtime.threads import ThreadGovernor
+from blockspec.common.runtime.timing import interleaved
 from blockspec.common.sampling import GREEDY, SamplingParams
-from blockspec.common.threads import ThreadGovernor
-from blockspec.common.timing import interleaved
 from blockspec.services.verifier.acceptance import (
     Acceptance,
     greedy_accept,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.common.auth import ApiKeys
 from blockspec.common.config import parse_config
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.wire.auth import ApiKeys
 
 KEY_A, KEY_B = "a" * 16 + "-team-a-secret", "b" * 20
 

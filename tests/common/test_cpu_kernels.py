@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockspec.common import cpu_kernels
-from blockspec.common.cpu_kernels import Linear, fused_linear, linear
-from blockspec.common.decoder import rms_norm
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.kernels.cpu_kernels import Linear, fused_linear, linear
+from blockspec.common.models.decoder import rms_norm
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the kernel could not be built here")
 
@@ -120,7 +120,7 @@ def test_fp32_rms_norm_is_the_transformers_arithmetic():
 def test_qk_norm_rope_matches_the_torch_path(qk_norm, batch, queries):
     from types import SimpleNamespace
 
-    from blockspec.common.decoder import apply_rope, rope_table
+    from blockspec.common.models.decoder import apply_rope, rope_table
 
     heads, kv_heads, hd = 4, 2, 64
     cos, sin = rope_table(SimpleNamespace(rope_dim=hd, rope_theta=1e4, rope_scaling=()), 64)

@@ -1,4 +1,4 @@
-"""The CUDA backend (common/cuda_runner.py) where the CPU can check it: the captured step's arithmetic against
+"""The CUDA backend (common/runtime/cuda_runner.py) where the CPU can check it: the captured step's arithmetic against
 transformers, greedy streams through it equal to the target alone, bucket selection and the spare slot, the step
 compiling as one graph, and the batch-invariant Triton kernels in Triton's interpreter. Capture itself needs CUDA."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.common.backends import make_runner
-from blockspec.common.cuda_runner import WIDTHS, CudaRunner, batch_sizes, bucket
-from blockspec.common.models import load_checkpoint
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.backends import make_runner
+from blockspec.common.runtime.cuda_runner import WIDTHS, CudaRunner, batch_sizes, bucket
+from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_family
 from blockspec.services.router.step_loop import FinishEvent
 from blockspec.services.serving.engine import Engine
@@ -156,7 +156,7 @@ def test_the_expert_layout_reads_nothing_back():
     would raise. The layout itself: each pair once, where `at` says, each expert's group in whole blocks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from blockspec.common import triton_kernels as tk
+    from blockspec.common.kernels import triton_kernels as tk
 
     ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(5)])
     with FakeTensorMode() as mode:
@@ -170,9 +170,9 @@ def test_the_expert_layout_reads_nothing_back():
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from blockspec.common import gpu_kernels as gk
-    from blockspec.common import triton_deltanet as td
-    from blockspec.common import triton_kernels as tk
+    from blockspec.common.kernels import gpu_kernels as gk
+    from blockspec.common.kernels import triton_deltanet as td
+    from blockspec.common.kernels import triton_kernels as tk
 
     torch.manual_seed(0)
     # GEMM: the reference's values, and a row alone equal bit for bit to the same row among 13 (split K included)

@@ -1,4 +1,4 @@
-from blockspec.common.detokenize import TextStream, decode
+from blockspec.common.tokens.detokenize import TextStream, decode
 
 
 def test_stream_deltas_concatenate_to_the_full_text(tokenizer):

@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
-from blockspec.common.models import load_checkpoint
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.build.tiny import build_tiny_drafter, build_tiny_family
 from blockspec.services.serving.engine import Engine
 from tests.conftest import hf_greedy
@@ -54,7 +54,7 @@ def hybrid_drafter(hybrids, tmp_path_factory):
 
 
 def test_both_layouts_read_the_layer_types_and_the_text_weights(hybrids, caplog):
-    with caplog.at_level(logging.INFO, logger="blockspec.common.models"):
+    with caplog.at_level(logging.INFO, logger="blockspec.common.models.checkpoint"):
         checkpoints = {layout: load_checkpoint(path) for layout, path in hybrids.items()}
     cfg = checkpoints["text"].config
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
@@ -163,7 +163,7 @@ def test_a_rollback_outside_the_last_forward_is_refused(hybrids, hybrid_prompts)
 
 
 def test_the_parameter_count_from_the_config_is_the_checkpoints(targets, tiny_models):
-    from blockspec.common.footprint import parameters
+    from blockspec.common.runtime.footprint import parameters
 
     for path in [*targets.values(), *(d["target"] for d in tiny_models.values())]:
         ck = load_checkpoint(path)
@@ -223,7 +223,7 @@ def test_the_cuda_runners_steps_equal_the_target_alone(targets, hybrid_drafter, 
     """The CUDA runner's steps (`cuda_steps`, uncaptured on the CPU) for the hybrid and MoE families: states read and
     written through device indices, rollbacks replayed with its own recurrence, the routed experts grouped by expert,
     chunked prefill - the same tokens."""
-    from blockspec.common.cuda_runner import CudaRunner
+    from blockspec.common.runtime.cuda_runner import CudaRunner
 
     engine = Engine(targets[target], hybrid_drafter if method == "dflash" else None, method, max_batch=3,
                     prefill_chunk=16, threads=1, backend="graphs")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from blockspec.common.grpc_server import start_server
+from blockspec.common.wire.grpc_server import start_server
 
 
 def test_a_second_server_on_a_taken_port_fails_to_bind():

@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 
-from blockspec.common import cpu_kernels
+from blockspec.common.kernels import cpu_kernels
 from blockspec.services.drafter.dflash import cpu_block
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler here")
 @pytest.mark.skipif(os.environ.get(cpu_kernels.ENV_SWITCH, "1") == "0", reason="the kernels are switched off")
 def test_the_cpu_kernels_build_where_a_compiler_is():
-    assert cpu_kernels.enabled(), "common/cpu_kernels.cpp did not build: the log's warning has the compiler's error"
+    assert cpu_kernels.enabled(), "common/kernels/cpu_kernels.cpp did not build: the log's warning has the compiler's error"
     assert cpu_block._extension.get() is not None, "the drafter's C++ (dflash/cpu_block.cpp) did not build"
 
 

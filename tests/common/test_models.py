@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.models import check_same_tokenizer, load_checkpoint
+from blockspec.common.models.checkpoint import check_same_tokenizer, load_checkpoint
 from blockspec.services.build.tiny import build_tiny_checkpoint, tiny_tokenizer
 
 

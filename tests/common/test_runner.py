@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.common.models import load_checkpoint
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.build.tiny import build_tiny_checkpoint
 from blockspec.services.verifier.invariance import measure, verify_vs_decode
 
@@ -108,7 +108,8 @@ def test_measure_reports_zero_mismatches_in_invariant_mode(variant_dirs, prompts
 def test_decode_and_verify_attend_in_place_and_long_prefill_chunks_use_sdpa(variant_dirs, monkeypatch):
     """On the CPU, forwards of at most ATTENTION_MAX_QUERIES tokens per row read the KV cache in place
     (no SDPA call); longer prefill chunks go to SDPA. Both give the logits transformers gives (above)."""
-    from blockspec.common import cpu_kernels, decoder
+    from blockspec.common.kernels import cpu_kernels
+    from blockspec.common.models import decoder
 
     if not cpu_kernels.enabled():
         pytest.skip("the CPU kernels could not be built here")
@@ -129,8 +130,8 @@ def test_keys_read_in_spans_give_the_same_logits(variant_dirs):
     """On CUDA a forward reads the KV cache in spans of CUDA_KEY_SPAN keys, the rest masked (fewer shapes
     for cuDNN's attention to plan). Here through SDPA on the CPU with spans of 8: a batched prefill, a
     decode beside a verify, and two decodes give the logits of exact-length reads."""
-    from blockspec.common import cpu_kernels
-    from blockspec.common.kv_cache import SlotKVCache
+    from blockspec.common.kernels import cpu_kernels
+    from blockspec.common.models.kv_cache import SlotKVCache
 
     ck = load_checkpoint(variant_dirs[2])
     cpu_kernels.set_enabled(False)  # every forward through SDPA
@@ -160,7 +161,8 @@ def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, toke
     bitwise the module path's, and padding stores nothing. Biased projections (qwen2) keep the module path.
     (Hidden size 256: the kernels take projections of whole panels of 64 outputs, the tiny variants' 32-wide
     k / v are not.)"""
-    from blockspec.common import cpu_kernels, decoder
+    from blockspec.common.kernels import cpu_kernels
+    from blockspec.common.models import decoder
 
     if not cpu_kernels.enabled():
         pytest.skip("the CPU kernels could not be built here")
@@ -262,7 +264,7 @@ def test_a_token_tree_is_refused_where_it_cannot_run(variant_dirs, tmp_path, tok
                     num_slots=1, max_len=64)
     with pytest.raises(ValueError, match="a hybrid's recurrent states follow one sequence"):
         hybrid.forward([Segment(hybrid.cache.allocate(), [5, 6, 7], parents=(-1, 0, 0))])
-    from blockspec.common.cuda_runner import CudaRunner
+    from blockspec.common.runtime.cuda_runner import CudaRunner
 
     graphs = CudaRunner(load_checkpoint(variant_dirs[2]), 1, 64, (), torch.float32, "cpu", warm_up=False)
     with pytest.raises(ValueError, match=r"a token tree \(Segment.parents\) runs on the eager runner"):

@@ -11,8 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from blockspec.common import cpu_kernels
-from blockspec.common.distributions import (
+from blockspec.common.errors import InvalidArgument
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.runtime.distributions import (
     STREAM_DRAFT,
     DraftDist,
     LogProbRows,
@@ -25,7 +26,6 @@ from blockspec.common.distributions import (
     sample,
     uniforms,
 )
-from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import GREEDY, SamplingParams, validate
 from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.common.telemetry import process_memory
+from blockspec.common.telemetry.metrics import process_memory
 
 
 def test_process_memory_is_read_again_only_when_older_than_asked():
@@ -19,7 +19,7 @@ def test_process_memory_is_read_again_only_when_older_than_asked():
 def test_a_versions_series_are_dropped_with_it_and_the_others_stay():
     from prometheus_client import CollectorRegistry
 
-    from blockspec.common.telemetry import RouterMetrics
+    from blockspec.common.telemetry.metrics import RouterMetrics
 
     registry = CollectorRegistry()
     blue = RouterMetrics(registry, version="blue")

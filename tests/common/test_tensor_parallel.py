@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU (gloo, two ranks; common/tensor_parallel.py): speculative output equals plain
+"""Tensor parallelism on the CPU (gloo, two ranks; common/runtime/tensor_parallel.py): speculative output equals plain
 decoding at the same tensor_parallel_size, one prompt and batched, every method; and a rank killed mid-stream ends
 its replica's requests UNAVAILABLE while the other replica serves and the lost one comes back."""
 
@@ -16,8 +16,8 @@ import psutil
 import pytest
 import torch
 
-from blockspec.common.models import load_checkpoint
-from blockspec.common.tensor_parallel import shard_config, unsupported
+from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.tensor_parallel import shard_config, unsupported
 from blockspec.protos import api_pb2
 from tests.services.test_serve import CONFIG, spawn_serve, stop_serve, wait_for
 
@@ -103,7 +103,7 @@ def test_what_does_not_split_is_named(tiny_models, tmp_path):
 
 def follower_pids(proc: subprocess.Popen) -> list[int]:
     return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-            if "blockspec.common.tp_ranks" in " ".join(p.cmdline())]
+            if "blockspec.common.runtime.tp_ranks" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow  # two replicas of two ranks and a drafter each, one replaced: about a minute

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from blockspec.common.tensor_share import SHM_DIR, SharedTensors, cleanup_stale, open_handle
+from blockspec.common.wire.tensor_share import SHM_DIR, SharedTensors, cleanup_stale, open_handle
 
 
 def _child_reads_and_writes(handle, queue):
@@ -63,7 +63,7 @@ def test_another_users_orphan_is_left_without_failing(tmp_path, monkeypatch):
     a server's start-up to fail (a root-run server once killed would crash-loop every later unit)."""
     from pathlib import Path
 
-    from blockspec.common.tensor_share import remove_orphans
+    from blockspec.common.wire.tensor_share import remove_orphans
 
     theirs, ours = tmp_path / "blockspec-999999-aa", tmp_path / "blockspec-999998-bb"
     theirs.touch()

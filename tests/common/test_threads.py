@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from blockspec.common import threads
-from blockspec.common.threads import CpuTimes, ThreadGovernor, others_busy, threads_for
+from blockspec.common.runtime import threads
+from blockspec.common.runtime.threads import CpuTimes, ThreadGovernor, others_busy, threads_for
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The timing helpers behind the cost model and adaptive k's step costs."""
 
-from blockspec.common.timing import interleaved
+from blockspec.common.runtime.timing import interleaved
 
 
 def test_interleaved_runs_each_setup_just_before_its_fn():

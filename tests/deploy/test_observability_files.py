@@ -12,7 +12,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry.metrics import RouterMetrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -30,7 +30,7 @@ def write_config(tmp_path: Path, target: Path, drafter: Path | None, max_batch: 
 @pytest.fixture(scope="module")
 def reference_pairs(tmp_path_factory, tokenizer) -> dict[str, tuple[Path, Path]]:
     """Config-only checkpoints (config.json and tokenizer, no weights) of the 27B shapes and their drafters."""
-    from blockspec.common.model_config import parse_config
+    from blockspec.common.models.model_config import parse_config
     from blockspec.services.bench.gpu_sizes import hf_config, random_drafter
 
     root = tmp_path_factory.mktemp("plans")
@@ -60,7 +60,7 @@ def test_sizes_parse_and_bad_ones_name_the_flag():
 def test_the_shipped_pairs_plan_counts_what_the_start_up_checks_count(monkeypatch):
     """The verifier's need equals `Verifier.static_bytes` of the loaded target (the start-up check's figure, weights
     counted from the tensors), the drafter's what its role claims before it loads."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.drafter import service
     from blockspec.services.drafter.dflash.checkpoint import load_drafter
     from blockspec.services.verifier.verifier import Verifier

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from blockspec.common.config import parse_config
-from blockspec.common.device import resolve
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.runtime.device import resolve
 from blockspec.services.serving.plan import plan
 from blockspec.services.serving.role_args import parse_role_args
 
@@ -53,8 +53,8 @@ def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny
 def test_model_runner_picks_the_verifier_roles_runner(tiny_models, dflash_drafters):
     """model.runner reaches the verifier role only; `graphs` builds the CUDA runner (its code, uncaptured on the CPU),
     `auto` the eager one on the CPU, and a value outside the three is refused naming the key."""
-    from blockspec.common.cuda_runner import CudaRunner
-    from blockspec.common.runner import Runner
+    from blockspec.common.runtime.cuda_runner import CudaRunner
+    from blockspec.common.runtime.runner import Runner
     from blockspec.services.serving.launch import role_service
 
     p = plan(config(tiny_models, dflash_drafters, runner="graphs"))
@@ -103,8 +103,8 @@ def test_a_drafter_the_roles_would_refuse_is_refused_by_the_plan(tiny_models, df
 def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tiny_models, dflash_drafters):
     """model.gpu_memory_utilization splits one GPU between the roles (as Ray's bundles do); a role whose
     weights and KV cache exceed its share is refused at start with the key, the sizes and what to change."""
-    from blockspec.common.device import check_fits, claim_gpu_share, role_fractions
-    from blockspec.common.kv_cache import SlotKVCache
+    from blockspec.common.models.kv_cache import SlotKVCache
+    from blockspec.common.runtime.device import check_fits, claim_gpu_share, role_fractions
 
     p = plan(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5))
     fractions = [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv)]
@@ -143,7 +143,7 @@ def test_the_drafter_dtype_warning_is_for_a_dtype_the_operator_set(tiny_models, 
 
 def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_drafters):
     """The share check counts the verifier before it exists: the count must equal what it then holds."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.verifier.verifier import Verifier
 
     checkpoint = load_checkpoint(tiny_models["qwen3"]["target"])

@@ -53,8 +53,8 @@ def test_a_size_that_fails_is_said_and_the_others_still_run(tmp_path, capsys, mo
 
 
 def test_the_hybrid_reference_shape_is_qwen3_5_27b():
-    from blockspec.common.footprint import parameters
-    from blockspec.common.model_config import parse_config
+    from blockspec.common.models.model_config import parse_config
+    from blockspec.common.runtime.footprint import parameters
     from blockspec.services.bench.gpu_sizes import hf_config
 
     cfg = parse_config(hf_config("27b-hybrid"), Path("."))

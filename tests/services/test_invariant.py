@@ -97,7 +97,7 @@ def test_keys_read_in_spans_keep_output_identical(tiny_models, dflash_drafters, 
     """On CUDA the target and the drafter read their KV caches in spans of keys (the rest masked). The same
     here on the torch path (the CPU kernels off, so every attention reads key_span keys, spans of 8): the
     trained dflash drafter's output still equals the target alone."""
-    from blockspec.common import cpu_kernels
+    from blockspec.common.kernels import cpu_kernels
 
     engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=len(prompts))
     engine.verifier.runner.cache.key_step = engine.proposer.cache.key_step = 8

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from blockspec.common import tracing
+from blockspec.common.telemetry import tracing
 from blockspec.protos import api_pb2
 from tests.services.router.test_server import collect
 from tests.services.test_serve import CONFIG, metric, spawn_serve, stop_serve

@@ -105,7 +105,7 @@ def pair(tiny_pair):
 @pytest.fixture(scope="module")
 def vocab_drafter(tiny_pair, tmp_path_factory):
     """The tiny pair's drafter with a draft vocabulary: the 128 (of 320) most frequent tokens of a stdlib file."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.drafter.dflash import draft_vocab
 
     out = tmp_path_factory.mktemp("vocab") / "drafter"
@@ -191,7 +191,7 @@ def test_every_proposer_and_rule_follows_the_target_distribution(pair, method, r
 
 def test_a_rule_that_skips_the_p_over_q_test_fails_the_same_check(pair, monkeypatch):
     """Accepting every draft token the target could emit (no p/q test) is lossy; the test must see it."""
-    from blockspec.common.distributions import STREAM_ACCEPT, sample
+    from blockspec.common.runtime.distributions import STREAM_ACCEPT, sample
     from blockspec.services.verifier import verifier as verifier_module
     from blockspec.services.verifier.acceptance import Acceptance
 

@@ -186,7 +186,7 @@ def test_the_roles_answer_only_their_server(server):
     that reaches a role's socket gets UNAUTHENTICATED for every method but health."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from blockspec.common.auth import ENV_ROLE_KEY
+    from blockspec.common.wire.auth import ENV_ROLE_KEY
     from blockspec.protos import roles_grpc, roles_pb2
 
     (pid,) = role_pids(server["proc"], "role verifier")
@@ -345,7 +345,7 @@ def test_a_server_with_api_keys_serves_only_clients_that_send_one(tiny_models, d
                                                                    monkeypatch, capsys):
     """server.api_keys_file end to end: the public API and /metrics refuse a call without a known key, health
     answers anyone, and `blockspec generate --server` sends $BLOCKSPEC_API_KEY."""
-    from blockspec.common.auth import ENV_API_KEY
+    from blockspec.common.wire.auth import ENV_API_KEY
     from blockspec.services.cli.main import main
     from tests.conftest import hf_greedy
 

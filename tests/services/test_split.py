@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from blockspec.common.telemetry import DEFAULT_VERSION
+from blockspec.common.telemetry.metrics import DEFAULT_VERSION
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.serving.launch import serve_drafter, serve_verifier, start_split_router, verifier_service
@@ -114,7 +114,7 @@ def test_prompt_lookup_over_remote_roles_streams_equal_the_target_alone(tiny_mod
     up on the context it did not see (tap features from the verifier's shared buffer)."""
     from prometheus_client import CollectorRegistry
 
-    from blockspec.common.telemetry import RouterMetrics
+    from blockspec.common.telemetry.metrics import RouterMetrics
 
     target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
     registry = CollectorRegistry()

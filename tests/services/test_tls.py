@@ -22,7 +22,7 @@ import openai
 import pytest
 import trustme
 
-from blockspec.common.tls import HANDSHAKE_FAILURES, ClientTls, ServerTls, secure_channel
+from blockspec.common.wire.tls import HANDSHAKE_FAILURES, ClientTls, ServerTls, secure_channel
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.openai_http import Upstream, V1App
@@ -92,7 +92,7 @@ def grpc_model(address: str, tls: ClientTls | None) -> str:
 def test_https_and_grpc_over_tls_serve_the_openai_client_and_the_stubs(tiny_models, certs, prompts, references, caplog):
     served = TlsServed(Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2),
                        ServerTls(certs.server, certs.server))
-    caplog.set_level(logging.WARNING, logger="blockspec.common.tls")
+    caplog.set_level(logging.WARNING, logger="blockspec.common.wire.tls")
     try:
         client = openai.OpenAI(base_url=f"https://localhost:{served.port}/v1", api_key="x", max_retries=0,
                                http_client=openai.DefaultHttpxClient(verify=certs.client_tls().ssl_context()))
@@ -151,7 +151,7 @@ def wait_until(check, timeout: float = 10.0) -> bool:
 def test_mutual_tls_refuses_no_an_expired_or_an_unknown_client_certificate(tiny_models, certs, caplog):
     served = TlsServed(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=1),
                        ServerTls(certs.server, certs.server, client_ca_file=certs.ca_file))
-    caplog.set_level(logging.WARNING, logger="blockspec.common.tls")
+    caplog.set_level(logging.WARNING, logger="blockspec.common.wire.tls")
     try:
         assert https_get(served.port, certs.client_tls(certs.client)) == 200
         assert grpc_model(served.grpc, certs.client_tls(certs.client)) == grpc_model(served.grpc, certs.client_tls(

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common.models import load_checkpoint, parse_config
-from blockspec.common.runner import Runner, Segment
-from blockspec.common.state_cache import SlotStates
+from blockspec.common.models.checkpoint import load_checkpoint, parse_config
+from blockspec.common.models.state_cache import SlotStates
+from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.build.tiny import PUBLISHED, build_tiny_family
 
 REPEATS = 40

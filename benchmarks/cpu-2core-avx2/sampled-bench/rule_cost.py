@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from blockspec.common.distributions import DraftDist, LogProbRows, gumbel_at, process
+from blockspec.common.runtime.distributions import DraftDist, LogProbRows, gumbel_at, process
 from blockspec.common.sampling import SamplingParams
 from blockspec.services.verifier.acceptance import rejection_accept
 

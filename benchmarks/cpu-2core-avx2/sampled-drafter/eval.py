@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from blockspec.common.argtypes import draft_tree
-from blockspec.common.distributions import log_probs, process
+from blockspec.common.runtime.distributions import log_probs, process
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.serving.engine import Engine
 from blockspec.services.verifier.verifier import Verifier

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common.distributions import log_probs, process
+from blockspec.common.runtime.distributions import log_probs, process
 from blockspec.common.sampling import SamplingParams
 from blockspec.services.drafter.proposers import dflash as dflash_proposer
 from blockspec.services.serving.engine import Engine

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from blockspec.common.contracts import Q_WIDTH
-from blockspec.common.decoder import rope_table
+from blockspec.common.models.decoder import rope_table
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.model import DrafterContext
 

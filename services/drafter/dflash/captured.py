@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.common.cuda_runner import Graphs, batch_sizes, bucket
+from blockspec.common.runtime.cuda_runner import Graphs, batch_sizes, bucket
 from blockspec.services.drafter.dflash.model import DrafterContext
 
 EXTEND = 16  # new context positions a request the step stores itself (a verify commits at most block_size)

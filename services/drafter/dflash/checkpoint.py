@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.model_config import ModelConfig
-from blockspec.common.models import load_weights, read_config
+from blockspec.common.models.checkpoint import load_weights, read_config
+from blockspec.common.models.model_config import ModelConfig
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.config import DFlashConfig
 from blockspec.services.drafter.dflash.model import DFlashDrafter

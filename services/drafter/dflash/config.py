@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.model_config import DEFAULTS, rope_settings
+from blockspec.common.models.model_config import DEFAULTS, rope_settings
 
 DEFAULT_BLOCK_SIZE = 16
 DRAFTER_KEYS = ("target_layer_ids", "block_size", "mask_token_id", "conv_kernel_size", "conv_group_size",

@@ -1,5 +1,5 @@
 // The drafter's bf16 and int8 projections on the CPU (see cpu_block.py): vector kernels and AMX tiles. Compiled
-// after common/cpu_shared.cpp and before cpu_block.cpp, which calls linear_bf16_into and linear_i8_into and exports
+// after common/kernels/cpu_shared.cpp and before cpu_block.cpp, which calls linear_bf16_into and linear_i8_into and exports
 // them, set_amx, amx_on and int8_supported.
 #include <atomic>
 #include <cmath>

@@ -1,4 +1,4 @@
-// The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/cpu_shared.cpp
+// The dflash drafter's inference on the CPU (see cpu_block.py); compiled after common/kernels/cpu_shared.cpp
 // (vf, loadv, exp_neg, linear_into), cpu_bf16.cpp and cpu_walk.cpp (walk_rows) and cpu_bf16.cpp (linear_bf16_into, linear_i8_into).
 #include <cmath>
 #include <cstring>
@@ -359,7 +359,7 @@ struct Proposer {
   }
 };
 
-// The calls that take a while run without the GIL (they touch no Python object; see common/cpu_kernels.cpp).
+// The calls that take a while run without the GIL (they touch no Python object; see common/kernels/cpu_kernels.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block", &block, py::call_guard<py::gil_scoped_release>());
   m.def("context", &context, py::call_guard<py::gil_scoped_release>());

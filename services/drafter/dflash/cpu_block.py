@@ -4,7 +4,7 @@ The drafter runs once per speculative step, over a block of 8 slots, against a s
 short. In torch it is about 150 small operations (norms, RoPE, the dynamic convolutions, attention over the cached
 context, the MLP), and their dispatch cost, not their arithmetic, makes a proposal cost most of a target decode.
 Here the same computation is one call (the C++ is `cpu_block.cpp`, its bf16 projections in `cpu_bf16.cpp`, the walk in
-`cpu_walk.cpp`, built on first use like `common/cpu_kernels.py`):
+`cpu_walk.cpp`, built on first use like `common/kernels/cpu_kernels.py`):
 
 * `block`: the block [anchor, MASK...] of every request through all layers and the final norm,
   attending to the request's cached context K/V (read in place, no gathered copy) and to the whole
@@ -13,7 +13,7 @@ Here the same computation is one call (the C++ is `cpu_block.cpp`, its bf16 proj
   written into the cache;
 * `walk`: the path selector's walk (top-k candidates per slot, pairwise scores, argmax or a sample);
 * `propose`: a whole proposal in one call: the missing context, the block of every request, the
-  LM head over the draft slots and the walk, greedy or sampling (the noise of `common/distributions.py`, drawn
+  LM head over the draft slots and the walk, greedy or sampling (the noise of `common/runtime/distributions.py`, drawn
   from the same counter-based generator at each candidate's token; the q a rejection draft came from).
 
 Linear layers use the packed small-batch kernel of `common.cpu_kernels`; attention has its own loop (every
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common import cpu_kernels
+from blockspec.common.kernels import cpu_kernels
 
 ENV_BF16 = "BLOCKSPEC_DRAFTER_BF16"  # "0": the drafter's CPU path keeps fp32 weights
 ENV_AMX = "BLOCKSPEC_DRAFTER_AMX"  # "0": bf16 projections on AVX512-BF16 even where the CPU has AMX tiles

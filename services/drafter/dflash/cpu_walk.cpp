@@ -1,5 +1,5 @@
 // The path selector's walk on the CPU (see cpu_block.py): the top-k candidates of each draft slot, the pairwise
-// scores and the greedy or sampled pick; compiled after common/cpu_shared.cpp (dot16, philox_uniform) and before
+// scores and the greedy or sampled pick; compiled after common/kernels/cpu_shared.cpp (dot16, philox_uniform) and before
 // cpu_block.cpp, whose Proposer ends each proposal with `walk_rows`.
 #include <cmath>
 #include <tuple>

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.contracts import Q_WIDTH
-from blockspec.common.cpu_kernels import Linear, fused_linear, linear
-from blockspec.common.decoder import RMSNorm, apply_rope
-from blockspec.common.distributions import WalkSampler
-from blockspec.common.mlp import MLP
+from blockspec.common.kernels.cpu_kernels import Linear, fused_linear, linear
+from blockspec.common.models.decoder import RMSNorm, apply_rope
+from blockspec.common.models.mlp import MLP
+from blockspec.common.runtime.distributions import WalkSampler
 from blockspec.services.drafter.dflash.config import DFlashConfig
 
 

@@ -9,7 +9,7 @@ import torch
 
 from blockspec.common.contracts import Proposer
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models import Checkpoint, check_same_tokenizer, load_checkpoint
+from blockspec.common.models.checkpoint import Checkpoint, check_same_tokenizer, load_checkpoint
 
 METHODS = ("none", "ngram", "draft_model", "dflash")
 METHODS_WITH_DRAFTER = ("draft_model", "dflash")

@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from blockspec.common import cpu_kernels
 from blockspec.common.contracts import Q_WIDTH, Draft, DraftTree, ProposeInput
-from blockspec.common.decoder import rope_table
-from blockspec.common.distributions import DraftDist, WalkSampler, gumbel_at, walk_rows
-from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.models.decoder import rope_table
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.runtime.distributions import DraftDist, WalkSampler, gumbel_at, walk_rows
 from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, ENV_INT8, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext

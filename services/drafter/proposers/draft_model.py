@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 
 from blockspec.common.contracts import Q_WIDTH, Draft, ProposeInput
-from blockspec.common.distributions import DraftDist, draft_pick
-from blockspec.common.models import Checkpoint
-from blockspec.common.runner import Runner, Segment
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.runtime.distributions import DraftDist, draft_pick
+from blockspec.common.runtime.runner import Runner, Segment
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """Method `ngram` (prompt lookup): propose the tokens that followed the latest earlier occurrence of the
-context's last n tokens (common/lookup.py)."""
+context's last n tokens (common/tokens/lookup.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from blockspec.common.contracts import Draft, ProposeInput
-from blockspec.common.lookup import ContextTexts, lookup
+from blockspec.common.tokens.lookup import ContextTexts, lookup
 
 
 class NgramProposer:

@@ -80,9 +80,9 @@ def test_the_soft_term_is_trained_and_an_interrupted_run_resumes_to_the_same_dra
 
 
 def test_a_warm_start_may_add_layers_that_start_as_the_identity(supervision, tmp_path):
-    from blockspec.common.decoder import rope_table
-    from blockspec.common.models import load_checkpoint
-    from blockspec.common.runner import Runner
+    from blockspec.common.models.checkpoint import load_checkpoint
+    from blockspec.common.models.decoder import rope_table
+    from blockspec.common.runtime.runner import Runner
     from blockspec.services.drafter.dflash.model import DFlashDrafter
 
     target, prompts, sequences = supervision

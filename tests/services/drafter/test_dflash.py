@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.models import load_checkpoint, load_weights
+from blockspec.common.models.checkpoint import load_checkpoint, load_weights
 from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_drafter
 from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
 from blockspec.services.drafter.dflash.cpu_block import CpuDrafter

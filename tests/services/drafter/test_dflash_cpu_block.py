@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from blockspec.common import cpu_kernels
 from blockspec.common.contracts import ProposeInput
-from blockspec.common.decoder import rope_table
-from blockspec.common.kv_cache import SlotKVCache
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.models.decoder import rope_table
+from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.build.tiny import build_tiny_drafter
 from blockspec.services.drafter.dflash import cpu_block

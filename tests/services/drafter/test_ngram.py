@@ -1,5 +1,5 @@
 from blockspec.common.contracts import ProposeInput
-from blockspec.common.lookup import lookup
+from blockspec.common.tokens.lookup import lookup
 from blockspec.services.drafter.proposers.ngram import NgramProposer
 
 
@@ -61,7 +61,7 @@ def test_periodic_lookup_continues_a_loop_past_the_context_end():
 
 
 def test_context_texts_grow_with_the_committed_tokens_and_start_over_after_a_drop():
-    from blockspec.common.lookup import ContextTexts, as_text
+    from blockspec.common.tokens.lookup import ContextTexts, as_text
 
     texts, ids = ContextTexts(), [5, 6, 5]
     assert texts.of("a", ids) == as_text(ids)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from blockspec.common.contracts import ProposeInput
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.models import load_checkpoint
+from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.config import DFlashConfig, default_target_layer_ids
 from blockspec.services.drafter.dflash.model import DFlashDrafter

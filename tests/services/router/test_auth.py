@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from blockspec.common.auth import ENV_API_KEY, ApiKeys, client_channel
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.common.wire.auth import ENV_API_KEY, ApiKeys, client_channel
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.serving.engine import Engine

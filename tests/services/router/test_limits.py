@@ -10,10 +10,10 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from blockspec.common.auth import ApiKeys, client_channel
 from blockspec.common.config import RateLimits
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.telemetry import RouterMetrics
+from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.common.wire.auth import ApiKeys, client_channel
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.limits import OverLimit, TenantLimits
 from blockspec.services.serving.engine import Engine

@@ -12,9 +12,9 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from blockspec.common.auth import ApiKeys
 from blockspec.common.config import RateLimits
-from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
+from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
+from blockspec.common.wire.auth import ApiKeys
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App

@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
+from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import FinishEvent, TokenEvent
 from blockspec.services.serving.engine import Engine

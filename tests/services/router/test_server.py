@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from blockspec.common.config import DEFAULT_K
-from blockspec.common.telemetry import DEFAULT_VERSION, RouterMetrics
+from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.router.app import start_router
 from blockspec.services.serving.engine import Engine

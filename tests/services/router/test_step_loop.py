@@ -108,7 +108,7 @@ def test_prompt_lookup_drafts_repeats_and_asks_the_drafter_for_the_rest(tiny_mod
                                                                         references):
     """Each request-step is drafted by exactly one of the two: lookup where the context's suffix occurred before
     (the drafter never sees those), the drafter elsewhere; the stats, the step reports and the output agree."""
-    from blockspec.common.lookup import lookup
+    from blockspec.common.tokens.lookup import lookup
     from blockspec.services.router.step_loop import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
     engine = Engine(tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"], "dflash", max_batch=4,
@@ -139,7 +139,7 @@ def test_step_spans_only_while_a_tracer_provider_is_set(tiny_models, prompts, mo
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from blockspec.common import tracing
+    from blockspec.common.telemetry import tracing
 
     made = []
     step_span = tracing.step_span

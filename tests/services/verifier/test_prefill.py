@@ -1,6 +1,6 @@
 """The verifier's prefill: how prompts are grouped into target forwards."""
 
-from blockspec.common.models import load_checkpoint
+from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.services.verifier.verifier import Verifier
 
 LENGTHS = [60, 50, 90, 20, 120, 30, 250]

@@ -159,7 +159,7 @@ class _KeyMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 def client_channel(address: str, key: str | None = None, tls=None) -> grpc.Channel:
     """A channel to a router that sends `key` (default: $BLOCKSPEC_API_KEY, where set) with every call; over TLS
     with `tls` (a common.tls.ClientTls)."""
-    from blockspec.common.tls import secure_channel
+    from blockspec.common.wire.tls import secure_channel
 
     channel = secure_channel(address, tls)
     key = key if key is not None else os.environ.get(ENV_API_KEY)
@@ -178,8 +178,8 @@ def role_interceptors() -> tuple[grpc.aio.ServerInterceptor, ...]:
 
 def role_channel(address: str, key: str | None = None) -> grpc.Channel:
     """The router's channel to a role: sends `key` (default: $BLOCKSPEC_ROLE_KEY, where set), over mutual TLS where
-    BLOCKSPEC_ROLE_TLS_* are set (common/tls.py) and the address is TCP."""
-    from blockspec.common.tls import role_client_tls
+    BLOCKSPEC_ROLE_TLS_* are set (common/wire/tls.py) and the address is TCP."""
+    from blockspec.common.wire.tls import role_client_tls
 
     return client_channel(address, os.environ.get(ENV_ROLE_KEY, "") if key is None else key, role_client_tls())
 

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.common import cpu_kernels
-from blockspec.common.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
-from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.mlp import mlp_of
-from blockspec.common.model_config import ModelConfig
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.kernels.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.mlp import mlp_of
+from blockspec.common.models.model_config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

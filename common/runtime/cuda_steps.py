@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.common import gpu_kernels as gk
-from blockspec.common.decoder import Decoder, rope_table
-from blockspec.common.hybrid import HybridDecoder
-from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.models import Checkpoint
-from blockspec.common.state_cache import HybridKVCache
+from blockspec.common.kernels import gpu_kernels as gk
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.models.decoder import Decoder, rope_table
+from blockspec.common.models.hybrid import HybridDecoder
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.state_cache import HybridKVCache
 
 
 class StaticStep(nn.Module):

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
-from blockspec.common import gpu_kernels as gk
-from blockspec.common.cuda_steps import HybridStaticStep, StaticStep
-from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.model_config import ModelConfig
-from blockspec.common.models import Checkpoint
-from blockspec.common.runner import ForwardResult, Segment, build_decoder
-from blockspec.common.state_cache import HybridKVCache
+from blockspec.common.kernels import gpu_kernels as gk
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.model_config import ModelConfig
+from blockspec.common.models.state_cache import HybridKVCache
+from blockspec.common.runtime.cuda_steps import HybridStaticStep, StaticStep
+from blockspec.common.runtime.runner import ForwardResult, Segment, build_decoder
 
 log = logging.getLogger(__name__)
 

@@ -154,7 +154,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, sorted items
     eos_token_ids: tuple[int, ...] = ()
-    # Hybrid models (HYBRID_MODEL_TYPES, `common/hybrid.py`): each layer's type, the Gated DeltaNet dimensions and
+    # Hybrid models (HYBRID_MODEL_TYPES, `common/models/hybrid.py`): each layer's type, the Gated DeltaNet dimensions and
     # RoPE on the first rotary_dim of each head only.
     layer_types: tuple[str, ...] = ()  # empty: every layer full attention
     linear: LinearAttention | None = None

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common import cpu_kernels
-from blockspec.common.decoder import AttentionBatch, Decoder, rope_table
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.hybrid import HybridDecoder
-from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.models import Checkpoint
-from blockspec.common.state_cache import HybridKVCache
-from blockspec.common.tensor_parallel import shard
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.models.decoder import AttentionBatch, Decoder, rope_table
+from blockspec.common.models.hybrid import HybridDecoder
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.state_cache import HybridKVCache
+from blockspec.common.runtime.tensor_parallel import shard
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Runner:
         device: torch.device | str = "cpu",
         tp: tuple[int, int] = (0, 1),
     ) -> None:
-        """tp: (rank, world size) of a target split over ranks (common/tensor_parallel.py): this rank's shard and its
+        """tp: (rank, world size) of a target split over ranks (common/runtime/tensor_parallel.py): this rank's shard and its
         heads' part of the KV cache."""
         cfg = checkpoint.config
         self.device = torch.device(device)

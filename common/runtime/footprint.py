@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.kv_cache import SlotKVCache
-from blockspec.common.model_config import ModelConfig
-from blockspec.common.state_cache import SlotStates
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.model_config import ModelConfig
+from blockspec.common.models.state_cache import SlotStates
 
 SPECULATIVE_BLOCK = 16  # the widest verify a slot keeps rollback inputs for, in info's figures (k = 15)
 
@@ -71,7 +71,7 @@ def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int,
     (`Verifier.static_bytes`) and `blockspec plan` both count with this. world > 1 (model.tensor_parallel_size): the
     lead rank's part - a world-th of the layers' weights and of the KV cache, and the embedding and LM head
     (`vocab_bytes`) whole, which the drafter reads in place (the other ranks hold a world-th of those too)."""
-    from blockspec.common.cuda_runner import CudaRunner
+    from blockspec.common.runtime.cuda_runner import CudaRunner
 
     slots = slot_bytes(cfg, max_len, dtype, n_taps)
     per_slot = sum(slots.values()) - slots["kv"] + slots["kv"] // world

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from blockspec.common.errors import ModelLoadError
-from blockspec.common.model_config import ModelConfig, parse_config
+from blockspec.common.models.model_config import ModelConfig, parse_config
 
 log = logging.getLogger(__name__)
 

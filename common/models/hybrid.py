@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.common.cpu_kernels import Linear, cached_attention
-from blockspec.common.decoder import AttentionBatch, Decoder, final_norm, mlp_of
-from blockspec.common.model_config import ModelConfig
-from blockspec.common.state_cache import StateStep, delta_rule_steps, l2_normalise
+from blockspec.common.kernels.cpu_kernels import Linear, cached_attention
+from blockspec.common.kernels.delta_rule import delta_rule_steps, l2_normalise
+from blockspec.common.models.decoder import AttentionBatch, Decoder, final_norm, mlp_of
+from blockspec.common.models.model_config import ModelConfig
+from blockspec.common.models.state_cache import StateStep
 
 
 def zero_centred_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

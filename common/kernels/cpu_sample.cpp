@@ -1,4 +1,4 @@
-// The sampling rule's work over a vocabulary row (common/distributions.py: `sample`, `LogProbRows`), on the noise of
+// The sampling rule's work over a vocabulary row (common/runtime/distributions.py: `sample`, `LogProbRows`), on the noise of
 // cpu_shared.cpp (`philox_block`).
 
 #include <algorithm>

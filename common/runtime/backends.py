@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
-from blockspec.common.cuda_runner import CudaRunner, unsupported
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models import Checkpoint
-from blockspec.common.runner import Runner
+from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.runtime.cuda_runner import CudaRunner, unsupported
+from blockspec.common.runtime.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,12 @@ def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = No
     """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a model on
     CUDA that it takes, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
     `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model). tensor_parallel_size > 1: this
-    process leads the ranks (common/tensor_parallel.py), the others start as its children; the eager runner."""
+    process leads the ranks (common/runtime/tensor_parallel.py), the others start as its children; the eager runner."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if tensor_parallel_size > 1:
-        from blockspec.common import tensor_parallel as tp
-        from blockspec.common import tp_ranks
+        from blockspec.common.runtime import tensor_parallel as tp
+        from blockspec.common.runtime import tp_ranks
 
         why = tp.unsupported(checkpoint.config, tensor_parallel_size)
         if why is not None or backend == "graphs":

@@ -1,5 +1,5 @@
-"""The ranks of a target split with tensor parallelism (common/tensor_parallel.py): rank 0 leads in the verifier's
-process (`LeadRunner`), the others are its child processes (`start_followers`, `python -m blockspec.common.tp_ranks`)
+"""The ranks of a target split with tensor parallelism (common/runtime/tensor_parallel.py): rank 0 leads in the verifier's
+process (`LeadRunner`), the others are its child processes (`start_followers`, `python -m blockspec.common.runtime.tp_ranks`)
 that run each step the lead sends (`follow`) and end with it."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from blockspec.common.runner import ForwardResult, Runner, Segment
-from blockspec.common.tensor_parallel import exit_on_lost_rank, free_port, init
+from blockspec.common.runtime.runner import ForwardResult, Runner, Segment
+from blockspec.common.runtime.tensor_parallel import exit_on_lost_rank, free_port, init
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def follow(runner: Runner) -> None:
 def run_follower(rank: int, world: int, address: str, target: str, num_slots: int, max_len: int,
                  query_width: int | None, dtype: str, device: str, threads: int, lead: int) -> None:
     """A follower process's whole life: load, join, follow; it ends with its lead (pid `lead`) however that ends."""
-    from blockspec.common.models import load_checkpoint
+    from blockspec.common.models.checkpoint import load_checkpoint
 
     def watch() -> None:
         while os.getppid() == lead:
@@ -81,14 +81,14 @@ _followers: list[subprocess.Popen] = []
 
 def start_followers(world: int, target: str, num_slots: int, max_len: int, query_width: int | None,
                     dtype: torch.dtype, device: torch.device) -> str:
-    """Ranks 1..world-1 as child processes of this one (`python -m blockspec.common.tp_ranks`; each ends with
+    """Ranks 1..world-1 as child processes of this one (`python -m blockspec.common.runtime.tp_ranks`; each ends with
     this process); the process group's address, for this process to join as rank 0."""
     address = f"127.0.0.1:{free_port()}"
     threads = max(1, torch.get_num_threads() // world)
     for rank in range(1, world):
         args = [rank, world, address, target, num_slots, max_len, query_width, str(dtype).split(".")[-1],
                 device.type, threads, os.getpid()]
-        _followers.append(subprocess.Popen([sys.executable, "-m", "blockspec.common.tp_ranks", json.dumps(args)]))
+        _followers.append(subprocess.Popen([sys.executable, "-m", "blockspec.common.runtime.tp_ranks", json.dumps(args)]))
     if len(_followers) == world - 1:
         atexit.register(_stop_followers)
     return address

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.common import cpu_kernels
-from blockspec.common.cpu_kernels import Linear, fused_linear
-from blockspec.common.model_config import ModelConfig
+from blockspec.common.kernels import cpu_kernels
+from blockspec.common.kernels.cpu_kernels import Linear, fused_linear
+from blockspec.common.models.model_config import ModelConfig
 
 
 class MLP(nn.Module):

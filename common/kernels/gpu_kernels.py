@@ -28,8 +28,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from blockspec.common import triton_deltanet as td
-from blockspec.common import triton_kernels as tk
+from blockspec.common.kernels import triton_deltanet as td
+from blockspec.common.kernels import triton_kernels as tk
+from blockspec.common.kernels.delta_rule import delta_rule_steps, l2_normalise
 
 # --- the torch references (CPU, and what the kernels are tested against) -------------------------------------------
 
@@ -71,8 +72,7 @@ def gated_delta_rule_reference(state: torch.Tensor, q: torch.Tensor, k: torch.Te
     """The gated delta rule over T tokens from state [B, Hv, dk, dv] (fp32): q, k [B, T, Hk, dk] as the convolution
     left them (each key head serving Hv / Hk consecutive value heads; l2-normalised here, q also scaled), v [B, T, Hv,
     dv], g (log decay) and beta [B, T, Hv]. Returns the outputs [B, T, Hv, dv] and the final state
-    (`state_cache.delta_rule_steps`)."""
-    from blockspec.common.state_cache import delta_rule_steps, l2_normalise
+    (`delta_rule.delta_rule_steps`)."""
 
     groups = v.shape[2] // k.shape[2]
     q, k = (t.float().repeat_interleave(groups, dim=2) for t in (q, k))

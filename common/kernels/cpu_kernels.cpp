@@ -1,4 +1,4 @@
-// common/cpu_kernels.py's own functions, compiled after cpu_shared.cpp.
+// common/kernels/cpu_kernels.py's own functions, compiled after cpu_shared.cpp.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed) {
   auto y = torch::empty({x.size(0), packed.size(0) * 64}, x.options());
   linear_into(x.data_ptr<float>(), x.size(0), x.size(1), packed, y.data_ptr<float>());
@@ -221,7 +221,7 @@ static torch::Tensor add_residual(const torch::Tensor& x, torch::Tensor y) {
 // A decoder's layers over rows of real tokens (tokens [B, T]; row b's first lengths[b] are real, the rest padding)
 // in one call: per layer the norms, the packed linear products, q/k norm with RoPE, each row's real K/V stored at
 // [starts[b], starts[b] + lengths[b]) of its slot host_slots[b], attention over the cache and the MLP, with the same
-// kernels and arithmetic as the module path (common/decoder.py), so the result is bitwise the module's.
+// kernels and arithmetic as the module path (common/models/decoder.py), so the result is bitwise the module's.
 // w: 8 tensors a layer (input norm, q|k|v panels, q norm, k norm, o panels, post-attention norm, gate|up panels,
 // down panels). Returns [final-normed hidden [B, T, D], the outputs of the layers in `taps` (ascending; tap L is the
 // final-normed hidden itself)]; with a tap_dest ([slots, max_len, n_taps * D] fp32, contiguous; empty: none) the taps'

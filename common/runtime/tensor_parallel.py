@@ -7,7 +7,7 @@ CPU, NCCL on GPUs), Megatron's layout.
   one, is added by rank 0 only.
 * Embedding and LM head: split over the vocabulary. A rank looks up the ids of its range (the others give zeros),
   then the rows are summed; the LM head gives each rank its range's logits, gathered into the whole row.
-* Rank 0 leads (common/tp_ranks.py): it serves the verifier role, and before each forward sends the step (its
+* Rank 0 leads (common/runtime/tp_ranks.py): it serves the verifier role, and before each forward sends the step (its
   segments and each slot's length) to the other ranks, which run the same forward on their shards.
 
 Exactness: a row's partial sums are computed as at one rank, from shapes that do not depend on the batch, and a sum
@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.common.decoder import Decoder
-from blockspec.common.model_config import ModelConfig
+from blockspec.common.models.decoder import Decoder
+from blockspec.common.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from blockspec.common import cpu_kernels
+from blockspec.common.kernels import cpu_kernels
 from blockspec.common.sampling import SamplingParams
 
 # Noise streams: one counter-based generator per (seed, stream), indexed by absolute position.

@@ -1,4 +1,4 @@
-// Shared C++ of the CPU kernels (see common/cpu_kernels.py): the packed small-batch linear
+// Shared C++ of the CPU kernels (see common/kernels/cpu_kernels.py): the packed small-batch linear
 // (`linear_into`) and attention over a KV head (`attend_head`). Every extension source starts with it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -261,7 +261,7 @@ static void attend_head_hd(int64_t hd, A&&... a) {
 
 static constexpr int64_t ATTEND_CHUNK = 16;  // queries per parallel task (a KV head's queries split in such chunks)
 
-// The sampling noise of common/distributions.py (`uniforms`): uniform `index` of numpy's Philox4x64-10 keyed
+// The sampling noise of common/runtime/distributions.py (`uniforms`): uniform `index` of numpy's Philox4x64-10 keyed
 // (seed, stream) with the counter at (0, 0, position). numpy advances the counter's first word before each block of 4
 // outputs, so uniform i is word i % 4 of the block at counter (i / 4 + 1, 0, position): any token's noise is drawn
 // without the ones before it. Doubles as numpy makes them (the top 53 bits), at least the smallest normal double.

@@ -9,8 +9,8 @@ import logging
 
 import grpc
 
-from blockspec.common import tracing
-from blockspec.common.telemetry import ROLE_MEMORY_MAX_AGE_S, process_memory
+from blockspec.common.telemetry import tracing
+from blockspec.common.telemetry.metrics import ROLE_MEMORY_MAX_AGE_S, process_memory
 
 log = logging.getLogger(__name__)
 

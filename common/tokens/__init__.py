@@ -1,0 +1,1 @@
+"""Token sequences without torch: incremental detokenization and n-gram lookup."""
