@@ -71,27 +71,29 @@ class DraftTree:
 
 @dataclass(frozen=True)
 class Draft:
+    """A request's draft for one step: what the drafter proposed, carried unchanged to the verifier."""
+
     token_ids: tuple[int, ...]  # at most k draft tokens (with a tree: its first path, each node's first child)
-    # Rejection rule: the distribution each token was sampled from. None: the tokens are deterministic
-    # given the context (greedy, strict, n-gram), which the rule treats as a one-hot q.
+    # Rejection rule: the distribution each token was sampled from. None: the tokens are deterministic given the
+    # context (greedy, strict, n-gram), which the rule treats as a one-hot q. Across processes it is the role
+    # client's handle to where the drafter left it (services/router/roles.SharedQ); either way `head(n)` cuts it.
     q: DraftDist | None = None
-    q_width: int = 0  # remote drafter: q sits in the verifier's shared q buffer, rows this wide
     tree: DraftTree | None = None  # a draft tree (the proposer's `tree` setting); token_ids is then its first path
 
     def head(self, k: int) -> Draft:
         if self.q is None and len(self.token_ids) <= k:  # nothing to cut (the step loop's usual case)
             return self
-        return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None, self.q_width,
+        return Draft(self.token_ids[:k], self.q.head(k) if self.q is not None else None,
                      self.tree.head(k) if self.tree is not None else None)
+
+
+NO_DRAFT = Draft(())  # a plain decoding step
 
 
 @dataclass(frozen=True)
 class VerifyInput:
     request_id: str
-    draft_ids: tuple[int, ...]  # may be empty: a plain decoding step
-    q: DraftDist | None = None  # rejection rule: what the drafts were sampled from (None: deterministic)
-    q_width: int = 0  # remote drafter: q is in the verifier service's shared buffer instead
-    tree: DraftTree | None = None  # a draft tree, verified in place of draft_ids (its first path)
+    draft: Draft = NO_DRAFT  # no tokens: a plain decoding step
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class DrafterRole(Protocol):
     """What the step loop needs of a drafter: a local proposer or the router's client of a remote one."""
 
     max_k: int
+    fallbacks: int  # requests that stepped at k = 0 because the drafter failed (a local proposer: always 0)
 
     def propose(self, inputs: Sequence[ProposeInput]) -> list[Draft]: ...
 

@@ -15,7 +15,7 @@ from blockspec.common.kernels import cpu_kernels
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.device import claim_gpu_share, tensor_bytes
 from blockspec.common.runtime.footprint import drafter_bytes
-from blockspec.common.sampling import from_pb
+from blockspec.common.sampling import SamplingParams, from_pb
 from blockspec.common.telemetry import tracing
 from blockspec.common.wire.role_stream import RoleStream
 from blockspec.common.wire.tensor_share import open_pb
@@ -72,6 +72,7 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
         else:
             self.proposer = build_proposer(method, self.target, drafter_path, num_slots, max_len, device=device, dtype=dtype)
         self._tokens: dict[str, list[int]] = {}  # committed tokens seen per request
+        self._sampling: dict[str, SamplingParams] = {}  # per request, from its first op
         self._slots: dict[str, int] = {}  # request -> row of the verifier's tap buffer
         self._tap_buffer, self._tap_rows = None, []
         self._q_ids = self._q_probs = None  # the verifier's shared draft-q buffers (rejection rule)
@@ -124,13 +125,20 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
 
     def _forget(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
+        self._sampling.pop(request_id, None)
         self._slots.pop(request_id, None)
         self._sessions.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.release(request_id)
 
     def _accept(self, item: roles_pb2.ProposeItem) -> bool:
-        """Apply a delta versioned by committed length; False (stale) when it does not follow our view."""
+        """Apply a delta versioned by committed length; False (stale) when it does not follow our view. A request's
+        sampling comes with its first context (and with the whole context again, after a reconnect)."""
+        if item.HasField("sampling"):
+            self._sampling[item.request_id] = from_pb(item.sampling)
+        elif item.request_id not in self._sampling:  # its first op was lost: the router resends everything
+            self._forget(item.request_id)
+            return False
         known = self._tokens.setdefault(item.request_id, [])
         if item.committed_len == len(known) and known:
             return True  # a retry of a propose already applied: idempotent
@@ -164,7 +172,7 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
         for item in req.items:
             self._sessions[item.request_id] = session
         fresh = [item for item in req.items if self._accept(item)]
-        inputs = [ProposeInput(i.request_id, self._tokens[i.request_id], i.k, from_pb(i.sampling)) for i in fresh]
+        inputs = [ProposeInput(i.request_id, self._tokens[i.request_id], i.k, self._sampling[i.request_id]) for i in fresh]
         drafts = dict(zip((i.request_id for i in fresh), self.proposer.propose(inputs))) if inputs else {}
         items = [self._draft_item(i, drafts[i.request_id]) if i.request_id in drafts
                  else roles_pb2.DraftItem(request_id=i.request_id, stale=True) for i in req.items]

@@ -10,6 +10,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
@@ -22,6 +23,26 @@ from blockspec.protos import roles_grpc, roles_pb2
 log = logging.getLogger(__name__)
 
 _END = object()
+
+
+@dataclass(frozen=True)
+class SharedQ:
+    """A remote draft's q (rejection rule): the drafter wrote its rows into the verifier's shared q buffer at the
+    request's slot, `width` tokens a row; the verify item carries only the width. Cutting the draft keeps it: the
+    verifier reads as many rows as the draft has tokens."""
+
+    width: int
+
+    def head(self, _rows: int) -> SharedQ:
+        return self
+
+
+def _q_width(draft: Draft) -> int:
+    if draft.q is None:
+        return 0
+    if not isinstance(draft.q, SharedQ):  # a q the verifier's process cannot see: verifying without it is not exact
+        raise TypeError(f"a remote verify needs the draft's q in the shared buffer, got {type(draft.q).__name__}")
+    return draft.q.width
 
 
 class StreamCall:
@@ -119,8 +140,8 @@ class RemoteVerifier:
         return results
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
-        return self._call(verify=[roles_pb2.VerifyItem(request_id=i.request_id, draft_ids=i.draft_ids, q_width=i.q_width)
-                                  for i in inputs])
+        return self._call(verify=[roles_pb2.VerifyItem(request_id=i.request_id, draft_ids=i.draft.token_ids,
+                                                       q_width=_q_width(i.draft)) for i in inputs])
 
     def close(self) -> None:
         self._stream.close()
@@ -212,7 +233,8 @@ class RemoteDrafter:
             item = roles_pb2.ProposeItem(request_id=i.request_id, committed_len=len(i.token_ids),
                                          new_token_ids=i.token_ids[sent:], k=i.k,
                                          feature_slot=self.verifier.slot_of(i.request_id))
-            fill_pb(i.sampling, item.sampling)
+            if not sent:  # the drafter learns a request's sampling with its context, once
+                fill_pb(i.sampling, item.sampling)
             items.append(item)
         try:
             resp = self._op(items)
@@ -227,7 +249,7 @@ class RemoteDrafter:
                 drafts.append(Draft(()))
             else:
                 self._sent[i.request_id] = len(i.token_ids)
-                drafts.append(Draft(tuple(item.draft_ids), q_width=item.q_width))
+                drafts.append(Draft(tuple(item.draft_ids), SharedQ(item.q_width) if item.q_width else None))
         return drafts
 
     def close(self) -> None:

@@ -243,7 +243,7 @@ class Scheduler:
             if drafted:
                 m.acceptance_rate.labels(replica=replica).set(accepted / drafted)
             m.tau.labels(replica=replica).set(1 + accepted / sum(r.batch_size for r in self._window))
-        fallbacks = getattr(loop.drafter, "fallbacks", 0)
+        fallbacks = loop.drafter.fallbacks
         if fallbacks > self._fallbacks_seen:
             m.drafter_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks

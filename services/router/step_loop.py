@@ -10,7 +10,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from blockspec.common.contracts import Draft, DrafterRole, ProposeInput, VerifierRole, VerifyInput, VerifyResult
+from blockspec.common.contracts import (
+    NO_DRAFT,
+    Draft,
+    DrafterRole,
+    ProposeInput,
+    VerifierRole,
+    VerifyInput,
+    VerifyResult,
+)
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.common.telemetry import tracing
 from blockspec.common.tokens.lookup import ContextTexts, lookup
@@ -286,36 +294,36 @@ class StepLoop:
         span = tracing.step_span([lv.request.span_context for lv in lives]) if tracing.recording() else None
         # The role calls carry the step span as their parent.
         with tracing.use_span(span) if span is not None else contextlib.nullcontext():
-            fallbacks = getattr(self.drafter, "fallbacks", 0)
+            fallbacks = self.drafter.fallbacks
             t0 = time.perf_counter()
             drafted = dict(looked_up)
             to_draft = [w for w in wants if w.k > 0 and w.request_id not in looked_up]
             if to_draft:
                 drafted.update(zip((w.request_id for w in to_draft), self.drafter.propose(to_draft)))
             t1 = time.perf_counter()
-            drafts = [drafted[w.request_id].head(w.k) if w.request_id in drafted else Draft(()) for w in wants]
-            inputs = [VerifyInput(w.request_id, d.token_ids, d.q, d.q_width, d.tree) for w, d in zip(wants, drafts)]
+            inputs = [VerifyInput(w.request_id, drafted[w.request_id].head(w.k) if w.request_id in drafted else NO_DRAFT)
+                      for w in wants]
             results = self.verifier.verify(inputs)
             t2 = time.perf_counter()
             draft_s = t1 - t0 + lookup_s
             report = self.last_report = self._report(wants, inputs, results, draft_s, t2 - t1,
-                                                     getattr(self.drafter, "fallbacks", 0) > fallbacks, len(looked_up))
+                                                     self.drafter.fallbacks > fallbacks, len(looked_up))
             if span is not None:
                 tracing.set_step_attributes(span, report)
         if self.adaptive:
             overhead = None if self._last_verified is None or self._prefilled else t0 - self._last_verified - lookup_s
-            width = max(len(i.draft_ids) + 1 for i in inputs)
+            width = max(len(i.draft.token_ids) + 1 for i in inputs)
             asked = {w.request_id for w in to_draft}
             caught_up = any(lv.last_drafted == 0 for lv in lives if lv.request.request_id in asked)
             self.adaptive.observe_step(len(inputs), width, t2 - t1, draft_s, overhead, caught_up, drafted=len(to_draft))
         self._last_verified = t2
         for live, inp, result in zip(lives, inputs, results):
             hit = inp.request_id in looked_up
-            live.last_drafted = 0 if hit else len(inp.draft_ids)  # 0: the drafter has context to catch up
+            live.last_drafted = 0 if hit else len(inp.draft.token_ids)  # 0: the drafter has context to catch up
             if self.adaptive:
-                self.adaptive.observe_request(live.lookup_trace if hit else live.trace, len(inp.draft_ids),
+                self.adaptive.observe_request(live.lookup_trace if hit else live.trace, len(inp.draft.token_ids),
                                               result.num_accepted, hit)
-            live.stats.record(len(inp.draft_ids), result.num_accepted)
+            live.stats.record(len(inp.draft.token_ids), result.num_accepted)
             live.stats.looked_up += hit
             live.stats.draft_s += draft_s
             live.stats.verify_s += t2 - t1
@@ -324,13 +332,13 @@ class StepLoop:
     @staticmethod
     def _report(wants: list[ProposeInput], inputs: list[VerifyInput], results: list[VerifyResult], draft_s: float,
                 verify_s: float, fallback: bool, looked_up: int) -> StepReport:
-        per_pos = [0] * max((len(i.draft_ids) for i in inputs), default=0)
+        per_pos = [0] * max((len(i.draft.token_ids) for i in inputs), default=0)
         for r in results:
             for i in range(r.num_accepted):
                 per_pos[i] += 1
         return StepReport(
             batch_size=len(inputs), k=max((w.k for w in wants), default=0), mean_k=sum(w.k for w in wants) / len(wants),
-            drafts=sum(1 for i in inputs if i.draft_ids), draft_tokens=sum(len(i.draft_ids) for i in inputs),
+            drafts=sum(1 for i in inputs if i.draft.token_ids), draft_tokens=sum(len(i.draft.token_ids) for i in inputs),
             accepted_tokens=sum(r.num_accepted for r in results), draft_s=draft_s, verify_s=verify_s, fallback=fallback,
             accepted_per_pos=tuple(per_pos), looked_up=looked_up)
 

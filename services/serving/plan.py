@@ -1,145 +1,179 @@
-"""What `blockspec serve` starts, resolved from the config and checked before any role starts: the method, the drafter
-and the roles' command lines."""
+"""`blockspec plan`: whether a config's roles fit their shares of a GPU, and what to lower where they do not, from the
+configs alone (no weights read, no GPU needed). The figures are the start-up checks' own: each role's bytes come from
+`footprint.verifier_bytes` / `footprint.drafter_bytes` (what `Verifier.static_bytes` and the drafter role count
+before they allocate), its share from `device.role_fractions`, the verdict from `device.check_fits`' rule."""
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from blockspec.common.config import BlockspecConfig
+import torch
+
+from blockspec.common.config import MIN_MODEL_LEN, BlockspecConfig
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models.checkpoint import read_config
-from blockspec.common.runtime.device import role_fractions
-from blockspec.services.drafter.proposers import check_method, default_method
+from blockspec.common.models.checkpoint import load_checkpoint, read_config
+from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.runtime.device import DTYPES, role_fractions
+from blockspec.common.runtime.footprint import drafter_bytes, parameters, slot_bytes, verifier_bytes
 
-log = logging.getLogger(__name__)
+GIB = 2**30
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What to run, resolved from the config: the method, the drafter and the role command lines."""
+def parse_size(text: str, field: str = "--gpu-memory") -> int:
+    """'80GB' (10^9), '80GiB' or '80G' (2^30), '512MiB', or bytes -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise InvalidArgument(field, f"{text!r} is not a size: e.g. 80GB, 141GB, 80GiB or a number of bytes")
+    unit = (m.group(2) or "").lower()
+    scale = {"": 1, "gb": 10**9, "gib": GIB, "g": GIB, "mb": 10**6, "mib": 2**20, "m": 2**20}[unit]
+    return int(float(m.group(1)) * scale)
 
+
+@dataclass
+class RolePlan:
+    role: str
+    weights: int  # bytes
+    per_slot: int  # bytes of one request slot at max_len (KV cache, states, tap features)
+    slots: int
+    max_len: int
+    need: int  # what the start-up check counts
+    share: int  # its part of the GPU: gpu bytes x its fraction
+    fraction: float
+    max_slots: int  # slots that fit at max_len (0: not even one)
+    longest: int  # the longest max_model_len that fits `slots` slots (0: none)
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.share
+
+
+@dataclass
+class CapacityPlan:
+    target: str
+    family: str
     method: str
-    drafter: str | None
-    verifier_argv: tuple[str, ...]
-    drafter_argv: tuple[str, ...] | None
+    dtype: str
+    gpu_bytes: int
+    utilization: float
+    replicas: int
+    graphs: bool  # the CUDA runner (its spare slot and captured outputs counted)
+    roles: list[RolePlan]
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.roles)
+
+    def advice(self) -> list[str]:
+        """What to lower (or raise) for each role that does not fit."""
+        out = []
+        for r in self.roles:
+            if r.fits:
+                continue
+            if r.weights > r.share:
+                out.append(f"{r.role}: its weights alone ({r.weights / GIB:.1f} GiB) exceed its share "
+                           f"({r.share / GIB:.1f} GiB): a GPU with more memory, a raised gpu_memory_utilization, or "
+                           "fewer replicas on the GPU")
+                continue
+            options = []
+            if r.max_slots:
+                options.append(f"server.max_batch {r.max_slots} (at max_model_len {r.max_len})")
+            if r.longest:
+                options.append(f"model.max_model_len {r.longest} (at max_batch {r.slots})")
+            needed = r.need / (self.gpu_bytes * r.fraction / self.utilization) if r.fraction else float("inf")
+            if needed <= 1.0:
+                options.append(f"model.gpu_memory_utilization {min(1.0, needed + 0.005):.2f}")
+            out.append(f"{r.role}: needs {r.need / GIB:.2f} GiB of its {r.share / GIB:.2f} GiB share; lower to "
+                       + (" or ".join(options) if options else "a smaller configuration"))
+        return out
+
+    def table(self) -> str:
+        head = (f"Target {self.target} ({self.family}), method {self.method}, {self.dtype}; GPU "
+                f"{self.gpu_bytes / GIB:.1f} GiB, gpu_memory_utilization {self.utilization}, {self.replicas} replica(s) on "
+                "it" + ("; the CUDA runner" if self.graphs else ""))
+        columns = ("| role | weights GiB | per slot MiB | slots | max_model_len | needs GiB | share GiB | fits | "
+                   "slots that fit | longest context at these slots |")
+        lines = [head, "", columns, "|---" * 10 + "|"]
+        for r in self.roles:
+            lines.append(f"| {r.role} | {r.weights / GIB:.2f} | {r.per_slot / 2**20:.1f} | {r.slots} | {r.max_len} | "
+                         f"{r.need / GIB:.2f} | {r.share / GIB:.2f} | {'yes' if r.fits else 'no'} | {r.max_slots} | "
+                         f"{r.longest or '-'} |")
+        return "\n".join(lines + [""] + (self.advice() or ["Every role fits."]))
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "fits": self.fits, "advice": self.advice(),
+                "roles": [{**asdict(r), "fits": r.fits} for r in self.roles]}
 
 
-def _check_dir(key: str, path: str) -> None:
-    try:
-        read_config(path)
-    except InvalidArgument as e:
-        raise InvalidArgument(key, e.message + f" ({path})") from None
+def _largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n) (fits monotone, true then false), or 0."""
+    if high < low or not fits(low):
+        return 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
-def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: bool = False) -> Plan:
-    """The roles' command lines for this config; `replicas_per_gpu` replicas share model.device's memory (--no-ray
-    puts every replica there, Ray gives each its own). inprocess: the checks only, for an engine in the server's
-    process (a draft tree is verified there; role processes verify paths)."""
-    m, spec = cfg.model, cfg.model.spec_decode
-    if spec.draft_tree and not inprocess:
-        raise InvalidArgument("model.spec_decode.draft_tree", f"{spec.draft_tree}: a draft tree is verified by an "
-                                                              "engine in the server's process: serve --inprocess")
-    _check_dir("model.target_model_path", m.target_model_path)
-    _check_context(m.target_model_path, m.max_model_len)
-    _check_tensor_parallel(m.target_model_path, m.tensor_parallel_size)
-    _check_lookup_tokens(cfg)
-    if spec.enabled and m.draft_model_path:
-        _check_dir("model.draft_model_path", m.draft_model_path)
-    if not spec.enabled:
-        method, drafter = "none", None
-        ignored = sorted(spec.model_fields_set - {"enabled"})
-        if ignored:  # kept for when speculation is turned back on, but said: the server decodes plainly
-            log.warning("spec_decode.enabled is false: plain decoding; spec_decode.%s ignored",
-                        ", spec_decode.".join(ignored))
-    else:
-        drafter = m.draft_model_path
-        method = spec.method or default_method(drafter)
-        try:
-            check_method(method, drafter)
-        except InvalidArgument as e:
-            raise InvalidArgument("model.draft_model_path", e.message) from None
-        _check_drafter(cfg, method, drafter)
-    common = ["--target", m.target_model_path, "--max-batch", str(cfg.server.max_batch), "--device", m.device,
-              "--dtype", m.dtype]
-    if m.max_model_len:
-        common += ["--max-model-len", str(m.max_model_len)]
-    if method != "none" and "draft_model_dtype" in spec.model_fields_set and spec.draft_model_dtype != m.dtype:
-        log.warning("spec_decode.draft_model_dtype %s: the drafter runs in model.dtype, %s (the dflash drafter reads "
-                    "the target's embedding, LM head and tap features in place)", spec.draft_model_dtype, m.dtype)
-    verifier = ["role", "verifier", *common, "--method", method] + (["--drafter", drafter] if drafter else [])
-    verifier += ["--invariant"] if m.invariant else []
-    verifier += ["--runner", m.runner] if m.runner != "auto" else []
-    verifier += ["--tensor-parallel-size", str(m.tensor_parallel_size)] if m.tensor_parallel_size > 1 else []
-    shares = (role_fractions(m.gpu_memory_utilization, method != "none", replicas_per_gpu)
-              if m.device.startswith("cuda") else None)
-    verifier += ["--gpu-memory-fraction", str(shares[0])] if shares else []
-    drafter_argv = None
-    if method != "none":
-        drafter_argv = ["role", "drafter", *common, "--method", method]
-        drafter_argv += ["--gpu-memory-fraction", str(shares[1])] if shares else []
-        drafter_argv += ["--drafter", drafter] if drafter else []
-        drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
-        drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
-    return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+def _role(role: str, weights: int, per_slot: int, need_at, slots: int, max_len: int, limit: int, share: int,
+          fraction: float) -> RolePlan:
+    """need_at(slots, max_len) -> bytes; limit: the model's context (the longest max_model_len there is)."""
+    return RolePlan(role, weights, per_slot, slots, max_len, need_at(slots, max_len), share, fraction,
+                    _largest(lambda s: need_at(s, max_len) <= share, 1, 4096),
+                    _largest(lambda n: need_at(slots, n) <= share, MIN_MODEL_LEN, limit))
 
 
-def _check_lookup_tokens(cfg: BlockspecConfig) -> None:
-    """spec_decode.prompt_lookup_tokens only with prompt lookup on (else it would be ignored), and not where a verify
-    has one width (model.invariant) or adaptive k's table stops at k + 1."""
-    m, spec = cfg.model, cfg.model.spec_decode
-    if spec.prompt_lookup_tokens and not spec.prompt_lookup:
-        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens", f"{spec.prompt_lookup_tokens} is not allowed "
-                                                                        "without model.spec_decode.prompt_lookup: true")
-    if spec.prompt_lookup_tokens and (m.invariant or spec.adaptive_k):
-        other = "model.invariant" if m.invariant else "model.spec_decode.adaptive_k"
-        raise InvalidArgument("model.spec_decode.prompt_lookup_tokens",
-                              f"{spec.prompt_lookup_tokens} is not allowed with {other}: true (wider verifies than k + 1)")
-
-
-def _check_tensor_parallel(target: str, world: int) -> None:
-    """model.tensor_parallel_size: a target whose heads and MLP split `world` ways (common/runtime/tensor_parallel.py)."""
-    from blockspec.common.models.model_config import parse_config as parse_model_config
-    from blockspec.common.runtime.tensor_parallel import unsupported
-
-    why = unsupported(parse_model_config(read_config(Path(target)), Path(target)), world)
-    if why is not None:
-        raise InvalidArgument("model.tensor_parallel_size", f"{world}: {why}")
-
-
-def _check_context(target: str, max_model_len: int | None) -> None:
-    """model.max_model_len within the target's context, before any role starts (a role would refuse it, seconds
-    later, naming its own flag)."""
-    from blockspec.common.models.model_config import parse_config as parse_model_config
+def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> CapacityPlan:
+    """The plan of a config (`plan.plan` resolves the method and the drafter as serving does)."""
+    from blockspec.common.runtime.backends import uses_cuda_runner
+    from blockspec.services.drafter.proposers import verifier_needs
     from blockspec.services.serving.engine import serving_len
+    from blockspec.services.serving.plan import plan
 
-    if max_model_len is None:
-        return
-    try:
-        serving_len(parse_model_config(read_config(Path(target)), Path(target)).max_position_embeddings, max_model_len)
-    except InvalidArgument as e:
-        raise InvalidArgument("model.max_model_len", e.message) from None
+    m = cfg.model
+    p = plan(cfg, replicas)
+    dtype = DTYPES[m.dtype]
+    target = load_checkpoint(m.target_model_path, with_weights=False).config
+    max_len = serving_len(target.max_position_embeddings, m.max_model_len)
+    slots = cfg.server.max_batch
+    graphs = uses_cuda_runner(target, torch.device("cuda"), m.runner)  # as on a GPU, whatever model.device says
+    dflash_cfg, drafter_weights, drafter_shape = None, 0, None
+    if p.method == "dflash":
+        from blockspec.services.drafter.dflash.config import DFlashConfig
+        from blockspec.services.drafter.dflash.model import DFlashDrafter
 
+        dflash_cfg = DFlashConfig.from_hf(read_config(Path(p.drafter)), p.drafter)
+        with torch.device("meta"):
+            drafter_weights = sum(t.numel() for t in DFlashDrafter(dflash_cfg).parameters()) * dtype.itemsize
+        drafter_shape = (dflash_cfg.num_layers, dflash_cfg.num_kv_heads, dflash_cfg.head_dim)
+    elif p.method == "draft_model":
+        draft = load_checkpoint(p.drafter, with_weights=False).config
+        drafter_weights = parameters(draft).total * dtype.itemsize
+        drafter_shape = (draft.num_layers, draft.num_kv_heads, draft.head_dim)
+    taps, _ = verifier_needs(p.method, dflash_cfg)
+    verifier_fraction, drafter_fraction = role_fractions(m.gpu_memory_utilization, p.method != "none", replicas)
+    weights = parameters(target).total * dtype.itemsize
+    vocab = target.vocab_size * target.hidden_size * (1 if target.tie_word_embeddings else 2) * dtype.itemsize
+    world = m.tensor_parallel_size  # the lead rank's part; the other ranks' is smaller
 
-def _check_drafter(cfg: BlockspecConfig, method: str, drafter: str | None) -> None:
-    """What the roles would find only once started (tracebacks in their logs, seconds later): a dflash drafter
-    built for another target, and k past what the drafter drafts."""
-    from blockspec.common.models.model_config import parse_config as parse_model_config
-    from blockspec.services.drafter.dflash.checkpoint import check_fits_target
-    from blockspec.services.drafter.dflash.config import DFlashConfig
-    from blockspec.services.drafter.proposers import MAX_K
+    def verifier_need(s: int, n: int) -> int:
+        return verifier_bytes(target, weights, s, n, len(taps), dtype, graphs, world, vocab)
 
-    max_k = MAX_K
-    if method == "dflash":
-        target_dir = Path(cfg.model.target_model_path)
-        try:
-            dflash = DFlashConfig.from_hf(read_config(drafter), drafter)
-            check_fits_target(dflash, parse_model_config(read_config(target_dir), target_dir), drafter)
-        except InvalidArgument as e:
-            raise InvalidArgument("model.draft_model_path", f"{e.field}: {e.message}") from None
-        max_k = dflash.max_k
-    k = cfg.model.spec_decode.num_speculative_tokens
-    if not 1 <= k <= max_k:  # the one check of the configured k (the router and the roles take it as checked)
-        raise InvalidArgument("model.spec_decode.num_speculative_tokens",
-                              f"{k} is not allowed: the {method} drafter supports 1..{max_k}")
+    per_slot = sum(slot_bytes(target, max_len, dtype, len(taps)).values())
+    roles = [_role("verifier", weights, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,
+                   int(gpu_bytes * verifier_fraction), verifier_fraction)]
+    if drafter_shape is not None:
+        captured = p.method == "dflash"  # on a GPU its proposals are captured: a spare slot
+
+        def drafter_need(s: int, n: int) -> int:
+            return drafter_bytes(drafter_weights, *drafter_shape, s, n, dtype, captured)
+
+        per_slot = SlotKVCache.nbytes(drafter_shape[0], 1, drafter_shape[1], max_len, drafter_shape[2], dtype)
+        roles.append(_role("drafter", drafter_weights, per_slot, drafter_need, slots, max_len,
+                           target.max_position_embeddings,
+                           int(gpu_bytes * drafter_fraction), drafter_fraction))
+    return CapacityPlan(str(m.target_model_path), target.family, p.method, m.dtype, gpu_bytes,
+                        m.gpu_memory_utilization, replicas, graphs, roles)
+

@@ -9,7 +9,7 @@ import time
 import grpc
 import torch
 
-from blockspec.common.contracts import Q_ROWS, Q_WIDTH, VerifyInput
+from blockspec.common.contracts import Q_ROWS, Q_WIDTH, Draft, VerifyInput
 from blockspec.common.runtime.distributions import DraftDist
 from blockspec.common.sampling import from_pb
 from blockspec.common.telemetry import tracing
@@ -107,7 +107,8 @@ class VerifierService(RoleStream, roles_grpc.VerifierServicer):
                 ids = list(req.prefill_continue) + [item.request_id for item in req.prefill]
                 results += v.prefill(ids, req.prefill_budget or None)
             if req.verify:
-                results += v.verify([VerifyInput(i.request_id, tuple(i.draft_ids), self._draft_q(i)) for i in req.verify])
+                results += v.verify([VerifyInput(i.request_id, Draft(tuple(i.draft_ids), self._draft_q(i)))
+                                     for i in req.verify])
             pb = [result_to_pb(v, r) for r in results]
         except Exception as e:  # the router fails these requests; the role keeps serving
             log.exception("verifier op failed")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.contracts import DraftTree, StepCosts, VerifyInput, VerifyResult
+from blockspec.common.contracts import Draft, DraftTree, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.kernels import cpu_kernels
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.runtime.backends import make_runner
@@ -36,7 +36,7 @@ def rolled_back_verify(verifier: Verifier, request_ids: Sequence[str], width: in
 
     def run() -> None:
         verifier.roll_back(request_ids)
-        verifier.verify([VerifyInput(r, (5,) * (width - 1)) for r in request_ids])
+        verifier.verify([VerifyInput(r, Draft((5,) * (width - 1))) for r in request_ids])
 
     return run
 
@@ -214,18 +214,18 @@ class Verifier:
         """Target forward over [anchor, d1..dk] of every request at once, then the acceptance rule."""
         self._poll_threads()
         states = [self._requests[i.request_id] for i in inputs]
-        segments = [Segment(s.slot, (s.token_ids[-1], *i.draft_ids)) if i.tree is None else
-                    Segment(s.slot, (s.token_ids[-1], *i.tree.token_ids), parents=tree_rows(i.tree))
+        segments = [Segment(s.slot, (s.token_ids[-1], *i.draft.token_ids)) if i.draft.tree is None else
+                    Segment(s.slot, (s.token_ids[-1], *i.draft.tree.token_ids), parents=tree_rows(i.draft.tree))
                     for s, i in zip(states, inputs)]
         out = self._forward(segments)
         results = []
         for i, (inp, state, logits) in enumerate(zip(inputs, states, out.logits)):
-            if inp.tree is not None:  # the accepted branch's K/V and taps move into place
-                acc, path = self._decide_tree(state, logits, inp.tree)
+            if inp.draft.tree is not None:  # the accepted branch's K/V and taps move into place
+                acc, path = self._decide_tree(state, logits, inp.draft.tree)
                 self.runner.keep_path(state.slot, len(state.token_ids) - 1, [0, *(j + 1 for j in path)],
                                       self.tap_buffer)
             else:
-                acc = self._decide(state, logits, inp.draft_ids, inp.q, out.greedy[i] if out.greedy else None)
+                acc = self._decide(state, logits, inp.draft.token_ids, inp.draft.q, out.greedy[i] if out.greedy else None)
                 # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
                 self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
             results.append(self._commit(inp.request_id, acc))

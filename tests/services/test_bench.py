@@ -192,10 +192,10 @@ def test_the_cost_model_times_each_target_forward_after_a_decode():
             return [1, 2, 3]
 
         def verify(self, inputs):
-            events.append(("verify", len(inputs[0].draft_ids) + 1))
+            events.append(("verify", len(inputs[0].draft.token_ids) + 1))
 
     class Proposer:
-        max_k = 7
+        max_k, fallbacks = 7, 0
 
         def propose(self, inputs):
             events.append(("propose", inputs[0].k))
@@ -302,7 +302,7 @@ def test_open_loop_submits_at_arrival_and_counts_ttft_from_it(tiny_pair):
     """One slot: the second request arrives with the first and waits for its slot, its TTFT counting the wait; the
     third arrives after both finished, the loop idles until then, and its TTFT is its own prefill."""
     from blockspec.services.bench.run import _engine_run
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     engine = Engine(tiny_pair.target, None, "none", max_batch=1)
     elapsed, done, ttft, gaps = _engine_run(engine, [[5, 6, 7], [8, 9, 10], [11, 12, 13]], 8, None, [0.0, 0.0, 1.0])

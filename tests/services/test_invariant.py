@@ -8,9 +8,9 @@ import torch
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.drafter.dflash import draft_vocab
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.adaptive_k import WARMUP_STEPS
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
 from tests.conftest import DRAFT_VOCAB_SIZE, NEW_TOKENS
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -186,7 +186,7 @@ def test_longer_lookup_drafts_keep_output_identical(tiny_models, dflash_drafters
                     prompt_lookup=True, prompt_lookup_tokens=12)
     widest = []
     verify = engine.verifier.verify
-    engine.loop.verifier.verify = lambda inputs: widest.append(max(len(i.draft_ids) for i in inputs)) or verify(inputs)
+    engine.loop.verifier.verify = lambda inputs: widest.append(max(len(i.draft.token_ids) for i in inputs)) or verify(inputs)
     for batch in ([0], [3], list(range(len(prompts)))):
         done = run(engine, [prompts[i] for i in batch], 3)
         assert [list(done[f"r{j}"].token_ids) for j in range(len(batch))] == [references["qwen3"][i] for i in batch]

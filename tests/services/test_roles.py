@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 import pytest
 
+from blockspec.common.contracts import ProposeInput
+from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb, from_pb
 from blockspec.protos import roles_pb2
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
@@ -134,9 +137,41 @@ def test_a_drafter_takes_a_whole_context_resent_over_what_it_holds(tiny_models, 
     target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
     dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
     dsvc._tokens.update({"same": [5, 6, 7], "other": [5, 6, 7]})
+    dsvc._sampling.update({"same": GREEDY, "other": GREEDY})
     resent = roles_pb2.ProposeItem(request_id="same", committed_len=5, new_token_ids=[5, 6, 7, 8, 9], k=3)
+    fill_pb(GREEDY, resent.sampling)  # a whole context comes with its sampling
     assert dsvc._accept(resent) and dsvc._tokens["same"] == [5, 6, 7, 8, 9]
     assert not dsvc._accept(roles_pb2.ProposeItem(request_id="other", committed_len=5, new_token_ids=[5, 6, 4, 8, 9], k=3))
+
+
+def test_the_drafter_gets_a_requests_sampling_once(tiny_models, dflash_drafters):
+    """The router sends a request's sampling with its first context only (and with the whole context again after a
+    reconnect); the drafter keeps it, and a request it meets without one is stale (the router then resends all)."""
+    sampled = SamplingParams(temperature=0.75, top_p=0.875, seed=7)  # exact in float32
+    sent_items: list = []
+
+    def op(items):
+        sent_items.append(list(items))
+        return roles_pb2.DrafterResponse(items=[roles_pb2.DraftItem(request_id=i.request_id) for i in items])
+
+    client = RemoteDrafter.__new__(RemoteDrafter)  # its stream stubbed: what it sends is the question
+    client._sent, client._stream, client.fallbacks = {}, object(), 0
+    client.verifier = types.SimpleNamespace(slot_of=lambda rid: 0)
+    client._op = op
+    for context in ([5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8, 9]):
+        client.propose([ProposeInput("r", context, 3, sampled)])
+    assert [[i.HasField("sampling") for i in items] for items in sent_items] == [[True], [False], [False]]
+    assert from_pb(sent_items[0][0].sampling) == sampled
+
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-random"])
+    dsvc = DrafterService("dflash", drafter, target, num_slots=2, max_len=256)
+    for items in sent_items:
+        for item in items:
+            item.feature_slot = 0
+            assert dsvc._accept(item)
+    assert dsvc._sampling["r"] == sampled and dsvc._tokens["r"] == [5, 6, 7, 8, 9]
+    unknown = roles_pb2.ProposeItem(request_id="new", committed_len=2, new_token_ids=[1, 2], k=3)
+    assert not dsvc._accept(unknown) and "new" not in dsvc._tokens
 
 
 def test_a_reply_out_of_step_with_its_op_fails_the_step(tiny_models, prompts):
@@ -171,7 +206,7 @@ def test_a_reply_out_of_step_with_its_op_fails_the_step(tiny_models, prompts):
 class RemoteDrafterless:
     """A drafter role for plain decoding: drafts nothing."""
 
-    max_k = 0
+    max_k = fallbacks = 0
 
     def propose(self, inputs):
         return []

@@ -31,6 +31,7 @@ def static_blocks(device: torch.device) -> bool:
 
 class DFlashProposer:
     method = "dflash"
+    fallbacks = 0  # as a DrafterRole: in the router's process a failure is the step's, never a k = 0 fallback
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class DraftModelProposer:
     method = "draft_model"
+    fallbacks = 0  # as a DrafterRole: in the router's process a failure is the step's, never a k = 0 fallback
 
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, max_k: int = 16,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:

@@ -11,6 +11,7 @@ from blockspec.common.tokens.lookup import ContextTexts, lookup
 
 class NgramProposer:
     method = "ngram"
+    fallbacks = 0  # as a DrafterRole: in the router's process a failure is the step's, never a k = 0 fallback
 
     def __init__(self, max_k: int = 16, max_ngram: int = 3, min_ngram: int = 1, periodic: bool = True) -> None:
         self.max_k = max_k

@@ -15,6 +15,8 @@ class ReplayProposer:
     Greedy outputs do not depend on the drafts, so a second run over the same prompts asks for the same
     contexts; one that was never recorded gets no draft and is counted in `misses`."""
 
+    fallbacks = 0  # as a DrafterRole: in the router's process a failure is the step's, never a k = 0 fallback
+
     def __init__(self, live: Proposer) -> None:
         self.live, self.method, self.max_k = live, live.method, live.max_k
         self.recording = True
@@ -41,6 +43,7 @@ class FixedAcceptanceProposer:
     where k is above them). It costs nothing: what the step loop and the target cost at that acceptance, whatever
     the weights (gpu-check's speculative throughput). A repeated context gets its first draft again."""
 
+    fallbacks = 0  # as a DrafterRole: in the router's process a failure is the step's, never a k = 0 fallback
     method = "replay"
 
     def __init__(self, streams: dict[str, Sequence[int]], max_k: int, vocab_size: int,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.common.contracts import ProposeInput, VerifyInput
+from blockspec.common.contracts import Draft, ProposeInput, VerifyInput
 from blockspec.services.drafter.proposers import dflash
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
 
 
 def engine(tiny_models, drafter, static: bool, monkeypatch) -> Engine:
@@ -37,7 +37,7 @@ def test_static_blocks_draft_what_the_torch_path_drafts(name, tiny_models, dflas
             got.append(e.proposer.propose([ProposeInput(r, e.verifier.committed(r), k) for r in ids]))
         for _ in range(3):  # verifies commit tokens: the next proposals store their context first
             got.append(e.proposer.propose([ProposeInput(r, e.verifier.committed(r), 5) for r in ids]))
-            e.verifier.verify([VerifyInput(r, d.token_ids) for r, d in zip(ids, got[-1])])
+            e.verifier.verify([VerifyInput(r, Draft(d.token_ids)) for r, d in zip(ids, got[-1])])
         drafts[static] = [[d.token_ids for d in batch] for batch in got]
         assert e.proposer.kernel == ("static blocks" if static else "the torch module")
     assert drafts[True] == drafts[False]
