@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.services.build.tiny import build_tiny_checkpoint, tiny_tokenizer
+from blockspec.services.training.tiny import build_tiny_checkpoint, tiny_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 PROMPT_LENGTHS = (1, 3, 7, 16, 33, 64, 100, 150)  # tokens; 8 prompts of different lengths
@@ -107,9 +107,9 @@ def chat_target(tiny_models, tmp_path_factory) -> Path:
 def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]:
     """{"<family>-random": dir for each family, "qwen3-trained": a drafter distilled from the qwen3 target}."""
     from blockspec.common.models.checkpoint import load_checkpoint
-    from blockspec.services.build.distill import DistillConfig, continuations, train_drafter
-    from blockspec.services.build.tiny import build_tiny_drafter
     from blockspec.services.drafter.dflash import draft_vocab
+    from blockspec.services.training.distill import DistillConfig, continuations, train_drafter
+    from blockspec.services.training.tiny import build_tiny_drafter
 
     root = tmp_path_factory.mktemp("dflash")
     out = {f"{f}-random": build_tiny_drafter(root / f"{f}-random", d["target"]) for f, d in tiny_models.items()}
@@ -132,6 +132,6 @@ def dflash_drafters(tiny_models, tokenizer, tmp_path_factory) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """`build-default --profile tiny`: a trained target (peaked distributions) and its distilled drafter."""
-    from blockspec.services.build.default_pair import build_default
+    from blockspec.services.training.default_pair import build_default
 
     return build_default("tiny", tmp_path_factory.mktemp("pairs"), threads=1)

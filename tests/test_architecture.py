@@ -13,7 +13,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("common", "protos", "services")
 ROLES = ("router", "verifier", "drafter")
-APPS = ("cli", "serving", "bench", "build")
+APPS = ("engine", "training", "bench", "serving", "cli")
+# The layers of docs/architecture.md, bottom to top: a unit (a package of common/, a module at common/'s top, a role,
+# an application package) imports its own modules and units of lower layers only.
+LAYERS = (
+    ("protos", "common.errors"),
+    ("common.argtypes", "common.sampling", "common.prompts", "common.tokens", "common.telemetry", "common.kernels"),
+    ("common.models", "common.wire"),
+    ("common.runtime",),
+    ("common.contracts", "common.config"),
+    ("common.config_reference",),
+    ROLES,
+    *((app,) for app in APPS),
+)
+LAYER = {unit: n for n, units in enumerate(LAYERS) for unit in units}
 
 
 def module_name(path: Path) -> str:
@@ -49,6 +62,13 @@ def area(module: str) -> str:
     return parts[2] if parts[1] == "services" and len(parts) > 2 else parts[1]
 
 
+def unit(module: str) -> str:
+    """The unit of the layer rule: 'common.runtime', 'common.contracts', 'protos', a role or an application package
+    ('common' and 'services' for the two package files that hold only a docstring)."""
+    parts = module.split(".")
+    return ".".join(parts[1:3]) if parts[1] == "common" and len(parts) > 2 else area(module)
+
+
 def violations(graph: dict[str, set[str]], source: str, forbidden: tuple[str, ...]) -> list[str]:
     return sorted(f"{m} imports {i}" for m, deps in graph.items() if area(m) == source
                   for i in deps if area(i) in forbidden)
@@ -56,6 +76,7 @@ def violations(graph: dict[str, set[str]], source: str, forbidden: tuple[str, ..
 
 def test_the_graph_sees_every_package(graph):
     assert {area(m) for m in graph} == {"common", "protos", "services", *ROLES, *APPS}
+    assert {unit(m) for m in graph} - {"common", "services"} == LAYER.keys()  # every unit has its layer
     assert "blockspec.common.contracts" in graph["blockspec.services.router.step_loop"]  # the parser reads imports
 
 
@@ -71,6 +92,43 @@ def test_a_role_imports_no_other_role_and_no_application_package(graph, role):
 
 def test_model_building_does_not_reach_into_the_router(graph):
     assert violations(graph, "build", ("router",)) == []
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a unit of the same or a higher layer than the importer's own (its own unit is fine)."""
+    return sorted(f"{m} imports {i}" for m, deps in graph.items() for i in deps
+                  if unit(m) != unit(i) and LAYER.get(unit(i), 0) >= LAYER.get(unit(m), len(LAYERS)))
+
+
+def test_every_import_goes_down_the_layers(graph):
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"blockspec.common.models.decoder": {"blockspec.common.runtime.runner", "blockspec.common.kernels.x"},
+             "blockspec.services.serving.rollout": {"blockspec.services.cli.validate",
+                                                    "blockspec.services.serving.golive"},
+             "blockspec.services.router.app": {"blockspec.services.verifier.service"}}
+    assert layer_violations(graph) == [
+        "blockspec.common.models.decoder imports blockspec.common.runtime.runner",
+        "blockspec.services.router.app imports blockspec.services.verifier.service",
+        "blockspec.services.serving.rollout imports blockspec.services.cli.validate"]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The units' graph: an edge where any module of one imports any module of another."""
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(unit(m), set()).update(unit(i) for i in deps if unit(i) != unit(m))
+    return out
+
+
+def test_the_package_graph_is_acyclic(graph):
+    """Function-level imports included (the parser walks every node): serving and build, or serving and cli, may
+    not import each other, however deep in a function the import sits."""
+    packages = package_graph(graph)
+    assert "training" in packages["cli"] and "bench" in packages["serving"]  # edges the graph must see
+    assert cycles(packages) == []
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

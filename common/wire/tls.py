@@ -205,3 +205,8 @@ def secure_channel(address: str, tls: ClientTls | None, options=()) -> grpc.Chan
     if tls is None or address.startswith("unix:"):
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, tls.grpc_credentials(), options=options)
+
+
+def http_url(where: str, tls: ClientTls | None) -> tuple[str, object]:
+    """(the URL of HOST:PORT's HTTP port, the ssl context to open it with or None) for a client's `tls`."""
+    return (f"https://{where}", tls.ssl_context()) if tls is not None else (f"http://{where}", None)

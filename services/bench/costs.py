@@ -59,7 +59,7 @@ class CostSampler:
 
     def __init__(self, target: Path, drafter: Path | None, ks: Sequence[int], context: int = 128,
                  device: Device = CPU) -> None:
-        from blockspec.services.serving.engine import Engine
+        from blockspec.services.engine.engine import Engine
 
         self.engine = Engine(target, drafter, "dflash" if drafter else "none", max_batch=1, max_len=context + 32,
                              device=device[0], dtype=device[1], threads=torch.get_num_threads())

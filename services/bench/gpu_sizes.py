@@ -20,7 +20,7 @@ SIZES = {
     "27b": (64, 5120, 40, 8, 21504, 151936),
 }
 # Qwen3.5 hybrids: the published Qwen3.5-27B language model (26.9B parameters, 48 Gated DeltaNet and 16 attention
-# layers), and the same shrunk (services/build/tiny.py).
+# layers), and the same shrunk (services/training/tiny.py).
 HYBRID_SIZES = ("tiny-hybrid", "27b-hybrid")
 SIZES = {**SIZES, **{size: None for size in HYBRID_SIZES}}
 DRAFTER_LAYERS = {"tiny": 1, "1b": 1, "8b": 3, "27b": 5, "tiny-hybrid": 1, "27b-hybrid": 5}
@@ -30,7 +30,7 @@ def hf_config(size: str) -> dict:
     """The size's config.json as transformers writes it for Qwen3 (a hybrid size: Qwen3.5's), also what a
     transformers peer is built from."""
     if size in HYBRID_SIZES:
-        from blockspec.services.build.tiny import QWEN3_5_27B, tiny_family_config, tiny_tokenizer
+        from blockspec.services.training.tiny import QWEN3_5_27B, tiny_family_config, tiny_tokenizer
 
         cfg = QWEN3_5_27B if size == "27b-hybrid" else tiny_family_config("qwen3_5", tiny_tokenizer())
         return {**cfg, "max_position_embeddings": 4096, "eos_token_id": cfg["vocab_size"] - 1}

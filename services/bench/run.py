@@ -120,7 +120,7 @@ def engine_runner(target: Path, drafter: Path | None, mode: Mode, prompts, max_t
     """A warmed-up engine for `mode` (`drafter`: the DFlash drafter, or for draft_model the assistant); each call of
     the result is one timed pass over the prompts, at most `concurrency` in flight (arrivals: open loop)."""
     from blockspec.services.drafter.proposers.replay import ReplayProposer
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     room = max(len(p) for p in prompts) + max_tokens + 16  # run_bench checked that prompt + max_tokens fit the context
     engine = Engine(target, drafter if mode.name in ("dflash", "draft_model") else None, mode.name,

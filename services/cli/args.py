@@ -5,12 +5,12 @@ thread setting and the prompts of a command line."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 from blockspec.common.argtypes import bounded
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.prompts import read_prompts_file
 
 MAX_THREADS = 256  # --threads: past a few thousand, OpenMP cannot create them (20,000: an error; 100,000: a crash)
 UINT32, UINT64 = 2**32 - 1, 2**64 - 1  # the gRPC API's integer fields (a larger value cannot be sent at all)
@@ -70,34 +70,14 @@ def set_threads(threads: int | None) -> None:
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
-    """A PROMPT or the prompts of --prompts-file (a line each; .jsonl: a JSON string each), one of the two."""
+    """A PROMPT or the prompts of --prompts-file (common/prompts.py), one of the two."""
     if prompts_file is None:
         if prompt is None:
             raise InvalidArgument("prompt", "give a PROMPT or --prompts-file")
         return [prompt]
     if prompt is not None:
         raise InvalidArgument("prompt", "give either a PROMPT or --prompts-file, not both")
-    path = Path(prompts_file)
-    if not path.is_file():
-        raise InvalidArgument("--prompts-file", f"{path} is not a file")
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError as e:
-        raise InvalidArgument("--prompts-file", f"{path}: not UTF-8 text (byte {e.start})") from None
-    if path.suffix == ".jsonl":  # one JSON string per line: prompts that contain newlines
-        try:
-            prompts = [json.loads(line) for line in lines]
-        except json.JSONDecodeError as e:
-            raise InvalidArgument("--prompts-file", f"{path}: not JSON lines ({e})") from None
-        except RecursionError:
-            raise InvalidArgument("--prompts-file", f"{path}: a line nests too deep to be one JSON string") from None
-        if not all(isinstance(p, str) for p in prompts):
-            raise InvalidArgument("--prompts-file", f"{path}: every line must be a JSON string")
-    else:
-        prompts = lines
-    if not prompts:
-        raise InvalidArgument("--prompts-file", f"{path} holds no prompt")
-    return prompts
+    return read_prompts_file(prompts_file, "--prompts-file")
 
 
 def add_tls_client_args(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +101,3 @@ def client_tls(args: argparse.Namespace):
     if not (args.tls or args.tls_ca or args.tls_cert):
         return None
     return ClientTls(args.tls_ca, args.tls_cert, args.tls_key or args.tls_cert)
-
-
-def http_base(where: str, tls) -> tuple[str, object]:
-    """(the URL of HOST:PORT's HTTP port, the ssl context to open it with or None) for a client's `tls`."""
-    return (f"https://{where}", tls.ssl_context()) if tls is not None else (f"http://{where}", None)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from blockspec.common.argtypes import address, bounded
 from blockspec.common.errors import InvalidArgument
-from blockspec.services.cli.args import add_tls_client_args, client_tls, http_base
+from blockspec.common.wire.tls import http_url
+from blockspec.services.cli.args import add_tls_client_args, client_tls
 from blockspec.services.cli.local_server import served
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -138,7 +139,7 @@ def post(server: str, job: Job, key: str | None, timeout: float, tls=None) -> tu
         headers["X-Request-Id"] = job.custom_id
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    base, context = http_base(server, tls)
+    base, context = http_url(server, tls)
     request = urllib.request.Request(f"{base}{job.url}", json.dumps(job.body).encode(), headers)
     for attempt in range(RETRIES):
         try:

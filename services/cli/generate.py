@@ -227,7 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_remote(args, prompts)
     if not args.target:
         raise InvalidArgument("--target", "give a target checkpoint directory (or --server HOST:PORT)")
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     if args.prompt_lookup_tokens and not args.prompt_lookup:  # it would be ignored
         raise InvalidArgument("--prompt-lookup-tokens", "goes with --prompt-lookup")

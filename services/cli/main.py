@@ -87,13 +87,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Whether a config's roles fit a GPU (`serving/capacity.py`): a table, or --json; exit 1 when one does not."""
+    """Whether a config's roles fit a GPU (`serving/plan.py`): a table, or --json; exit 1 when one does not."""
     import json
 
     import torch
 
     from blockspec.common.config import load_config
-    from blockspec.services.serving.capacity import parse_size, plan_capacity
+    from blockspec.services.serving.plan import parse_size, plan_capacity
 
     cfg = load_config(args.config)
     if args.gpu_memory is not None:

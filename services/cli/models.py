@@ -82,7 +82,7 @@ def add_model_commands(sub) -> None:
 
 
 def cmd_build_default(args: argparse.Namespace) -> int:
-    from blockspec.services.build.default_pair import build_default
+    from blockspec.services.training.default_pair import build_default
 
     paths = build_default(args.profile, Path(args.home) if args.home else None, Path(args.work), args.minutes, args.threads)
     if args.json:
@@ -93,8 +93,8 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 
 
 def cmd_build_assistant(args: argparse.Namespace) -> int:
-    from blockspec.services.build.assistant import AssistantConfig
-    from blockspec.services.build.default_pair import PairPaths, build_assistant, default_home
+    from blockspec.services.training.assistant import AssistantConfig
+    from blockspec.services.training.default_pair import PairPaths, build_assistant, default_home
 
     paths = PairPaths((Path(args.home) if args.home else default_home()) / "base")
     if not paths.built():
@@ -108,7 +108,7 @@ def cmd_build_assistant(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from blockspec.services.build.card import describe
+    from blockspec.services.training.card import describe
 
     print(describe(Path(args.path), args.dtype, args.context))
     return 0
@@ -116,8 +116,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from blockspec.common.models.checkpoint import load_checkpoint
-    from blockspec.services.build.default_pair import distill
-    from blockspec.services.build.distill import DistillConfig
+    from blockspec.services.training.default_pair import distill
+    from blockspec.services.training.distill import DistillConfig
 
     if args.selector_only and not args.init_from:
         raise InvalidArgument("--selector-only", "trains the path selector of a drafter: give it --init-from")

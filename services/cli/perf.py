@@ -32,7 +32,7 @@ ASSISTANT_MODES = "draft_model:3,draft_model:3:lookup,hf-assisted:5,hf-assisted-
 
 def add_perf_commands(sub) -> None:
     """Register `bench` on the CLI's subparsers (`gpu-check`: add_gpu_check_command)."""
-    from blockspec.services.build.default_pair import default_home
+    from blockspec.services.training.default_pair import default_home
 
     home = default_home() / "base"
     bn = sub.add_parser("bench", help="speculative vs plain decoding vs transformers, side by side (BENCHMARKS.md)")

@@ -16,11 +16,11 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.runtime.device import claim_gpu_share
 from blockspec.common.runtime.device import resolve as resolve_device
 from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.app import start_router
 from blockspec.services.router.limits import TenantLimits
-from blockspec.services.serving.engine import Engine
-from blockspec.services.serving.plan import Plan, plan
 from blockspec.services.serving.serve import serve_roles
+from blockspec.services.serving.startup import Startup, resolve_startup
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     if cfg.server.replicas != 1:
         raise InvalidArgument("server.replicas", f"{cfg.server.replicas}: with --inprocess the server runs one replica "
                                                  "(its engine in this process)")
-    p = plan(cfg, inprocess=True)  # the same checks, before anything loads, as for the role processes
+    p = resolve_startup(cfg, inprocess=True)  # the same checks, before anything loads, as for the role processes
     device, dtype = resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")
     loaded: dict = {}
 
@@ -50,7 +50,7 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     return serve_roles(cfg, p, host, port, grpc_port, load, router_over)
 
 
-def build_engine(cfg: BlockspecConfig, p: Plan, device: torch.device | str, dtype: torch.dtype) -> Engine:
+def build_engine(cfg: BlockspecConfig, p: Startup, device: torch.device | str, dtype: torch.dtype) -> Engine:
     """The engine of a config: the keys the role command lines carry (`plan.plan`), and the router's."""
     m, spec = cfg.model, cfg.model.spec_decode
     log.info("loading %s (%s%s) in this process", m.target_model_path, p.method,

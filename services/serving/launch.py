@@ -35,12 +35,12 @@ from blockspec.protos import roles_grpc, roles_pb2
 from blockspec.services.drafter.proposers import METHODS, check_method, verifier_needs
 from blockspec.services.drafter.proposers.none import NoneProposer
 from blockspec.services.drafter.service import DrafterService
+from blockspec.services.engine.engine import serving_len
 from blockspec.services.router.app import RouterServer, close_roles, start_router
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, StepLoop
-from blockspec.services.serving.engine import serving_len
 from blockspec.services.verifier.service import VerifierService
 from blockspec.services.verifier.verifier import Verifier
 

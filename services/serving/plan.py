@@ -129,11 +129,11 @@ def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> Ca
     """The plan of a config (`plan.plan` resolves the method and the drafter as serving does)."""
     from blockspec.common.runtime.backends import uses_cuda_runner
     from blockspec.services.drafter.proposers import verifier_needs
-    from blockspec.services.serving.engine import serving_len
-    from blockspec.services.serving.plan import plan
+    from blockspec.services.engine.engine import serving_len
+    from blockspec.services.serving.startup import resolve_startup
 
     m = cfg.model
-    p = plan(cfg, replicas)
+    p = resolve_startup(cfg, replicas)
     dtype = DTYPES[m.dtype]
     target = load_checkpoint(m.target_model_path, with_weights=False).config
     max_len = serving_len(target.max_position_embeddings, m.max_model_len)

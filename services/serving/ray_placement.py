@@ -20,8 +20,8 @@ from blockspec.common.runtime.device import VERIFIER_SHARE
 from blockspec.common.wire.auth import ensure_role_key
 from blockspec.common.wire.tensor_share import cleanup_stale
 from blockspec.services.serving.launch import remove_role_sockets, role_env, role_socket
-from blockspec.services.serving.plan import plan
 from blockspec.services.serving.serve import RoleStartError, serve_roles
+from blockspec.services.serving.startup import resolve_startup
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _join(ray, address: str) -> None:
 def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_address: str | None) -> int:
     import ray
 
-    p = plan(cfg)  # the config's own errors before Ray starts
+    p = resolve_startup(cfg)  # the config's own errors before Ray starts
     if cfg.model.device.startswith("cuda:"):  # Ray sets each actor's CUDA_VISIBLE_DEVICES: its GPU is "cuda"
         raise InvalidArgument("model.device", f"{cfg.model.device!r}: under Ray use 'cuda' (Ray assigns the GPU), "
                                               "or serve with --no-ray")
@@ -289,10 +289,10 @@ def serve_ray(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, ray_ad
 
     try:
         per_gpu = replicas_per_gpu(cfg, with_drafter, ray.cluster_resources())  # what never fits: refused before HTTP
-        q = plan(cfg, replicas_per_gpu=per_gpu)  # the roles' memory shares, as Ray's GPU fractions
+        q = resolve_startup(cfg, replicas_per_gpu=per_gpu)  # the roles' memory shares, as Ray's GPU fractions
 
         def starter(c: BlockspecConfig, prefix: str):
-            qc = q if c is cfg else plan(c, replicas_per_gpu=per_gpu)
+            qc = q if c is cfg else resolve_startup(c, replicas_per_gpu=per_gpu)
             return lambda r: start_one(c, qc, per_gpu, f"{prefix}{r}")
 
         return serve_roles(cfg, q, host, port, grpc_port, lambda: start_roles(q, per_gpu), starter=starter)

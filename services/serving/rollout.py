@@ -9,7 +9,6 @@ A stream stays with the release it arrived at, so its tokens come from exactly o
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -47,7 +46,7 @@ class Release:
     pairs: list = field(default_factory=list)
     roles: dict = field(default_factory=dict)
     state: str = "live"  # starting, checking, ready, failed | live | grace | retiring
-    checks: list = field(default_factory=list)  # validate's Check objects
+    checks: list = field(default_factory=list)  # golive.Check objects
     error: str = ""
     since: float = field(default_factory=time.time)
     grace_until: float | None = None
@@ -84,16 +83,16 @@ class Release:
 class Fleet:
     """The releases of one server: `active` (new requests), at most one candidate and at most one previous release
     in its grace period. Its methods run on the router's event loop. starter(cfg, prefix) returns start_replica for
-    another version's config (None: this server cannot start roles, and `start` is refused); plan(cfg) checks a
-    config and resolves its method (plan.plan)."""
+    another version's config (None: this server cannot start roles, and `start` is refused); startup(cfg) checks a
+    config and resolves its method (startup.resolve_startup)."""
 
     def __init__(self, router: RouterServer, active: Release,
                  starter: Callable[[BlockspecConfig, str], Callable[[int], tuple]] | None = None,
                  make_loop: Callable[[BlockspecConfig], Callable[[tuple], StepLoop]] | None = None,
-                 plan: Callable | None = None) -> None:
+                 startup: Callable | None = None) -> None:
         self.router, self.active = router, active
         self.releases = [active]
-        self.starter, self.loop_for, self.plan = starter, make_loop, plan
+        self.starter, self.loop_for, self.startup = starter, make_loop, startup
         self.tasks: set[asyncio.Task] = set()
         self.switched_at: float | None = None  # time.monotonic() of the last promote or rollback
         active.version = router.service.version
@@ -144,7 +143,7 @@ class Fleet:
             raise RolloutError(f"version {busy.name} is {busy.state}: promote it or roll it back first")
         if any(r.name == cfg.version for r in self.releases):
             raise RolloutError(f"version {cfg.version} already runs here: give the new one its own model.version")
-        self.plan(cfg)  # the config's own errors (a missing checkpoint, a bad method) now, naming the key
+        self.startup(cfg)  # the config's own errors (a missing checkpoint, a bad method) now, naming the key
         previous = self._with("grace")
         if previous is not None:  # a rollback goes to the newest only: the older one finishes its streams now
             log.info("rollout: version %s leaves its grace period early: a new version starts", previous.name)
@@ -219,7 +218,7 @@ class Fleet:
                 raise RuntimeError(f"a replica did not start: {failed[0]}")
             release.next_index = count
             loops = [await asyncio.to_thread(release.make_loop, pair) for pair in started]
-            method = self.plan(release.cfg).method
+            method = self.startup(release.cfg).method
             facts = await asyncio.to_thread(_facts, release.cfg, method, loops[0])
             release.version = await start_version(loops, facts, self.router.service.metrics)
             release.roles = {id(s): pair for s, pair in zip(release.version.schedulers, started, strict=True)}
@@ -240,7 +239,7 @@ class Fleet:
             await self._stop_release(release, keep=True)
 
     async def _check(self, release: Release) -> None:
-        """validate's go-live checks against the candidate, on a socket of this user's."""
+        """The go-live checks against the candidate, on a socket of this user's."""
         from blockspec.common.wire.grpc_server import start_server
 
         service = GenerationService(release.version)
@@ -335,15 +334,13 @@ def _facts(cfg: BlockspecConfig, method: str, loop: StepLoop):
 
 
 def run_checks(cfg: BlockspecConfig, where: str) -> list:
-    """`blockspec validate`'s checks against the server at `where`, with server.admin's prompts and bounds."""
-    from blockspec.services.build.default_pair import default_home
-    from blockspec.services.cli.args import read_prompts
-    from blockspec.services.cli.validate import validate
+    """The go-live checks (golive.py) against the server at `where`, with server.admin's prompts and bounds."""
+    from blockspec.common.prompts import read_prompts_file
+    from blockspec.services.serving import golive
+    from blockspec.services.training.default_pair import default_home
 
     admin = cfg.server.admin
     prompts_file = admin.check_prompts_file or str(default_home() / "base" / "heldout_prompts.jsonl")
-    texts = read_prompts(None, prompts_file)[: admin.check_prompts]
-    args = argparse.Namespace(reference=None, max_tokens=admin.check_max_tokens, rounds=1, min_ratio=admin.min_speedup,
-                              min_acceptance=0.0, max_ttft_ms=None, max_itl_ms=None, tls=False, tls_ca=None,
-                              tls_cert=None, tls_key=None)
-    return validate(args, where, None, texts)["checks"]
+    texts = read_prompts_file(prompts_file, "server.admin.check_prompts_file")[: admin.check_prompts]
+    bounds = golive.Bounds(max_tokens=admin.check_max_tokens, rounds=1, min_ratio=admin.min_speedup, min_acceptance=0.0)
+    return golive.run_checks(where, None, texts, bounds)["checks"]

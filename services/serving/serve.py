@@ -35,7 +35,7 @@ from blockspec.services.serving.launch import (
     role_socket,
     start_split_router,
 )
-from blockspec.services.serving.plan import Plan, plan
+from blockspec.services.serving.startup import Startup, resolve_startup
 from blockspec.services.serving.supervisor import route
 
 log = logging.getLogger(__name__)
@@ -154,14 +154,14 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
     ensure_role_key()  # the roles answer only this process
     autoscaling = cfg.server.autoscaling
     most = autoscaling.max_replicas if autoscaling else cfg.server.replicas
-    p = plan(cfg, replicas_per_gpu=most)  # every replica on model.device, each with its share of the memory
+    p = resolve_startup(cfg, replicas_per_gpu=most)  # every replica on model.device, each with its share of the memory
     resolve_device(cfg.model.device, cfg.model.dtype, "model.device", "model.dtype")  # the roles run on this machine
 
     def role(name: str, argv: tuple[str, ...]) -> RoleProcess:
         return RoleProcess(name, argv, unix_socket=role_socket(name) if cfg.server.unix_sockets else None)
 
     def starter(c: BlockspecConfig, prefix: str) -> Callable[[int], tuple]:
-        q = p if c is cfg else plan(c, replicas_per_gpu=most)
+        q = p if c is cfg else resolve_startup(c, replicas_per_gpu=most)
 
         def start_replica(r: int) -> tuple:
             return (role(f"verifier-{prefix}{r}", q.verifier_argv),
@@ -177,7 +177,7 @@ def serve_processes(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
 
 def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, verifier: str, drafter: str | None) -> int:
     """Only the router: the roles run elsewhere (docker-compose, systemd units) at the given addresses."""
-    p = plan(cfg)
+    p = resolve_startup(cfg)
     if p.drafter_argv and not drafter:
         raise InvalidArgument("--drafter-address", f"method {p.method} needs a drafter role address")
     if cfg.server.replicas != 1:
@@ -193,7 +193,7 @@ def serve_external(cfg: BlockspecConfig, host: str, port: int, grpc_port: int, v
     return serve_roles(cfg, p, host, port, grpc_port, start_roles)
 
 
-def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
+def _warn_role_settings(cfg: BlockspecConfig, p: Startup, verifier: str) -> None:
     """Router only: the roles run with their own command lines, so the config's role-side keys (max_batch beyond
     the verifier's slots, max_model_len, device, dtype, invariant, the drafter's modules) do not reach them. Say
     where the running verifier differs, and the role command lines this config implies."""
@@ -217,7 +217,7 @@ def _warn_role_settings(cfg: BlockspecConfig, p: Plan, verifier: str) -> None:
                     " ".join(p.drafter_argv) if p.drafter_argv else "no drafter")
 
 
-def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: int, start_roles,
+def serve_roles(cfg: BlockspecConfig, p: Startup, host: str, port: int, grpc_port: int, start_roles,
                 router_over: Callable | None = None, starter: Callable | None = None) -> int:
     """Run until SIGTERM/SIGINT: HTTP first (503 while loading), then the roles, then the router.
 
@@ -253,7 +253,7 @@ def serve_roles(cfg: BlockspecConfig, p: Plan, host: str, port: int, grpc_port: 
         router_over = router_over or (lambda replicas, keys, tls: _split_router(cfg, p, host, grpc_port, replicas,
                                                                                  keys, tls))
         return asyncio.run(route(cfg, router_over, http.server_port, state, keys, tls, _readiness(state), starter,
-                                 plan))
+                                 resolve_startup))
     finally:
         http.shutdown()
         fleet = state.get("fleet")
@@ -323,7 +323,7 @@ def _readiness(state: dict) -> Callable[[], Ready]:
     return readiness
 
 
-async def _split_router(cfg: BlockspecConfig, p: Plan, host: str, grpc_port: int, replicas, keys: ApiKeys | None,
+async def _split_router(cfg: BlockspecConfig, p: Startup, host: str, grpc_port: int, replicas, keys: ApiKeys | None,
                         tls: ServerTls | None):
     """The router over the started roles, reached by their addresses."""
     spec = cfg.model.spec_decode

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Plan:
+class Startup:
     """What to run, resolved from the config: the method, the drafter and the role command lines."""
 
     method: str
@@ -33,7 +33,7 @@ def _check_dir(key: str, path: str) -> None:
         raise InvalidArgument(key, e.message + f" ({path})") from None
 
 
-def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: bool = False) -> Plan:
+def resolve_startup(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: bool = False) -> Startup:
     """The roles' command lines for this config; `replicas_per_gpu` replicas share model.device's memory (--no-ray
     puts every replica there, Ray gives each its own). inprocess: the checks only, for an engine in the server's
     process (a draft tree is verified there; role processes verify paths)."""
@@ -82,7 +82,7 @@ def plan(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: bool = Fals
         drafter_argv += ["--drafter", drafter] if drafter else []
         drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
         drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
-    return Plan(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+    return Startup(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
 
 
 def _check_lookup_tokens(cfg: BlockspecConfig) -> None:
@@ -112,7 +112,7 @@ def _check_context(target: str, max_model_len: int | None) -> None:
     """model.max_model_len within the target's context, before any role starts (a role would refuse it, seconds
     later, naming its own flag)."""
     from blockspec.common.models.model_config import parse_config as parse_model_config
-    from blockspec.services.serving.engine import serving_len
+    from blockspec.services.engine.engine import serving_len
 
     if max_model_len is None:
         return

@@ -24,15 +24,15 @@ DRAFTER_RETRY_S = 10.0  # a drafter that failed to restart is tried again after 
 
 async def route(cfg: BlockspecConfig, router_over: Callable, http_port: int, state: dict, keys: ApiKeys | None,
                 tls: ServerTls | None, readiness: Callable, starter: Callable | None = None,
-                plan: Callable | None = None) -> int:
+                startup: Callable | None = None) -> int:
     """The router (from `router_over`) over the started roles (state["replicas"]), supervised until SIGTERM/SIGINT.
     starter(cfg, prefix) -> start_replica(index): how this server starts a version's replicas (None: it cannot;
-    no autoscaling, no rollout); plan: plan.plan, for a rollout's config."""
+    no autoscaling, no rollout); startup: startup.resolve_startup, for a rollout's config."""
     replicas = state["replicas"]
     router = await router_over(replicas, keys, tls)
     state["router"] = router
     start_replica = starter(cfg, "") if starter is not None else None
-    fleet = Fleet(router, Release(cfg, start_replica, replica_loop(cfg), pairs=replicas), starter, replica_loop, plan)
+    fleet = Fleet(router, Release(cfg, start_replica, replica_loop(cfg), pairs=replicas), starter, replica_loop, startup)
     state["fleet"] = fleet
     admin = start_admin(cfg.server.admin, fleet, asyncio.get_running_loop()) if cfg.server.admin else None
     if admin is not None:

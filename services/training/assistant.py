@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from blockspec.services.build.train_target import TrainConfig, export_hf, lr_factor, save_checkpoint
+from blockspec.services.training.train_target import TrainConfig, export_hf, lr_factor, save_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from blockspec.services.build.assistant import AssistantConfig, train_assistant
-from blockspec.services.build.distill import DistillConfig, continuations, train_drafter
+from blockspec.services.training.assistant import AssistantConfig, train_assistant
+from blockspec.services.training.distill import DistillConfig, continuations, train_drafter
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ def _tiny_target(out: Path, seed: int) -> list[int]:
     """A 2-layer Qwen3 trained for ~300 steps on two stdlib modules; returns the corpus token ids."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from blockspec.services.build.tiny import tiny_tokenizer
-    from blockspec.services.build.train_target import lm_loss, sample_batch
+    from blockspec.services.training.tiny import tiny_tokenizer
+    from blockspec.services.training.train_target import lm_loss, sample_batch
 
     tok = tiny_tokenizer()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -163,7 +163,7 @@ SAMPLED_STAGES = (BASE_SAMPLED, BASE_SAMPLED_DEEP, BASE_SAMPLED_SELECT)
 
 def build_base(paths: PairPaths, work: Path, minutes: float, threads: int) -> None:
     """Train (or resume) the target in `work`, export it, distil the drafter, write the card, train the assistant."""
-    from blockspec.services.build import corpus, train_target
+    from blockspec.services.training import corpus, train_target
 
     train_target.main(["--out", str(work), "--minutes", str(minutes), "--threads", str(threads)])
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,7 @@ def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[
             **modules: bool) -> dict:
     """tau, acceptance and per-position acceptance of one method over the prompts (batched).
     `modules`: use_dynamic_conv / use_path_selector switches for dflash."""
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     engine = Engine(target, drafter, method, max_batch=len(prompts), threads=torch.get_num_threads(), **modules)
     done = engine.complete([engine.request(str(i), p, max_tokens, k) for i, p in enumerate(prompts)])
@@ -246,8 +246,8 @@ def measure(target: Path, drafter: Path | None, method: str, prompts: list[list[
 def write_card(paths: PairPaths, prompts: list[list[int]], max_tokens: int) -> dict:
     """Measure the pair on held-out prompts and write card.json (what `blockspec info` prints)."""
     from blockspec.common.models.checkpoint import load_checkpoint
-    from blockspec.services.build.train_target import loop_share
     from blockspec.services.drafter.dflash.checkpoint import load_drafter
+    from blockspec.services.training.train_target import loop_share
 
     target, drafter = load_checkpoint(paths.target), load_drafter(paths.drafter)
     target_params = sum(w.numel() for w in target.weights.values())

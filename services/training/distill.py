@@ -89,7 +89,7 @@ def continuations(target_dir: str | Path, prompts: Sequence[Sequence[int]], new_
     """The supervision: prompt + the target's own continuation, for every prompt; prompt i's sampled at
     temperatures[i % n] (0: greedy) with the seed (seed, i), so that the same arguments give the same sequences."""
     from blockspec.common.sampling import SamplingParams
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     engine = Engine(target_dir, None, "none", max_batch=batch, max_len=max(len(p) for p in prompts) + new_tokens,
                     threads=torch.get_num_threads())

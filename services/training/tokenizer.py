@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from blockspec.services.build import corpus
+from blockspec.services.training import corpus
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Train the default pair's Qwen3 target from scratch on CPU, resumably, and export it as an HF checkpoint.
 
-CLI: python -m blockspec.services.build.train_target --out DIR --minutes M --threads T --seed S
+CLI: python -m blockspec.services.training.train_target --out DIR --minutes M --threads T --seed S
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from blockspec.services.build import corpus, tokenizer
+from blockspec.services.training import corpus, tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.models.model_config import CONFIG_CLASSES, DEFAULTS, READ_KEYS, parse_config
 from blockspec.common.runtime.cuda_runner import CudaRunner, unsupported
 from blockspec.common.runtime.runner import Runner, Segment
-from blockspec.services.build.tiny import PUBLISHED, build_family, tiny_family_config
+from blockspec.services.training.tiny import PUBLISHED, build_family, tiny_family_config
 
 HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25}

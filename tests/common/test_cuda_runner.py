@@ -17,9 +17,9 @@ from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.backends import make_runner
 from blockspec.common.runtime.cuda_runner import WIDTHS, CudaRunner, batch_sizes, bucket
 from blockspec.common.runtime.runner import Runner, Segment
-from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_family
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
+from blockspec.services.training.tiny import build_tiny_checkpoint, build_tiny_family
 
 VARIANTS = [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("qwen3", {"tie_word_embeddings": True})]
 

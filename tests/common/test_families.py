@@ -14,8 +14,8 @@ import torch
 
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.runner import Runner, Segment
-from blockspec.services.build.tiny import build_tiny_drafter, build_tiny_family
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
+from blockspec.services.training.tiny import build_tiny_drafter, build_tiny_family
 from tests.conftest import hf_greedy
 
 NEW = 48  # tokens generated per prompt
@@ -263,7 +263,7 @@ def test_the_reported_checkpoints_decode_as_transformers_generate(family, layout
 
     from transformers import AutoTokenizer
 
-    from blockspec.services.build.tiny import build_family
+    from blockspec.services.training.tiny import build_family
 
     shipped = Path(__file__).resolve().parents[2] / "models" / "base"
     tokenizer = AutoTokenizer.from_pretrained(shipped / "target")

@@ -9,7 +9,7 @@ import pytest
 
 from blockspec.common.errors import ModelLoadError
 from blockspec.common.models.checkpoint import check_same_tokenizer, load_checkpoint
-from blockspec.services.build.tiny import build_tiny_checkpoint, tiny_tokenizer
+from blockspec.services.training.tiny import build_tiny_checkpoint, tiny_tokenizer
 
 
 def copy_of(src, tmp_path, name="ck"):

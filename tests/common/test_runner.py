@@ -7,7 +7,7 @@ import torch
 
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.runner import Runner, Segment
-from blockspec.services.build.tiny import build_tiny_checkpoint
+from blockspec.services.training.tiny import build_tiny_checkpoint
 from blockspec.services.verifier.invariance import measure, verify_vs_decode
 
 FAMILY_VARIANTS = [
@@ -253,7 +253,7 @@ def test_a_token_tree_gives_each_token_its_paths_logits_and_keep_path_leaves_a_p
 
 
 def test_a_token_tree_is_refused_where_it_cannot_run(variant_dirs, tmp_path, tokenizer):
-    from blockspec.services.build.tiny import build_tiny_family
+    from blockspec.services.training.tiny import build_tiny_family
 
     runner = Runner(load_checkpoint(variant_dirs[0]), num_slots=1, max_len=64)
     slot = runner.cache.allocate()

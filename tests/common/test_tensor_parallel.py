@@ -25,7 +25,7 @@ NEW = 24
 # One process per run: the calling process leads the ranks (torch.distributed's group is per process).
 SCRIPT = """
 import json, sys
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
 target, drafter, method, world, prompts = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 device = sys.argv[6]
 e = Engine(target, drafter, method, max_batch=4, tensor_parallel_size=world, device=device,

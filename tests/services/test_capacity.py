@@ -12,7 +12,7 @@ import yaml
 
 from blockspec.common.config import load_config
 from blockspec.services.cli.main import main
-from blockspec.services.serving.capacity import GIB, parse_size, plan_capacity
+from blockspec.services.serving.plan import GIB, parse_size, plan_capacity
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import torch
 from blockspec.common.config import parse_config
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.runtime.device import resolve
-from blockspec.services.serving.plan import plan
 from blockspec.services.serving.role_args import parse_role_args
+from blockspec.services.serving.startup import resolve_startup
 
 
 def test_resolve_names_the_flag_at_fault():
@@ -31,11 +31,11 @@ def config(tiny_models, dflash_drafters, **model) -> object:
 
 
 def test_the_plan_gives_both_roles_the_configured_device_and_dtype(tiny_models, dflash_drafters):
-    p = plan(config(tiny_models, dflash_drafters, device="cuda", dtype="bfloat16"))
+    p = resolve_startup(config(tiny_models, dflash_drafters, device="cuda", dtype="bfloat16"))
     for argv in (p.verifier_argv, p.drafter_argv):
         args = parse_role_args(list(argv))
         assert (args.device, args.dtype) == ("cuda", "bfloat16")
-    args = parse_role_args(list(plan(config(tiny_models, dflash_drafters)).verifier_argv))
+    args = parse_role_args(list(resolve_startup(config(tiny_models, dflash_drafters)).verifier_argv))
     assert (args.device, args.dtype, args.invariant) == ("cpu", "float32", False)  # the defaults
 
 
@@ -43,7 +43,7 @@ def test_model_invariant_makes_the_verifier_role_decode_at_the_verify_width(tiny
     """model.invariant (what bf16 on a GPU needs to stay token-identical) reaches the verifier role only."""
     from blockspec.services.serving.launch import role_service
 
-    p = plan(config(tiny_models, dflash_drafters, invariant=True, dtype="bfloat16"))
+    p = resolve_startup(config(tiny_models, dflash_drafters, invariant=True, dtype="bfloat16"))
     assert "--invariant" in p.verifier_argv and "--invariant" not in p.drafter_argv
     service = role_service(parse_role_args(list(p.verifier_argv)))
     runner = service.verifier.runner
@@ -57,12 +57,12 @@ def test_model_runner_picks_the_verifier_roles_runner(tiny_models, dflash_drafte
     from blockspec.common.runtime.runner import Runner
     from blockspec.services.serving.launch import role_service
 
-    p = plan(config(tiny_models, dflash_drafters, runner="graphs"))
+    p = resolve_startup(config(tiny_models, dflash_drafters, runner="graphs"))
     argv = list(p.verifier_argv)
     assert argv[argv.index("--runner") + 1] == "graphs"
     assert "--runner" not in p.drafter_argv
     assert isinstance(role_service(parse_role_args(list(p.verifier_argv))).verifier.runner, CudaRunner)
-    p = plan(config(tiny_models, dflash_drafters))
+    p = resolve_startup(config(tiny_models, dflash_drafters))
     assert "--runner" not in p.verifier_argv
     assert type(role_service(parse_role_args(list(p.verifier_argv))).verifier.runner) is Runner
     with pytest.raises(InvalidArgument, match="model.runner"):
@@ -73,14 +73,14 @@ def test_longer_lookup_drafts_are_refused_in_invariant_mode_and_with_adaptive_k(
     cfg = config(tiny_models, dflash_drafters, invariant=True,
                  spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16})
     with pytest.raises(InvalidArgument, match="prompt_lookup_tokens: 16 is not allowed with model.invariant"):
-        plan(cfg)
+        resolve_startup(cfg)
     cfg = config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16,
                                                             "adaptive_k": True})
     with pytest.raises(InvalidArgument, match="16 is not allowed with model.spec_decode.adaptive_k: true"):
-        plan(cfg)
-    assert plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16}))
+        resolve_startup(cfg)
+    assert resolve_startup(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup": True, "prompt_lookup_tokens": 16}))
     with pytest.raises(InvalidArgument, match="16 is not allowed without model.spec_decode.prompt_lookup: true"):
-        plan(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup_tokens": 16}))  # it would be ignored
+        resolve_startup(config(tiny_models, dflash_drafters, spec_decode={"prompt_lookup_tokens": 16}))  # it would be ignored
 
 
 def test_a_drafter_the_roles_would_refuse_is_refused_by_the_plan(tiny_models, dflash_drafters):
@@ -88,7 +88,7 @@ def test_a_drafter_the_roles_would_refuse_is_refused_by_the_plan(tiny_models, df
     k past the drafter's block refused 15 s later with cancelled-stream tracebacks in their logs)."""
     def refused(**model) -> str:
         with pytest.raises(InvalidArgument) as e:
-            plan(parse_config({"model": {"target_model_path": str(tiny_models["qwen3"]["target"]), **model}}))
+            resolve_startup(parse_config({"model": {"target_model_path": str(tiny_models["qwen3"]["target"]), **model}}))
         return str(e.value)
 
     other_family = str(tiny_models["llama"]["other"])  # 1 layer: the qwen3 drafter taps 2
@@ -106,10 +106,10 @@ def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tin
     from blockspec.common.models.kv_cache import SlotKVCache
     from blockspec.common.runtime.device import check_fits, claim_gpu_share, role_fractions
 
-    p = plan(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5))
+    p = resolve_startup(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5))
     fractions = [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv)]
     assert fractions == list(role_fractions(0.5)) == [0.4, 0.1]
-    assert parse_role_args(list(plan(config(tiny_models, dflash_drafters)).verifier_argv)).gpu_memory_fraction is None
+    assert parse_role_args(list(resolve_startup(config(tiny_models, dflash_drafters)).verifier_argv)).gpu_memory_fraction is None
     gib = 2**30
     check_fits("verifier", 50 * gib, 141 * gib, 0.4)  # 56.4 GiB share: fits
     with pytest.raises(InvalidArgument, match=r"model.gpu_memory_utilization: the drafter role needs 20.00 GiB .* share is "
@@ -127,17 +127,17 @@ def test_replicas_sharing_a_gpu_split_it_and_plain_decoding_gives_the_verifier_a
         return [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv) if argv]
 
     cfg = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9)
-    assert fractions(plan(cfg, replicas_per_gpu=2)) == [0.36, 0.09]
+    assert fractions(resolve_startup(cfg, replicas_per_gpu=2)) == [0.36, 0.09]
     plain = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9, spec_decode={"enabled": False})
-    assert fractions(plan(plain)) == [0.9] and fractions(plan(plain, replicas_per_gpu=3)) == [0.3]
+    assert fractions(resolve_startup(plain)) == [0.9] and fractions(resolve_startup(plain, replicas_per_gpu=3)) == [0.3]
 
 
 def test_the_drafter_dtype_warning_is_for_a_dtype_the_operator_set(tiny_models, dflash_drafters, caplog):
     """spec_decode.draft_model_dtype defaults to bfloat16 and model.dtype to float32: a config that sets neither
     must not warn on every start; one that sets a differing draft_model_dtype is told it does not apply."""
-    plan(config(tiny_models, dflash_drafters))
+    resolve_startup(config(tiny_models, dflash_drafters))
     assert "draft_model_dtype" not in caplog.text
-    plan(config(tiny_models, dflash_drafters, spec_decode={"draft_model_dtype": "float16"}))
+    resolve_startup(config(tiny_models, dflash_drafters, spec_decode={"draft_model_dtype": "float16"}))
     assert "spec_decode.draft_model_dtype float16: the drafter runs in model.dtype, float32" in caplog.text
 
 
@@ -236,8 +236,8 @@ def test_ray_places_each_replica_on_one_gpu_and_names_replicas_it_cannot_place(t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_on_cuda_in_bfloat16_invariant_mode_equals_plain_decoding(tiny_models, dflash_drafters, prompts):
+    from blockspec.services.engine.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
-    from blockspec.services.serving.engine import Engine
 
     def run(engine, k):
         reqs = [engine.request(f"r{i}", p, 64, k) for i, p in enumerate(prompts)]
@@ -257,8 +257,8 @@ def test_sampling_on_cuda_runs_its_rules_on_the_host(tiny_models, dflash_drafter
     """Sampling requests on a GPU target: processors, warpers and acceptance run on the host; the seeded
     strict rule gives plain decoding's text (invariant mode, bf16), rejection sampling completes."""
     from blockspec.common.sampling import SamplingParams
+    from blockspec.services.engine.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
-    from blockspec.services.serving.engine import Engine
 
     target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
     engines = [Engine(target, d, m, max_batch=2, invariant=True, device="cuda", dtype=torch.bfloat16)
@@ -277,9 +277,9 @@ def test_sampling_on_cuda_runs_its_rules_on_the_host(tiny_models, dflash_drafter
 def test_a_max_model_len_past_the_target_s_context_is_refused_by_the_plan(tiny_models, dflash_drafters):
     """Before: both roles started, and the verifier refused it naming its own flag, exit code 1."""
     with pytest.raises(InvalidArgument) as e:
-        plan(config(tiny_models, dflash_drafters, max_model_len=99999))
+        resolve_startup(config(tiny_models, dflash_drafters, max_model_len=99999))
     assert e.value.field == "model.max_model_len" and "99999 exceeds the model's context" in e.value.message
-    assert plan(config(tiny_models, dflash_drafters, max_model_len=64))
+    assert resolve_startup(config(tiny_models, dflash_drafters, max_model_len=64))
 
 
 def test_settings_of_a_disabled_spec_decode_are_said_to_be_ignored(tiny_models, dflash_drafters, caplog):
@@ -288,10 +288,10 @@ def test_settings_of_a_disabled_spec_decode_are_said_to_be_ignored(tiny_models, 
     import logging
 
     caplog.set_level(logging.WARNING, logger="blockspec.services.serving.serve")
-    p = plan(config(tiny_models, dflash_drafters, spec_decode={"enabled": False, "method": "dflash",
+    p = resolve_startup(config(tiny_models, dflash_drafters, spec_decode={"enabled": False, "method": "dflash",
                                                                "num_speculative_tokens": 7}))
     assert p.method == "none" and p.drafter_argv is None
     assert "spec_decode.method, spec_decode.num_speculative_tokens ignored" in caplog.text
     caplog.clear()
-    plan(config(tiny_models, dflash_drafters, spec_decode={"enabled": False}))
+    resolve_startup(config(tiny_models, dflash_drafters, spec_decode={"enabled": False}))
     assert "ignored" not in caplog.text

@@ -8,8 +8,8 @@ import pytest
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
 from tests.services.test_sampling import (
     P_FAIL,
     SAMPLES,
@@ -117,7 +117,7 @@ def test_rejection_over_a_draft_tree_keeps_the_target_distribution(tiny_pair, tm
 
 
 def test_settings_that_cannot_take_a_tree_are_refused_by_name(tiny_models, dflash_drafters, tmp_path, tokenizer):
-    from blockspec.services.build.tiny import build_tiny_drafter, build_tiny_family
+    from blockspec.services.training.tiny import build_tiny_drafter, build_tiny_family
 
     target, drafter = tiny_models["qwen3"]["target"], dflash_drafters["qwen3-trained"]
     refused = {
@@ -143,7 +143,7 @@ def test_the_config_key_reaches_the_inprocess_engine_and_role_processes_refuse_i
 
     from blockspec.common.config import load_yaml, parse_config
     from blockspec.services.serving.inprocess import build_engine
-    from blockspec.services.serving.plan import plan
+    from blockspec.services.serving.startup import resolve_startup
     from tests.services.test_serve import CONFIG
 
     text = CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
@@ -152,9 +152,9 @@ def test_the_config_key_reaches_the_inprocess_engine_and_role_processes_refuse_i
     cfg = parse_config(raw)
     with pytest.raises(InvalidArgument, match=r"\[3, 2\]: a draft tree is verified by an engine in the server's "
                                               r"process: serve --inprocess") as err:
-        plan(cfg)
+        resolve_startup(cfg)
     assert err.value.field == "model.spec_decode.draft_tree"
-    engine = build_engine(cfg, plan(cfg, inprocess=True), "cpu", torch.float32)
+    engine = build_engine(cfg, resolve_startup(cfg, inprocess=True), "cpu", torch.float32)
     assert engine.proposer.tree == (3, 2)
     got, tau = texts(engine, prompts[:2], 5, len(references["qwen3"][0]))
     assert [list(got[f"None-{i}"]) for i in range(2)] == references["qwen3"][:2] and tau > 1.0

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from blockspec.common.sampling import SamplingParams
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
 from tests.conftest import hf_greedy
 
 SAMPLES = 10_000  # sequences per check: the rule that skips the p/q test still reads p far below P_FAIL

@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from blockspec.protos import roles_grpc, roles_pb2
-from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_drafter
 from blockspec.services.serving.serve import RoleProcess
+from blockspec.services.training.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 pytestmark = pytest.mark.e2e
 MiB = 1 << 20

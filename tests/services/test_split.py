@@ -167,8 +167,8 @@ def test_split_sampling_equals_the_in_process_engine_for_a_seed(split, tiny_mode
     verifier's LM head in place (fp32, no packed copy), so the in-process drafter runs its LM head the same way here:
     under `rejection` the text also follows the drafter's arithmetic (docs/sampling.md)."""
     from blockspec.common.sampling import SamplingParams
+    from blockspec.services.engine.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
-    from blockspec.services.serving.engine import Engine
 
     method = split["method"]
     drafter = dflash_drafters["qwen3-trained"] if method == "dflash" else tiny_models["qwen3"]["other"]
@@ -195,8 +195,8 @@ def test_split_sampling_equals_the_in_process_engine_for_a_seed(split, tiny_mode
 def test_bfloat16_roles_stream_what_the_engine_streams_in_bfloat16(tiny_models, dflash_drafters, prompts):
     """`blockspec role ... --dtype bfloat16` (config model.dtype): both roles hold bf16 weights, the drafter
     maps the verifier's bf16 tensors, and each stream equals the in-process engine's in bf16."""
+    from blockspec.services.engine.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent
-    from blockspec.services.serving.engine import Engine
     from blockspec.services.serving.launch import role_service
     from blockspec.services.serving.role_args import parse_role_args
 

@@ -24,9 +24,9 @@ import trustme
 
 from blockspec.common.wire.tls import HANDSHAKE_FAILURES, ClientTls, ServerTls, secure_channel
 from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.openai_http import Upstream, V1App
-from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread
 
 
@@ -126,7 +126,7 @@ def assert_clients_speak_tls(served: TlsServed, tls: ClientTls, model: str) -> N
     """The CLI's clients with their TLS flags' ClientTls: batch's request, validate's HTTP and gRPC, bench's runner."""
     from blockspec.services.bench.server import run_server_mode
     from blockspec.services.cli.batch import Job, post
-    from blockspec.services.cli.validate import Client
+    from blockspec.services.serving.golive import Client
 
     status, body = post(f"127.0.0.1:{served.port}", Job("a", "/v1/completions", {"model": model, "prompt": "hi",
                                                                                  "max_tokens": 2}), None, 60, tls)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from blockspec.services.cli.validate import ACCEPTANCE_ALERT, CHECKS, check_tokenizer, first_difference, role_memory
+from blockspec.services.serving.golive import ACCEPTANCE_ALERT, CHECKS, check_tokenizer, first_difference, role_memory
 from tests.services.router.test_server import RouterThread
 from tests.services.test_serve import CONFIG, http_status, role_pids, spawn_serve, stop_serve, wait_for
 
@@ -96,7 +96,7 @@ def test_a_healthy_server_passes_and_a_reference_with_another_target_fails_ident
 
     # Plain decoding by a reference serving another target of the same tokenizer (the shipped assistant): identity
     # fails, naming the prompt and the token.
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     other = RouterThread(Engine(PAIR / "assistant", None, "none", max_batch=1))
     reference = f"127.0.0.1:{other.router.port}"
@@ -137,7 +137,7 @@ def test_a_server_whose_drafter_is_down_fails_the_ratio_check(server, run, capsy
 def test_the_tokenizer_check_reads_the_checkpoints_modelinfo_names(tokenizer, tmp_path):
     """The start-up checks again: the shipped dflash drafter works on the target's ids through its draft vocabulary;
     a draft model of another tokenizer is named."""
-    from blockspec.services.build.tiny import build_tiny_checkpoint
+    from blockspec.services.training.tiny import build_tiny_checkpoint
 
     texts = [json.loads(line) for line in (PAIR / "heldout_prompts.jsonl").read_text().splitlines()[:2]]
     info = SimpleNamespace(target=str(PAIR / "target"), drafter=str(PAIR / "drafter"), method="dflash", vocab_size=4096)
@@ -156,7 +156,7 @@ def test_the_tokenizer_check_reads_the_checkpoints_modelinfo_names(tokenizer, tm
 
 def test_the_ratio_check_holds_the_line_and_fails_a_server_that_drafts_nothing():
     from blockspec.services.bench.modes import Row
-    from blockspec.services.cli.validate import Passes, check_ratio
+    from blockspec.services.serving.golive import Passes, check_ratio
 
     def passes(k: int, speedup: float, acceptance: float | None) -> Passes:
         spec = Row("server", k, 1, 64, 1.0, 64.0 * speedup, acceptance_rate=acceptance, speedup=speedup)

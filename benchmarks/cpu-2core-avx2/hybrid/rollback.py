@@ -19,7 +19,7 @@ import torch
 from blockspec.common.models.checkpoint import load_checkpoint, parse_config
 from blockspec.common.models.state_cache import SlotStates
 from blockspec.common.runtime.runner import Runner, Segment
-from blockspec.services.build.tiny import PUBLISHED, build_tiny_family
+from blockspec.services.training.tiny import PUBLISHED, build_tiny_family
 
 REPEATS = 40
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from blockspec.services.build.tiny import build_tiny_family
-from blockspec.services.build.train_target import lm_loss, sample_batch
+from blockspec.services.training.tiny import build_tiny_family
+from blockspec.services.training.train_target import lm_loss, sample_batch
 
 STEPS = 500
 out = Path(sys.argv[1])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.drafter.proposers.dflash import DFlashProposer
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
 from blockspec.services.verifier.verifier import Verifier
 
 BASE = Path(__file__).resolve().parents[3] / "models" / "base"

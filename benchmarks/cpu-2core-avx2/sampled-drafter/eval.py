@@ -25,7 +25,7 @@ import torch
 from blockspec.common.argtypes import draft_tree
 from blockspec.common.runtime.distributions import log_probs, process
 from blockspec.common.sampling import GREEDY, SamplingParams
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
 from blockspec.services.verifier.verifier import Verifier
 
 ROOT = Path(__file__).resolve().parents[3]

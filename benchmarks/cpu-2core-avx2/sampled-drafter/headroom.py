@@ -21,7 +21,7 @@ import torch
 from blockspec.common.runtime.distributions import log_probs, process
 from blockspec.common.sampling import SamplingParams
 from blockspec.services.drafter.proposers import dflash as dflash_proposer
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
 from blockspec.services.verifier.verifier import Verifier
 
 BASE = Path(__file__).resolve().parents[3] / "models" / "base"

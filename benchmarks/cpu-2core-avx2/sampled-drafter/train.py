@@ -1,7 +1,7 @@
 """Stages 4-6 of the shipped drafter (`default_pair.SAMPLED_STAGES`, models/base/drafter-sampled) on this machine:
 from models/base/drafter, on the shipped target's continuations of random windows of its training corpus, greedy and
 sampled at T 0.7 and 1.0 in turn, with the soft terms on the target's distribution; stage 5 adds a second layer, stage
-6 widens the path selector. The corpus is the target's training files (services/build/corpus.py) encoded with its
+6 widens the path selector. The corpus is the target's training files (services/training/corpus.py) encoded with its
 tokenizer, cached; the continuations are cached as `build-default`'s are; each stage saves its training state every
 250 steps (rerun from the interrupted stage, FIRST = 0, 1 or 2, to resume it).
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from blockspec.services.build import corpus
-from blockspec.services.build.default_pair import distill_sampled
+from blockspec.services.training import corpus
+from blockspec.services.training.default_pair import distill_sampled
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -249,7 +249,7 @@ def verify_costs(widths: list[int], context: int = 160, repeats: int = 30) -> di
     """The shipped target's verify over `width` tokens against a decode, on the engine's own verifier (the chain's
     causal mask; a tree's differs only in which keys each row sees): bench's r(width) at a 160-token context."""
     from blockspec.services.bench.costs import cost_ratios
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     engine = Engine(BASE / "target", None, "none", max_batch=1, max_len=context + max(widths) + 8, threads=2)
     engine.verifier.add("x", list(range(16, 16 + context)))

@@ -20,7 +20,7 @@ NEW = 128
 
 
 def one_size(world: int) -> dict:
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     base = ROOT / "models" / "base"
     engine = Engine(base / "target", base / "drafter", "dflash", max_batch=16, tensor_parallel_size=world)

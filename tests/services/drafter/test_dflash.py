@@ -10,12 +10,12 @@ import torch
 
 from blockspec.common.errors import ModelLoadError
 from blockspec.common.models.checkpoint import load_checkpoint, load_weights
-from blockspec.services.build.tiny import build_tiny_checkpoint, build_tiny_drafter
 from blockspec.services.drafter.dflash.checkpoint import check_fits_target, load_drafter
 from blockspec.services.drafter.dflash.cpu_block import CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DynamicConv
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
+from blockspec.services.training.tiny import build_tiny_checkpoint, build_tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_selector_walk_is_argmax_without_pairwise_term_and_follows_it_with_one()
 
 
 def test_distillation_is_deterministic_for_a_seed(tiny_models, tmp_path):
-    from blockspec.services.build.distill import DistillConfig, train_drafter
+    from blockspec.services.training.distill import DistillConfig, train_drafter
 
     target = tiny_models["qwen3"]["target"]
     sequences = [list(range(5, 45)), list(range(50, 90))]

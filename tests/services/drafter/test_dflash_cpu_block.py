@@ -14,12 +14,12 @@ from blockspec.common.kernels import cpu_kernels
 from blockspec.common.models.decoder import rope_table
 from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.sampling import GREEDY, SamplingParams
-from blockspec.services.build.tiny import build_tiny_drafter
 from blockspec.services.drafter.dflash import cpu_block
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
+from blockspec.services.training.tiny import build_tiny_drafter
 from tests.services.test_sampling import with_sampling_top_k
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")

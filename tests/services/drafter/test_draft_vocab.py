@@ -39,7 +39,7 @@ def test_tokens_outside_the_vocabulary_are_refused():
 
 
 def test_written_vocabulary_loads_with_its_drafter(tiny_models, tmp_path):
-    from blockspec.services.build.tiny import build_tiny_drafter
+    from blockspec.services.training.tiny import build_tiny_drafter
 
     path = build_tiny_drafter(tmp_path / "d", tiny_models["qwen3"]["target"])
     assert load_drafter(path).draft_vocab is None
@@ -54,7 +54,7 @@ def test_written_vocabulary_loads_with_its_drafter(tiny_models, tmp_path):
 @pytest.mark.parametrize("ids", [[3, 2] + list(range(4, 66)), list(range(63)), list(range(257, 321)), "x",
                                  [0.5] + list(range(1, 64))])
 def test_a_bad_file_is_refused_naming_it(tiny_models, tmp_path, ids):
-    from blockspec.services.build.tiny import build_tiny_drafter
+    from blockspec.services.training.tiny import build_tiny_drafter
 
     path = build_tiny_drafter(tmp_path / "d", tiny_models["qwen3"]["target"])
     (path / draft_vocab.FILE).write_text(json.dumps({"token_ids": ids}))

@@ -17,7 +17,7 @@ from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.config import DFlashConfig, default_target_layer_ids
 from blockspec.services.drafter.dflash.model import DFlashDrafter
-from blockspec.services.serving.engine import Engine
+from blockspec.services.engine.engine import Engine
 
 WINDOW = 24  # the DFlash-2 drafter's sliding window: shorter than the test prompts, so it binds
 

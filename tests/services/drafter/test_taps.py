@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.cuda_runner import CudaRunner
 from blockspec.common.runtime.runner import Runner, Segment
-from blockspec.services.build.tiny import build_family, build_tiny_drafter
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.config import DFlashConfig
+from blockspec.services.training.tiny import build_family, build_tiny_drafter
 from tests.common.test_conformance import base
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5")
@@ -92,8 +92,8 @@ def test_layer_ids_in_any_order_and_repeated_read_the_same_features(tiny_models,
 
 
 def test_a_refinement_keeps_its_drafters_taps(tiny_models, tmp_path):
-    from blockspec.services.build.distill import DistillConfig
-    from blockspec.services.build.distill import drafter_config as distill_config
+    from blockspec.services.training.distill import DistillConfig
+    from blockspec.services.training.distill import drafter_config as distill_config
 
     target = tiny_models["qwen3"]["target"]
     old = build_tiny_drafter(tmp_path / "old", target, target_layer_ids=(1,))

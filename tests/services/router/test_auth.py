@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.common.wire.auth import ENV_API_KEY, ApiKeys, client_channel
 from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.http import Ready, start_http
-from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread, collect
 
 KEY = "k" * 24

@@ -65,7 +65,7 @@ def test_a_drained_replica_finishes_its_stream_and_takes_no_new_one(tiny_models,
     import asyncio
 
     from blockspec.protos import api_pb2
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
     from tests.services.router.test_server import RouterThread, _slow_steps, collect
 
     def engine():
@@ -103,8 +103,8 @@ def test_a_replica_whose_step_found_a_role_gone_takes_no_new_request(tiny_models
     import time
 
     from blockspec.protos import api_pb2
+    from blockspec.services.engine.engine import Engine
     from blockspec.services.router import scheduler as scheduler_module
-    from blockspec.services.serving.engine import Engine
     from tests.services.router.test_server import RouterThread, collect
 
     def engine():

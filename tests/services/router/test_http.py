@@ -48,7 +48,7 @@ def exchange(port: int, raw: bytes, timeout: float = 10.0) -> bytes:
 @pytest.fixture(scope="module")
 def v1(tiny_models):
     """A router with the /v1 paths behind the HTTP front, plain decoding of the tiny qwen3 target."""
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     served = Served(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2))
     yield served
@@ -132,7 +132,7 @@ def test_a_client_that_trickles_its_head_is_cut_off(front):
 
 
 def test_a_stalled_body_is_408_without_a_traceback(tiny_models, monkeypatch, caplog):
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     monkeypatch.setattr(openai_http, "BODY_TIMEOUT_S", 1.0)
     caplog.set_level(logging.DEBUG)
@@ -168,7 +168,7 @@ def test_header_bytes_that_are_not_printable_ascii_are_400_and_never_echoed(tiny
     """Before: a non-ASCII Authorization was a 500 ("Invalid metadata") and an X-Request-Id with control bytes came
     back raw in a response header and the completion id. Now: 400 naming the header (h11 refuses control bytes
     itself), nothing echoed."""
-    from blockspec.services.serving.engine import Engine
+    from blockspec.services.engine.engine import Engine
 
     served = Served(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=1))
     try:

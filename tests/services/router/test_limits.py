@@ -15,8 +15,8 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.common.wire.auth import ApiKeys, client_channel
 from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.limits import OverLimit, TenantLimits
-from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread, collect
 
 

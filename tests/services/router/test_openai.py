@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from blockspec.common.config import RateLimits
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
 from blockspec.common.wire.auth import ApiKeys
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.openai_http import Upstream, V1App
-from blockspec.services.serving.engine import Engine
 from tests.services.router.test_server import RouterThread
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version

@@ -7,9 +7,9 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import FinishEvent, TokenEvent
-from blockspec.services.serving.engine import Engine
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 

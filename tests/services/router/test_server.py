@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from blockspec.common.config import DEFAULT_K
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
 from blockspec.protos import api_grpc, api_pb2
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.app import start_router
-from blockspec.services.serving.engine import Engine
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 

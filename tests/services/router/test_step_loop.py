@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent, Load, TokenEvent
-from blockspec.services.serving.engine import Engine
 from tests.conftest import NEW_TOKENS
 
 
@@ -62,8 +62,8 @@ def test_cancel_frees_slots_in_both_roles(tiny_models, prompts):
 def test_chunked_prefill_keeps_running_streams_going(tiny_models, prompts, references):
     """A 150-token prompt arriving mid-stream is prefilled 32 tokens per step; the running request gets
     tokens at every one of those steps, and both outputs equal the target alone."""
+    from blockspec.services.engine.engine import Engine
     from blockspec.services.router.step_loop import FinishEvent, TokenEvent
-    from blockspec.services.serving.engine import Engine
 
     engine = Engine(tiny_models["qwen3"]["target"], None, "ngram", max_batch=2, prefill_chunk=32)
     loop = engine.loop

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from blockspec.services.build.assistant import AssistantConfig, train_assistant
-from blockspec.services.build.distill import continuations as target_continuations
 from blockspec.services.cli.main import main
+from blockspec.services.training.assistant import AssistantConfig, train_assistant
+from blockspec.services.training.distill import continuations as target_continuations
 
 SMALL = AssistantConfig(hidden_size=32, intermediate_size=64, num_layers=1, steps=200, batch_sequences=16,
                         warmup_steps=10, heldout_sequences=40, checkpoint_s=0.0)
@@ -53,7 +53,7 @@ def test_the_assistant_learns_the_targets_continuations(assistant, continuations
 
 
 def test_training_resumes_from_its_checkpoint(tiny_pair, continuations, tmp_path, monkeypatch, caplog):
-    from blockspec.services.build import assistant as module
+    from blockspec.services.training import assistant as module
 
     whole = replace(SMALL, steps=30)
     real_save, saved = module.save_checkpoint, []

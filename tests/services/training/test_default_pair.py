@@ -10,7 +10,7 @@ from tests.conftest import hf_greedy
 
 def test_build_default_tiny_end_to_end(tiny_pair, capsys, monkeypatch):
     """tiny_pair (conftest) is what build-default --profile tiny builds; the command finds it at once."""
-    from blockspec.services.build import default_pair
+    from blockspec.services.training import default_pair
 
     tmp_path = tiny_pair.root.parent
 

@@ -1,4 +1,4 @@
-"""Distillation for sampled requests (services/build/distill.py): continuations sampled at the requests'
+"""Distillation for sampled requests (services/training/distill.py): continuations sampled at the requests'
 temperatures, seeded; the soft term on the target's distribution; a run interrupted after a checkpoint resumes to
 the drafter the uninterrupted run gives."""
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from blockspec.services.build import distill
-from blockspec.services.build.distill import DistillConfig, continuations, train_drafter
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
+from blockspec.services.training import distill
+from blockspec.services.training.distill import DistillConfig, continuations, train_drafter
 
 SMALL = DistillConfig(steps=12, batch_sequences=4, anchors_per_sequence=4, checkpoint_every=5, warmup_steps=2,
                       temperatures=(0.0, 0.7, 1.0), kl_weight=1.0, kl_top_k=8, selector_kl_weight=0.5)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from blockspec.services.serving.engine import Engine
 from tests.conftest import hf_greedy
 
 PAIR = Path(__file__).resolve().parents[3] / "models" / "base"
