@@ -112,23 +112,6 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 CHALLENGE = ("WWW-Authenticate", 'Bearer realm="blockspec"')
 
 
-def deny_plain(environ, start_response) -> list[bytes]:
-    start_response("401 Unauthorized", [("Content-Type", "text/plain"), CHALLENGE])
-    return [f"{DENIED}\n".encode()]
-
-
-def guard_wsgi(app, keys: ApiKeys, deny=deny_plain):
-    """`app` behind the keys: OPEN_HTTP_PATHS as they are, every other path answered by `deny` (a WSGI app: 401)
-    without a known key."""
-
-    def guarded(environ, start_response):
-        if environ.get("PATH_INFO", "") in OPEN_HTTP_PATHS or keys.tenant(environ.get("HTTP_AUTHORIZATION")):
-            return app(environ, start_response)
-        return deny(environ, start_response)
-
-    return guarded
-
-
 class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
                                                          "wait_for_ready", "compression")), grpc.ClientCallDetails):
     pass

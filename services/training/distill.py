@@ -298,28 +298,6 @@ def warm_start(model: DFlashDrafter, source: str | Path) -> None:
         layer.mlp.down_proj.weight.zero_()
 
 
-@torch.no_grad()
-def soft_overlap(model: DFlashDrafter, target_dir: str | Path, sequences: Sequence[Sequence[int]],
-                 prompt_lens: Sequence[int], cfg: DistillConfig, batches: int = 4) -> float:
-    """Mean over draft slots of sum_x min(p(x), q(x)): q the drafter's softmax, p the target's distribution (its
-    cfg.kl_top_k tokens, renormalised), on anchors drawn with a fixed seed: the acceptance the rejection rule would
-    give a q sampled at the target's temperature."""
-    dcfg = model.cfg
-    runner = Runner(load_checkpoint(target_dir), num_slots=8, max_len=max(len(s) for s in sequences) + 1,
-                    tap_layers=dcfg.tap_points)
-    features, *soft = tap_features(runner, sequences, top_k=cfg.kl_top_k, temperature=cfg.kl_temperature)
-    batcher = _Batcher(sequences, prompt_lens, features, dcfg.block_size, np.random.default_rng(1234), soft)
-    cos, sin = rope_table(dcfg, runner.max_len + dcfg.block_size)
-    total, n = 0.0, 0
-    for _ in range(batches):
-        batch = batcher.sample(cfg.batch_sequences, cfg.anchors_per_sequence)
-        q = torch.softmax(draft_block(model, runner.embedding, runner.lm_head, cos, sin, batch)[1].float(), dim=-1)
-        ids, p = batch[4]
-        total += float(torch.minimum(p, q.gather(-1, ids)).sum(-1).sum())
-        n += ids.shape[0] * ids.shape[1]
-    return total / n
-
-
 def _digest(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> str:
     import hashlib
     import json

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import torch
+import types
 
+from blockspec.common.telemetry import metrics
 from blockspec.common.telemetry.metrics import process_memory
 
 
-def test_process_memory_is_read_again_only_when_older_than_asked():
+def test_process_memory_is_read_again_only_when_older_than_asked(monkeypatch):
     rss, gpu = process_memory()
-    assert rss > 0 and gpu >= 0
-    grown = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    assert process_memory(max_age_s=3600.0) == (rss, gpu)  # the last reading: recent enough
-    assert process_memory()[0] >= rss + 32 * 2**20  # read again
-    del grown
+    assert rss > 0 and gpu >= 0  # a real reading
+    readings = iter((100, 200))  # then the process's resident bytes as psutil would read them in turn
+    monkeypatch.setattr(metrics.psutil, "Process",
+                        lambda: types.SimpleNamespace(memory_info=lambda: types.SimpleNamespace(rss=next(readings))))
+    assert process_memory() == (100, gpu)
+    assert process_memory(max_age_s=3600.0) == (100, gpu)  # the last reading: recent enough
+    assert process_memory() == (200, gpu)  # read again
 
 
 def test_a_versions_series_are_dropped_with_it_and_the_others_stay():

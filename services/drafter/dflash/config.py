@@ -10,7 +10,7 @@ the reference's for the same weights.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from blockspec.common.errors import ModelLoadError
 from blockspec.common.models.model_config import DEFAULTS, rope_settings
@@ -247,5 +247,3 @@ class DFlashConfig:
             return (), None
         return tuple(types), None if window is None else int(window)  # no window: sliding layers see all keys
 
-    def as_dict(self) -> dict:
-        return asdict(self)
