@@ -190,3 +190,16 @@ def test_the_router_loads_neither_role_nor_torch():
 def test_the_contracts_load_no_torch():
     loaded = loaded_after_import("blockspec.common.contracts")
     assert "blockspec.common.contracts" in loaded and "torch" not in loaded
+
+
+def test_the_layer_diagram_in_the_docs_is_the_rule():
+    """docs/architecture.md draws LAYERS, top first: a line per layer, its units before the description."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    diagram = text.split("## Layers and import rules", 1)[1].split("```")[1]
+    drawn = []
+    for line in diagram.strip().splitlines():
+        words = line.split()
+        units = words[: next((i for i, w in enumerate(words) if w not in LAYER and not w.startswith("common.")),
+                             len(words))]
+        drawn.append(set(units))
+    assert drawn == [set(units) for units in reversed(LAYERS)]
