@@ -85,7 +85,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         print(f"blockspec: error: rollout {args.action}: {error.get('message', out)}", file=sys.stderr)
         return 2 if code in (400, 401) else 1
     print(json.dumps(out, indent=1) if args.json else table(out))
-    candidate = next((r for r in out["releases"] if r["version"] != out["active"]), None)
+    candidate = next((r for r in out["versions"] if r["version"] != out["active"]), None)
     return 1 if args.action == "start" and args.wait and candidate and candidate["state"] == "failed" else 0
 
 
@@ -94,7 +94,7 @@ def _wait(args: argparse.Namespace, key: str) -> tuple[int, dict]:
     deadline = time.monotonic() + args.timeout
     while True:
         code, out = call(args.admin, key, "GET", "/v1/rollout")
-        states = [r["state"] for r in out.get("releases", []) if r["version"] != out.get("active")]
+        states = [r["state"] for r in out.get("versions", []) if r["version"] != out.get("active")]
         if code >= 400 or not any(s in ("starting", "checking") for s in states) or time.monotonic() > deadline:
             return code, out
         time.sleep(1.0)
@@ -102,7 +102,7 @@ def _wait(args: argparse.Namespace, key: str) -> tuple[int, dict]:
 
 def table(out: dict) -> str:
     lines = ["| version | state | replicas | streams | target | checks |", "|---|---|---|---|---|---|"]
-    for r in out["releases"]:
+    for r in out["versions"]:
         checks = ", ".join(f"{c['name']} {c['status']}" for c in r.get("checks", []) if c["status"] != "skip")
         state = r["state"] + (" (active)" if r["version"] == out["active"] else "")
         state += f", {r['grace_left_s']:.0f} s left" if "grace_left_s" in r else ""

@@ -2,7 +2,7 @@
 needs `Authorization: Bearer <admin key>`; the port binds server.admin.host (loopback by default), apart from the
 public ports.
 
-  GET  /v1/rollout            the releases and their states
+  GET  /v1/rollout            the versions and their states
   POST /v1/rollout            body: the new version's config (YAML) -> 202, its roles start and its checks run
   POST /v1/rollout/promote    the checked candidate takes every new request
   POST /v1/rollout/rollback   new requests go back to the previous version (or the candidate is withdrawn)

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Autoscaler:
-    """Asked once a second by serve's supervisor; it scales the fleet's active release (services/serving/rollout.py),
+    """Asked once a second by serve's supervisor; it scales the fleet's active version (services/serving/rollout.py),
     whose start_replica(index) starts one more role pair (blocking, until both serve) and make_loop(pair) connects
     the router's clients to one."""
 
@@ -75,22 +75,22 @@ class Autoscaler:
         task.add_done_callback(self.tasks.discard)
 
     async def _up(self) -> None:
-        release = self.fleet.active
-        index, release.next_index = release.next_index, release.next_index + 1
+        served = self.fleet.active
+        index, served.next_index = served.next_index, served.next_index + 1
         try:
-            pair = await asyncio.to_thread(release.start_replica, index)
-            if release.state not in ("live", "grace"):  # rolled back or retired meanwhile
+            pair = await asyncio.to_thread(served.start_replica, index)
+            if served.state not in ("live", "grace"):  # rolled back or retired meanwhile
                 for role in pair:
                     if role is not None:
                         await asyncio.to_thread(role.stop)
                 return
-            release.pairs.append(pair)  # watched by the supervisor from now on, and stopped with the release
-            loop = await asyncio.to_thread(release.make_loop, pair)
-            scheduler = await self.router.add_replica(loop, release.version)
-            release.roles[id(scheduler)] = pair
+            served.pairs.append(pair)  # watched by the supervisor from now on, and stopped with its version
+            loop = await asyncio.to_thread(served.make_loop, pair)
+            scheduler = await self.router.add_replica(loop, served.version)
+            served.roles[id(scheduler)] = pair
             replaced = f" in place of replica {self.replacing.pop(0)}" if self.replacing else ""
             log.info("autoscaling: replica %s is ready and takes requests%s (version %s)", scheduler.replica, replaced,
-                     release.name)
+                     served.name)
         except Exception as e:  # noqa: BLE001 - a replica that did not start: the policy asks again
             log.error("autoscaling: starting a replica failed (%s)", e)
         finally:
@@ -98,35 +98,35 @@ class Autoscaler:
             self._gauges(self.router.waiting, None)  # the ready count as /health sees it, not a step later
 
     async def _down(self) -> None:
-        release = self.fleet.active
-        version = release.version
+        served = self.fleet.active
+        version = served.version
         open_ = [s for s in version.schedulers if s not in version.draining]
         if len(open_) <= self.policy.cfg.min_replicas:
             return
         scheduler = min(open_, key=lambda s: (s.load, -int(s.replica)))  # the least loaded, the newest first
         log.info("autoscaling: replica %s drains (%d streams to finish)", scheduler.replica, scheduler.load)
         await self.router.drain(scheduler, version=version)
-        pair = release.roles.pop(id(scheduler))
-        release.pairs.remove(pair)  # before its roles stop: the supervisor no longer watches them
+        pair = served.roles.pop(id(scheduler))
+        served.pairs.remove(pair)  # before its roles stop: the supervisor no longer watches them
         for role in pair:
             if role is not None:
                 await asyncio.to_thread(role.stop)
         log.info("autoscaling: replica %s stopped", scheduler.replica)
 
     def lost(self, pair: tuple) -> None:
-        """A replica of the active release whose verifier process is gone: out of its pairs now (the supervisor no
+        """A replica of the active version whose verifier process is gone: out of its pairs now (the supervisor no
         longer watches it); it takes no new request, its requests end UNAVAILABLE (the step that finds the verifier
         gone fails them), its drafter stops, and the policy replaces it (below min_replicas: at once)."""
-        release = self.fleet.active
-        scheduler = next(s for s in release.version.schedulers if release.roles.get(id(s)) is pair)
+        served = self.fleet.active
+        scheduler = next(s for s in served.version.schedulers if served.roles.get(id(s)) is pair)
         log.error("replica %s lost its verifier: its requests end UNAVAILABLE; the other replicas serve on and a new "
                   "one replaces it", scheduler.replica)
-        release.pairs.remove(pair)
-        del release.roles[id(scheduler)]
-        release.version.draining.add(scheduler)  # from now on, before the drain task runs
+        served.pairs.remove(pair)
+        del served.roles[id(scheduler)]
+        served.version.draining.add(scheduler)  # from now on, before the drain task runs
         self.replacing.append(scheduler.replica)
         self._gauges(self.router.waiting, None)
-        self._spawn(self._remove(scheduler, pair, release.version))
+        self._spawn(self._remove(scheduler, pair, served.version))
 
     async def _remove(self, scheduler, pair: tuple, version) -> None:
         await self.router.drain(scheduler, version=version)

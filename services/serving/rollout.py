@@ -1,11 +1,12 @@
-"""Blue/green rollouts: the releases one server runs, and how new requests move between them.
+"""Blue/green rollouts: the versions one server runs, and how new requests move between them.
 
-A release is one serving version (a model pair and its settings, services/router/server.Version) over its own
-replicas. New requests go to the active release. `start` brings a candidate up beside it - its roles load, then the
-go-live checks of `blockspec validate` (ready, speculative == plain on the check prompts, the throughput ratio) run
-against it on an owner-only Unix socket; `promote` makes it the active one in one assignment, and the old release keeps
-its replicas for server.admin.rollout_grace_s (its streams finish; `rollback` is the same assignment back), then stops.
-A stream stays with the release it arrived at, so its tokens come from exactly one version."""
+A `ServedVersion` is one version (a model pair and its settings) over its own replicas as the supervisor runs it;
+services/router/server.Version is the router's side of the same version. New requests go to the active version.
+`start` brings a candidate up beside it - its roles load, then the go-live checks (golive.py: ready, speculative ==
+plain on the check prompts, the throughput ratio) run against it on an owner-only Unix socket; `promote` makes it
+the active one in one assignment, and the old version keeps its replicas for server.admin.rollout_grace_s (its
+streams finish; `rollback` is the same assignment back), then stops. A stream stays with the version it arrived at,
+so its tokens come from exactly one version."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class RolloutError(Exception):
 
 
 @dataclass(eq=False)
-class Release:
+class ServedVersion:
     """One version's replicas and how to add more. `pairs`: its (verifier, drafter) role pairs; `roles`: each
     replica's pair by id of its scheduler; start_replica(index) starts one more pair (blocking); make_loop(pair)
     connects the router to a pair."""
@@ -81,17 +82,17 @@ class Release:
 
 
 class Fleet:
-    """The releases of one server: `active` (new requests), at most one candidate and at most one previous release
+    """The versions of one server: `active` (new requests), at most one candidate and at most one previous version
     in its grace period. Its methods run on the router's event loop. starter(cfg, prefix) returns start_replica for
     another version's config (None: this server cannot start roles, and `start` is refused); startup(cfg) checks a
     config and resolves its method (startup.resolve_startup)."""
 
-    def __init__(self, router: RouterServer, active: Release,
+    def __init__(self, router: RouterServer, active: ServedVersion,
                  starter: Callable[[BlockspecConfig, str], Callable[[int], tuple]] | None = None,
                  make_loop: Callable[[BlockspecConfig], Callable[[tuple], StepLoop]] | None = None,
                  startup: Callable | None = None) -> None:
         self.router, self.active = router, active
-        self.releases = [active]
+        self.versions = [active]
         self.starter, self.loop_for, self.startup = starter, make_loop, startup
         self.tasks: set[asyncio.Task] = set()
         self.switched_at: float | None = None  # time.monotonic() of the last promote or rollback
@@ -104,14 +105,14 @@ class Fleet:
     def admin(self):
         return self.active.cfg.server.admin
 
-    def pairs(self) -> list[tuple[Release, tuple]]:
-        return [(r, pair) for r in self.releases for pair in list(r.pairs)]
+    def pairs(self) -> list[tuple[ServedVersion, tuple]]:
+        return [(r, pair) for r in self.versions for pair in list(r.pairs)]
 
-    def _with(self, *states: str) -> Release | None:
-        return next((r for r in self.releases if r is not self.active and r.state in states), None)
+    def _with(self, *states: str) -> ServedVersion | None:
+        return next((r for r in self.versions if r is not self.active and r.state in states), None)
 
     def status(self) -> dict:
-        return {"active": self.active.name, "releases": [r.status() for r in self.releases]}
+        return {"active": self.active.name, "versions": [r.status() for r in self.versions]}
 
     # Commands.
 
@@ -137,21 +138,21 @@ class Fleet:
         if self.starter is None:
             raise RolloutError("this server cannot start roles (--inprocess or --verifier-address): no rollout")
         cfg = self.parse(text)
-        self.releases = [r for r in self.releases if r.state != "failed"]  # stopped already; kept for the status
+        self.versions = [r for r in self.versions if r.state != "failed"]  # stopped already; kept for the status
         busy = self._with("starting", "checking", "ready")
         if busy is not None:
             raise RolloutError(f"version {busy.name} is {busy.state}: promote it or roll it back first")
-        if any(r.name == cfg.version for r in self.releases):
+        if any(r.name == cfg.version for r in self.versions):
             raise RolloutError(f"version {cfg.version} already runs here: give the new one its own model.version")
         self.startup(cfg)  # the config's own errors (a missing checkpoint, a bad method) now, naming the key
         previous = self._with("grace")
         if previous is not None:  # a rollback goes to the newest only: the older one finishes its streams now
             log.info("rollout: version %s leaves its grace period early: a new version starts", previous.name)
             self._retire(previous)
-        release = Release(cfg, self.starter(cfg, f"{cfg.version}-"), self.loop_for(cfg), state="starting")
-        self.releases.append(release)
-        self._spawn(self._bring_up(release))
-        log.info("rollout: version %s starts beside %s", release.name, self.active.name)
+        served = ServedVersion(cfg, self.starter(cfg, f"{cfg.version}-"), self.loop_for(cfg), state="starting")
+        self.versions.append(served)
+        self._spawn(self._bring_up(served))
+        log.info("rollout: version %s starts beside %s", served.name, self.active.name)
         return self.status()
 
     async def promote(self) -> dict:
@@ -184,7 +185,7 @@ class Fleet:
         self._retire(candidate)
         return self.status()
 
-    def _switch(self, to: Release) -> Release:
+    def _switch(self, to: ServedVersion) -> ServedVersion:
         """New requests go to `to` from now on (one assignment on the event loop); the autoscaler follows it."""
         old, self.active = self.active, to
         self.router.service.version = to.version
@@ -199,123 +200,123 @@ class Fleet:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _bring_up(self, release: Release) -> None:
+    async def _bring_up(self, served: ServedVersion) -> None:
         try:
             live = len(self.active.version.schedulers) - len(self.active.version.draining)
             count = max(1, live)
-            autoscaling = release.cfg.server.autoscaling
+            autoscaling = served.cfg.server.autoscaling
             if autoscaling is not None:
                 count = min(max(count, autoscaling.min_replicas), autoscaling.max_replicas)
-            pairs = await asyncio.gather(*(asyncio.to_thread(release.start_replica, i) for i in range(count)),
+            pairs = await asyncio.gather(*(asyncio.to_thread(served.start_replica, i) for i in range(count)),
                                          return_exceptions=True)
             started = [p for p in pairs if not isinstance(p, BaseException)]
-            release.pairs.extend(started)
-            if release.state == "retiring":  # withdrawn while its roles loaded
-                await self._stop_release(release)
+            served.pairs.extend(started)
+            if served.state == "retiring":  # withdrawn while its roles loaded
+                await self._stop_version(served)
                 return
             failed = [p for p in pairs if isinstance(p, BaseException)]
             if failed:
                 raise RuntimeError(f"a replica did not start: {failed[0]}")
-            release.next_index = count
-            loops = [await asyncio.to_thread(release.make_loop, pair) for pair in started]
-            method = self.startup(release.cfg).method
-            facts = await asyncio.to_thread(_facts, release.cfg, method, loops[0])
-            release.version = await start_version(loops, facts, self.router.service.metrics)
-            release.roles = {id(s): pair for s, pair in zip(release.version.schedulers, started, strict=True)}
-            self.router.service.versions[release.name] = release.version
-            if release.state == "retiring":
-                await self._stop_release(release)
+            served.next_index = count
+            loops = [await asyncio.to_thread(served.make_loop, pair) for pair in started]
+            method = self.startup(served.cfg).method
+            facts = await asyncio.to_thread(_facts, served.cfg, method, loops[0])
+            served.version = await start_version(loops, facts, self.router.service.metrics)
+            served.roles = {id(s): pair for s, pair in zip(served.version.schedulers, started, strict=True)}
+            self.router.service.versions[served.name] = served.version
+            if served.state == "retiring":
+                await self._stop_version(served)
                 return
-            release.state = "checking"
-            await self._check(release)
+            served.state = "checking"
+            await self._check(served)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever kept it from serving: said in status, the roles stopped
-            if release.state == "retiring":  # withdrawn meanwhile: its stop is under way
+            if served.state == "retiring":  # withdrawn meanwhile: its stop is under way
                 return
-            log.error("rollout: version %s did not come up: %s", release.name, e)
-            release.error = str(e)
-            release.state = "failed"
-            await self._stop_release(release, keep=True)
+            log.error("rollout: version %s did not come up: %s", served.name, e)
+            served.error = str(e)
+            served.state = "failed"
+            await self._stop_version(served, keep=True)
 
-    async def _check(self, release: Release) -> None:
+    async def _check(self, served: ServedVersion) -> None:
         """The go-live checks against the candidate, on a socket of this user's."""
         from blockspec.common.wire.grpc_server import start_server
 
-        service = GenerationService(release.version)
-        release.candidate_socket = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{release.name}.sock")
+        service = GenerationService(served.version)
+        served.candidate_socket = os.path.join(tempfile.gettempdir(), f"blockspec-{os.getpid()}-{served.name}.sock")
         server, _, _ = await start_server(lambda s: register_generation(service, s), (SERVICE_NAME,), "127.0.0.1", 0,
-                                          release.candidate_socket)
-        release.check_server = server
-        release.checks = await asyncio.to_thread(run_checks, release.cfg, f"unix:{release.candidate_socket}")
-        if release.state == "retiring":  # withdrawn while its checks ran: it is stopping already
+                                          served.candidate_socket)
+        served.check_server = server
+        served.checks = await asyncio.to_thread(run_checks, served.cfg, f"unix:{served.candidate_socket}")
+        if served.state == "retiring":  # withdrawn while its checks ran: it is stopping already
             return
-        failed = [c for c in release.checks if c.status == "fail"]
-        release.state = "failed" if failed else "ready"
-        release.error = "; ".join(f"{c.name}: {c.detail}" for c in failed)
-        log.log(logging.ERROR if failed else logging.INFO, "rollout: version %s %s", release.name,
-                f"failed its checks: {release.error}" if failed else "passed its checks: `blockspec rollout promote` "
+        failed = [c for c in served.checks if c.status == "fail"]
+        served.state = "failed" if failed else "ready"
+        served.error = "; ".join(f"{c.name}: {c.detail}" for c in failed)
+        log.log(logging.ERROR if failed else logging.INFO, "rollout: version %s %s", served.name,
+                f"failed its checks: {served.error}" if failed else "passed its checks: `blockspec rollout promote` "
                                                                      "sends it the new requests")
 
-    def _close_check_server(self, release: Release) -> None:
-        server = release.check_server
+    def _close_check_server(self, served: ServedVersion) -> None:
+        server = served.check_server
         if server is not None:
-            release.check_server = None
+            served.check_server = None
             self._spawn(server.stop(1))
-        if release.candidate_socket:
+        if served.candidate_socket:
             try:
-                os.unlink(release.candidate_socket)
+                os.unlink(served.candidate_socket)
             except FileNotFoundError:
                 pass
-            release.candidate_socket = None
+            served.candidate_socket = None
 
-    async def _grace(self, release: Release) -> None:
-        await asyncio.sleep(max(0.0, release.grace_until - time.time()))
-        if release.state == "grace":
-            log.info("rollout: version %s's grace period is over: it finishes its streams and stops", release.name)
-            self._retire(release)
+    async def _grace(self, served: ServedVersion) -> None:
+        await asyncio.sleep(max(0.0, served.grace_until - time.time()))
+        if served.state == "grace":
+            log.info("rollout: version %s's grace period is over: it finishes its streams and stops", served.name)
+            self._retire(served)
 
-    def _retire(self, release: Release) -> None:
-        release.state, release.grace_until = "retiring", None
-        self._spawn(self._stop_release(release))
+    def _retire(self, served: ServedVersion) -> None:
+        served.state, served.grace_until = "retiring", None
+        self._spawn(self._stop_version(served))
 
-    async def _stop_release(self, release: Release, keep: bool = False) -> None:
-        """Drain every replica of `release` (its streams finish), stop its roles, and forget it (keep: a failed
+    async def _stop_version(self, served: ServedVersion, keep: bool = False) -> None:
+        """Drain every replica of `served` (its streams finish), stop its roles, and forget it (keep: a failed
         candidate stays in the status until the next rollout or a rollback)."""
-        self._close_check_server(release)
-        version = release.version
+        self._close_check_server(served)
+        version = served.version
         if version is not None:
             await asyncio.gather(*(self.router.drain(s, version=version) for s in list(version.schedulers)))
-            self.router.service.versions.pop(release.name, None)
+            self.router.service.versions.pop(served.name, None)
             if version.metrics is not None:
                 version.metrics.drop()
-        for pair in list(release.pairs):
-            release.pairs.remove(pair)
+        for pair in list(served.pairs):
+            served.pairs.remove(pair)
             for role in pair:
                 if role is not None:
                     await asyncio.to_thread(role.stop)
-        if not keep and release in self.releases:
-            self.releases.remove(release)
-            log.info("rollout: version %s stopped", release.name)
+        if not keep and served in self.versions:
+            self.versions.remove(served)
+            log.info("rollout: version %s stopped", served.name)
 
-    def lost(self, release: Release, pair: tuple) -> None:
-        """A verifier gone in a release that is not the active one: that replica takes no new request and its
-        requests end UNAVAILABLE (the step that finds the verifier gone fails them); a release left with none stops
+    def lost(self, served: ServedVersion, pair: tuple) -> None:
+        """A verifier gone in a version that is not the active one: that replica takes no new request and its
+        requests end UNAVAILABLE (the step that finds the verifier gone fails them); a version left with none stops
         (a rollback to it is no longer possible)."""
-        release.pairs.remove(pair)
-        version = release.version
-        scheduler = next((s for s in version.schedulers if release.roles.get(id(s)) is pair), None) if version else None
-        log.error("version %s (%s) lost a verifier%s", release.name, release.state,
-                  "" if release.pairs else ": it stops")
+        served.pairs.remove(pair)
+        version = served.version
+        scheduler = next((s for s in version.schedulers if served.roles.get(id(s)) is pair), None) if version else None
+        log.error("version %s (%s) lost a verifier%s", served.name, served.state,
+                  "" if served.pairs else ": it stops")
         if scheduler is not None:
             version.draining.add(scheduler)
             self._spawn(self.router.drain(scheduler, version=version))
         for role in pair:
             if role is not None:
                 self._spawn(asyncio.to_thread(role.stop))
-        if not release.pairs and release.state != "retiring":
-            release.error = release.error or "its replicas lost their verifiers"
-            self._retire(release)
+        if not served.pairs and served.state != "retiring":
+            served.error = served.error or "its replicas lost their verifiers"
+            self._retire(served)
 
     async def close(self) -> None:
         """Cancel the rollout work in flight and close the check sockets; every version's replicas stop with the
@@ -323,8 +324,8 @@ class Fleet:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for release in self.releases:
-            self._close_check_server(release)
+        for served in self.versions:
+            self._close_check_server(served)
 
 
 def _facts(cfg: BlockspecConfig, method: str, loop: StepLoop):

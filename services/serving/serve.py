@@ -257,7 +257,7 @@ def serve_roles(cfg: BlockspecConfig, p: Startup, host: str, port: int, grpc_por
     finally:
         http.shutdown()
         fleet = state.get("fleet")
-        pairs = [p for r in fleet.releases for p in r.pairs] if fleet else state["replicas"]
+        pairs = [p for r in fleet.versions for p in r.pairs] if fleet else state["replicas"]
         stop_together([role for pair in pairs for role in pair if role is not None])
 
 
@@ -298,7 +298,7 @@ def _readiness(state: dict) -> Callable[[], Ready]:
         router = state["router"]
         if router is None:
             return Ready(False, "starting\n")
-        fleet = state.get("fleet")  # the active release's replicas (a rollout's candidate does not count)
+        fleet = state.get("fleet")  # the active version's replicas (a rollout's candidate does not count)
         replicas = list(fleet.active.pairs if fleet is not None else state["replicas"])
         names = [fleet.active.replica_name(pair) if fleet is not None else str(i) for i, pair in enumerate(replicas)]
         verifiers_down = [name for name, (verifier, _) in zip(names, replicas) if not _answers(verifier)]

@@ -1,5 +1,5 @@
-"""The router's side of `blockspec serve` once the roles serve: the router, the fleet of releases (blue/green rollouts,
-services/serving/rollout.py), the autoscaler, the management port, and the supervisor loop over every release's
+"""The router's side of `blockspec serve` once the roles serve: the router, the fleet of versions (blue/green rollouts,
+services/serving/rollout.py), the autoscaler, the management port, and the supervisor loop over every version's
 role processes, until SIGTERM/SIGINT."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from blockspec.common.wire.auth import ApiKeys
 from blockspec.common.wire.tls import ServerTls
 from blockspec.services.serving.admin import start_admin
 from blockspec.services.serving.autoscaler import Autoscaler, replica_loop
-from blockspec.services.serving.rollout import Fleet, Release
+from blockspec.services.serving.rollout import Fleet, ServedVersion
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ async def route(cfg: BlockspecConfig, router_over: Callable, http_port: int, sta
     router = await router_over(replicas, keys, tls)
     state["router"] = router
     start_replica = starter(cfg, "") if starter is not None else None
-    fleet = Fleet(router, Release(cfg, start_replica, replica_loop(cfg), pairs=replicas), starter, replica_loop, startup)
+    fleet = Fleet(router, ServedVersion(cfg, start_replica, replica_loop(cfg), pairs=replicas), starter, replica_loop, startup)
     state["fleet"] = fleet
     admin = start_admin(cfg.server.admin, fleet, asyncio.get_running_loop()) if cfg.server.admin else None
     if admin is not None:
@@ -57,16 +57,16 @@ async def route(cfg: BlockspecConfig, router_over: Callable, http_port: int, sta
 
 async def supervise(fleet: Fleet, stop: asyncio.Event, router, readiness, autoscaler=None) -> int:
     """Every second until `stop`: restart a drafter that exited (if that fails, its requests go on at k=0 and it is
-    tried again DRAFTER_RETRY_S later); a verifier that exited: in the active release with other replicas and an
-    autoscaler (role processes), its replica is replaced while the others serve; in another release (a candidate, or
+    tried again DRAFTER_RETRY_S later); a verifier that exited: in the active version with other replicas and an
+    autoscaler (role processes), its replica is replaced while the others serve; in another version (a candidate, or
     the previous one in its grace period) that replica is dropped; else the server stops with exit code 1 (a
     supervisor such as systemd's Restart=on-failure starts it again); the router's gRPC health follows /health's
-    readiness; the autoscaler starts or drains the active release's replicas as the queue asks."""
+    readiness; the autoscaler starts or drains the active version's replicas as the queue asks."""
     retry_at: dict[int, float] = {}
     while not stop.is_set():
         if autoscaler is not None:
             await autoscaler.step()
-        for release, pair in fleet.pairs():
+        for served, pair in fleet.pairs():
             verifier, drafter = pair
             if drafter is not None and not drafter.alive() and time.monotonic() >= retry_at.get(id(drafter), 0.0):
                 try:
@@ -75,11 +75,11 @@ async def supervise(fleet: Fleet, stop: asyncio.Event, router, readiness, autosc
                     log.error("restarting a drafter failed (%s); its requests continue at k=0; retrying in %.0f s",
                               e, DRAFTER_RETRY_S)
                     retry_at[id(drafter)] = time.monotonic() + DRAFTER_RETRY_S
-            if not await asyncio.to_thread(verifier.alive) and pair in release.pairs:  # not scaled down meanwhile
-                if release is not fleet.active:
-                    fleet.lost(release, pair)
+            if not await asyncio.to_thread(verifier.alive) and pair in served.pairs:  # not scaled down meanwhile
+                if served is not fleet.active:
+                    fleet.lost(served, pair)
                     continue
-                if autoscaler is not None and len(release.pairs) > 1:  # the others serve on; it is replaced
+                if autoscaler is not None and len(served.pairs) > 1:  # the others serve on; it is replaced
                     autoscaler.lost(pair)
                     continue
                 log.error("a verifier role exited; stopping (exit code 1)")

@@ -86,7 +86,7 @@ def test_a_rollout_under_load_promotes_and_rolls_back_with_every_stream_one_vers
 
     assert main([*cli, "start", "--config", str(served["green"]), "--wait", "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
-    green = next(r for r in status["releases"] if r["version"] == "green")
+    green = next(r for r in status["versions"] if r["version"] == "green")
     assert status["active"] == "blue" and green["state"] == "ready", status
     assert {c["name"]: c["status"] for c in green["checks"]}["identity"] == "pass"
 
@@ -118,7 +118,7 @@ def test_a_rollout_under_load_promotes_and_rolls_back_with_every_stream_one_vers
     print(f"rollback switch {switched_s * 1000:.0f} ms; {len(results)} streams, none failed")
 
     # The rolled-back version finishes its streams and stops: its role processes exit.
-    assert wait_for(lambda: [r["version"] for r in admin(port, "GET", "/v1/rollout")[1]["releases"]] == ["blue"], 60)
+    assert wait_for(lambda: [r["version"] for r in admin(port, "GET", "/v1/rollout")[1]["versions"]] == ["blue"], 60)
     assert wait_for(lambda: not role_pids(served["proc"], "green-"), 30)
     assert len(role_pids(served["proc"], "role verifier")) == 1
     with urllib.request.urlopen(f"http://127.0.0.1:{served['http']}/metrics", timeout=5) as r:
@@ -150,7 +150,7 @@ def test_on_ray_a_rollout_places_the_new_version_and_a_rollback_frees_it(tiny_mo
         expected = {"blue": hf_greedy(tiny_models["qwen3"]["target"], prompts[0], NEW_TOKENS),
                     "green": hf_greedy(tiny_models["qwen3"]["other"], prompts[0], NEW_TOKENS)}
         assert admin(port, "POST", "/v1/rollout", info["green"].read_bytes())[0] == 202
-        assert wait_for(lambda: admin(port, "GET", "/v1/rollout")[1]["releases"][-1]["state"] == "ready", 300), \
+        assert wait_for(lambda: admin(port, "GET", "/v1/rollout")[1]["versions"][-1]["state"] == "ready", 300), \
             admin(port, "GET", "/v1/rollout")[1]
         assert admin(port, "POST", "/v1/rollout/promote")[0] == 200
         version, tokens, _ = stream(stub, prompts[0])
@@ -158,7 +158,7 @@ def test_on_ray_a_rollout_places_the_new_version_and_a_rollback_frees_it(tiny_mo
         assert admin(port, "POST", "/v1/rollout/rollback")[0] == 200
         version, tokens, _ = stream(stub, prompts[0])
         assert (version, tokens) == ("blue", expected["blue"])
-        assert wait_for(lambda: [r["version"] for r in admin(port, "GET", "/v1/rollout")[1]["releases"]] == ["blue"],
+        assert wait_for(lambda: [r["version"] for r in admin(port, "GET", "/v1/rollout")[1]["versions"]] == ["blue"],
                         60)
     finally:
         stop_serve(info)

@@ -305,7 +305,7 @@ def test_health_names_replicas_as_the_router_does_and_stays_degraded_until_a_los
         def __init__(self, up: bool) -> None:
             self.up, self.address = up, "x"
 
-    class Release:
+    class ServedVersion:
         def __init__(self, pairs: dict[str, tuple]) -> None:
             self.pairs, self.names = list(pairs.values()), {id(p): name for name, p in pairs.items()}
 
@@ -322,14 +322,14 @@ def test_health_names_replicas_as_the_router_does_and_stays_degraded_until_a_los
 
     monkeypatch.setattr(serve, "_answers", lambda role: role.up)
     fleet, autoscaler = type("Fleet", (), {})(), Autoscaler()
-    fleet.active = Release({"1": (Role(True), Role(True)), "2": (Role(False), Role(True))})
+    fleet.active = ServedVersion({"1": (Role(True), Role(True)), "2": (Role(False), Role(True))})
     state = {"router": Router(), "replicas": [], "fleet": fleet, "autoscaler": autoscaler}
     readiness = serve._readiness(state)
     assert readiness().detail == "degraded: replica 2: verifier not answering (the other replicas serve)\n"
-    fleet.active = Release({"1": (Role(True), Role(True))})  # replica 2 lost: out of the pairs
+    fleet.active = ServedVersion({"1": (Role(True), Role(True))})  # replica 2 lost: out of the pairs
     autoscaler.replacing = ["2"]
     assert readiness() == Ready(True, "degraded: replica 2: verifier lost, its replacement is starting (the other "
                                       "replicas serve)\n", degraded=True)
-    fleet.active = Release({"1": (Role(True), Role(True)), "3": (Role(True), Role(False))})
+    fleet.active = ServedVersion({"1": (Role(True), Role(True)), "3": (Role(True), Role(False))})
     autoscaler.replacing = []  # replica 3 ready in its place
     assert readiness().detail == "degraded: replica 3: drafter not answering (requests run at k=0)\n"
