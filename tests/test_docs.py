@@ -52,3 +52,25 @@ def test_code_comments_cite_no_runs():
     found = subprocess.run(["git", "grep", "-nE", r"(#|//).*\bruns? [A-Z]{1,2}[0-9]*\b", "--", "*.py", "*.cpp"],
                            capture_output=True, text=True, cwd=ROOT).stdout
     assert found == ""
+
+
+README_CELL_MAX = 200
+
+
+def table_cells(page: Path) -> list[str]:
+    """Every cell of every Markdown table on a page, outside code blocks."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    rows = [line.strip() for line in text.splitlines() if line.lstrip().startswith("|")]
+    return [cell.strip() for row in rows if not re.fullmatch(r"[|\-: ]+", row) for cell in row.strip("|").split("|")]
+
+
+def test_readme_cells_are_short():
+    """A README cell is a phrase or one sentence; the detail is one link away, in docs/ or BENCHMARKS.md."""
+    long = [cell for cell in table_cells(ROOT / "README.md") if len(cell) > README_CELL_MAX]
+    assert long == []
+
+
+def test_benchmarks_hold_the_current_state_not_a_log():
+    """BENCHMARKS.md names no commits: a figure's provenance is its command and date; past runs live in git history."""
+    hashes = re.findall(r"\b(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", (ROOT / "BENCHMARKS.md").read_text())
+    assert hashes == []
