@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # generate's tokens/s with default threads and --threads 1: alone, beside a second generate in a loop, beside a busy
 # Python loop. usage: run2.sh OUTFILE REPS
-cd /work/main
+cd "$(dirname "$0")/../../.."
 BIN=.venv/bin
 OUT=${1:-/tmp/thr/out2.jsonl}; REPS=${2:-3}
 PROMPT=$($BIN/python -c "import json; print(json.loads(open('models/base/heldout_prompts.jsonl').readline()))")
