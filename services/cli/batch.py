@@ -1,6 +1,6 @@
-"""`blockspec batch INPUT.jsonl OUTPUT.jsonl --server HOST:PORT | --config C`: an offline job of OpenAI batch lines
-against a server's /v1 API - a running one, or one this command starts from a config (`serve --inprocess` on free
-ports, on this machine only, stopped at the end) - resumable.
+"""`blockspec batch INPUT.jsonl OUTPUT.jsonl --http HOST:PORT | --config C`: an offline job of OpenAI batch lines
+against a server's /v1 API - a running one's HTTP port, or one this command starts from a config (`serve --inprocess`
+on free ports, on this machine only, stopped at the end) - resumable.
 
 Input: one request a line, OpenAI's batch file format - `custom_id`, `method` ("POST"), `url` (`/v1/completions` or
 `/v1/chat/completions`) and `body` (that endpoint's request, not streamed). Output: one line per `custom_id` in
@@ -16,6 +16,7 @@ error record for its id; a line without an id, or an id twice, refuses the job b
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import time
@@ -31,9 +32,12 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.wire.tls import http_url
 from blockspec.services.cli.args import add_tls_client_args, client_tls
 from blockspec.services.cli.local_server import served
+from blockspec.services.cli.ports import HTTP, check_speaks
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRIES = 3  # attempts of a request whose connection fails, before the job stops (a rerun resumes)
+# A connection that fails; http.client.HTTPException: an answer that is not HTTP/1.1 (RemoteDisconnected is one)
+FAILED = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError)
 
 
 def add_batch_command(sub) -> None:
@@ -41,7 +45,9 @@ def add_batch_command(sub) -> None:
     b.add_argument("input", help="JSONL: one {custom_id, method, url, body} a line")
     b.add_argument("output", help="JSONL of OpenAI batch output lines; an existing file is resumed")
     where = b.add_mutually_exclusive_group(required=True)
-    where.add_argument("--server", type=address, help="HOST:PORT of a running server's HTTP port")
+    where.add_argument("--http", type=address, metavar="HOST:PORT",
+                       help="a running server's HTTP port (server.port): its /v1 API")
+    where.add_argument("--server", help=argparse.SUPPRESS)  # the gRPC API's everywhere else: refused, naming --http
     where.add_argument("--config", help="a server config: serve it in one process for the job (ports chosen free)")
     b.add_argument("--max-in-flight", type=bounded(1, 1024), default=16,
                    help="requests sent at once (default 16: keep the server's batch full)")
@@ -150,7 +156,7 @@ def post(server: str, job: Job, key: str | None, timeout: float, tls=None) -> tu
                 return e.code, json.loads(e.read())
             except json.JSONDecodeError:
                 return e.code, {"error": {"message": e.reason}}
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except FAILED:
             if attempt == RETRIES - 1:
                 raise
             time.sleep(1.0 * (attempt + 1))
@@ -159,13 +165,17 @@ def post(server: str, job: Job, key: str | None, timeout: float, tls=None) -> tu
 
 def cmd_batch(args: argparse.Namespace) -> int:
     inp = Path(args.input)
-    if args.server is not None and args.server.startswith("unix:"):
-        raise InvalidArgument("--server", "the HTTP port's HOST:PORT (the /v1 API)")
+    if args.server is not None:
+        raise InvalidArgument("--server", "names a server's gRPC API (generate, bench, validate); batch sends /v1 "
+                                          "requests to its HTTP port: give --http HOST:PORT")
+    if args.http is not None and args.http.startswith("unix:"):
+        raise InvalidArgument("--http", "the HTTP port's HOST:PORT (the /v1 API)")
     if not inp.is_file():
         raise InvalidArgument("input", f"{inp}: no such file")
     read_jobs(inp)  # refused before a server starts
     if args.config is None:
-        return run_batch(args, args.server)
+        check_speaks("--http", args.http, HTTP, client_tls(args))
+        return run_batch(args, args.http)
     with served(args.config) as server:
         return run_batch(args, server.http)
 
@@ -205,7 +215,7 @@ def run_batch(args: argparse.Namespace, server: str) -> int:
                     job = running.pop(future)
                     try:
                         status, body = future.result()
-                    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                    except FAILED as e:
                         for f in running:
                             f.cancel()
                         bar.close()

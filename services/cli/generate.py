@@ -25,6 +25,7 @@ from blockspec.services.cli.args import (
     seconds,
     threads,
 )
+from blockspec.services.cli.ports import GRPC, check_speaks
 from blockspec.services.drafter.proposers import MAX_K, METHODS, default_method
 from blockspec.services.router.step_loop import FinishEvent, RequestStats, TokenEvent
 from blockspec.services.router.stops import StopMatcher
@@ -38,7 +39,8 @@ def add_generate_command(sub) -> None:
     gen.add_argument("--prompts-file", help="one prompt per line (.jsonl: one JSON string per line); all run "
                      "concurrently in batched steps")
     gen.add_argument("--target", help="target checkpoint directory (HF layout)")
-    gen.add_argument("--server", type=address, help="HOST:PORT of a running `blockspec serve`: generate through its gRPC API")
+    gen.add_argument("--server", type=address, help="HOST:PORT of a running server's gRPC API (server.grpc_port): "
+                     "generate through it")
     gen.add_argument("--timeout", type=seconds, default=600, help="--server: deadline per request in seconds")
     add_tls_client_args(gen)
     gen.add_argument("--drafter", help="drafter checkpoint directory (draft_model, dflash)")
@@ -140,7 +142,8 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
     from blockspec.common.wire.auth import client_channel
     from blockspec.protos import api_grpc, api_pb2
 
-    channel = client_channel(args.server, tls=client_tls(args))
+    tls = client_tls(args)
+    channel = client_channel(args.server, tls=tls)
     stub = api_grpc.GenerationStub(channel)
     stream_text = not args.json and len(prompts) == 1
 
@@ -180,6 +183,8 @@ def generate_remote(args: argparse.Namespace, prompts: list[str]) -> int:
             if not why or " " in field:
                 field, why = "request", e.details()
             raise InvalidArgument(as_flag(field), why) from None
+        if e.code() == grpc.StatusCode.UNAVAILABLE:  # the HTTP port, perhaps: refused naming it
+            check_speaks("--server", args.server, GRPC, tls)
         print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     finally:

@@ -87,23 +87,22 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Whether a config's roles fit a GPU (`serving/plan.py`): a table, or --json; exit 1 when one does not."""
+    """Whether a config's roles fit a GPU, or a CPU config's this machine's RAM (`serving/plan.py`): a table, or
+    --json; exit 1 when one does not."""
     import json
 
     import torch
 
     from blockspec.common.config import load_config
-    from blockspec.services.serving.plan import parse_size, plan_capacity
+    from blockspec.services.serving.plan import machine_memory, parse_size, plan_capacity
 
     cfg = load_config(args.config)
-    if args.gpu_memory is not None:
-        gpu = parse_size(args.gpu_memory)
-    elif torch.cuda.is_available():
-        gpu = torch.cuda.get_device_properties(torch.device(cfg.model.device if cfg.model.device != "cpu" else "cuda")
-                                               ).total_memory
+    if args.gpu_memory is not None:  # a GPU of this size, whatever model.device says
+        memory, device, source = parse_size(args.gpu_memory), "cuda", f"--gpu-memory {args.gpu_memory}"
     else:
-        raise InvalidArgument("--gpu-memory", "this machine has no GPU: give the card's memory, e.g. 80GB or 141GB")
-    result = plan_capacity(cfg, gpu, args.replicas)
+        device = torch.device(cfg.model.device).type
+        memory, source = machine_memory(cfg.model.device)
+    result = plan_capacity(cfg, memory, args.replicas, device, source)
     print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
     return 0 if result.fits else 1
 
@@ -179,10 +178,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     cf.add_argument("config", nargs="?", help="config.yaml to check")
     cf.add_argument("--reference", action="store_true", help="print every key (docs/configuration.md)")
     cf.set_defaults(func=cmd_config)
-    pl = sub.add_parser("plan", help="whether a config's target, drafter and request slots fit a GPU, and what to lower")
+    pl = sub.add_parser("plan", help="whether a config's target, drafter and request slots fit a GPU (a CPU config: "
+                                     "this machine's RAM), and what to lower")
     pl.add_argument("--config", required=True, help="the server's config.yaml")
-    pl.add_argument("--gpu-memory", help="the card's memory, e.g. 80GB, 141GB or 80GiB (default: this machine's GPU)")
-    pl.add_argument("--replicas", type=bounded(1, 64), default=1, help="replicas sharing the GPU (default 1)")
+    pl.add_argument("--gpu-memory", help="plan on a GPU of this memory, e.g. 80GB, 141GB or 80GiB, whatever "
+                    "model.device says (default: model.device's memory here: the GPU's, or the RAM available)")
+    pl.add_argument("--replicas", type=bounded(1, 64), default=1, help="replicas sharing the memory (default 1)")
     pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     pl.set_defaults(func=cmd_plan)
     add_validate_command(sub)

@@ -24,6 +24,7 @@ from blockspec.services.cli.args import (
     set_threads,
     threads,
 )
+from blockspec.services.cli.ports import GRPC, check_speaks
 
 DEFAULT_MODES = ("none,ngram:5,dflash:3,dflash:5,dflash:7,dflash:7:adaptive,dflash:7:replay,dflash:5:lookup,dflash:7:lookup,"
                  "hf,hf-lookup:3,hf-lookup:5")
@@ -55,7 +56,8 @@ def add_perf_commands(sub) -> None:
     bn.add_argument("--request-rates", help="comma list of requests per second: also run open loop, requests arriving "
                     "at each rate (Poisson, the same times for every mode), TTFT from arrival (engine modes; --server too)")
     bn.add_argument("--max-concurrency", type=int, default=16, help="open loop: requests in flight at most (default 16)")
-    bn.add_argument("--server", type=address, help="HOST:PORT: measure a running server instead (its method, --server-k values)")
+    bn.add_argument("--server", type=address, help="HOST:PORT of a running server's gRPC API (server.grpc_port): "
+                    "measure it instead (its method, --server-k values)")
     bn.add_argument("--server-k", help="--server: comma list of num_speculative_tokens per request (0: plain decoding "
                     "on any server, the baseline of the ratios and of `exact`; default 0 and the server's default k, "
                     "0 alone on a server without a drafter)")
@@ -154,6 +156,8 @@ def _bench_server(args: argparse.Namespace, concurrency: list[int], rounds: int,
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise InvalidArgument("--server-k" if "num_speculative_tokens" in e.details() else "request",
                                   e.details()) from None
+        if e.code() == grpc.StatusCode.UNAVAILABLE:  # the HTTP port, perhaps: refused naming it
+            check_speaks("--server", args.server, GRPC, client_tls(args))
         print(f"blockspec: error: server {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     except ServerStreamError as e:

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from blockspec.common.argtypes import address, bounded
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.cli.args import add_tls_client_args, client_tls, read_prompts
+from blockspec.services.cli.ports import GRPC, HTTP, check_speaks
 from blockspec.services.serving.golive import ACCEPTANCE_ALERT, DEFAULT_MIN_RATIO, Bounds, run_checks
 
 
@@ -22,12 +23,12 @@ def add_validate_command(sub) -> None:
     v = sub.add_parser("validate", help="go-live checks of a served pair: ready, identity, ratio, acceptance, "
                                         "latency, memory, tokenizer")
     where = v.add_mutually_exclusive_group(required=True)
-    where.add_argument("--server", type=address, help="HOST:PORT of a running server's gRPC API")
+    where.add_argument("--server", type=address, help="HOST:PORT of a running server's gRPC API (server.grpc_port)")
     where.add_argument("--config", help="a server config: serve it in one process for the run (ports chosen free)")
-    v.add_argument("--http", type=address, help="with --server: HOST:PORT of its HTTP port (/health's reason, "
-                                                "/metrics' memory per role)")
-    v.add_argument("--reference", type=address, help="HOST:PORT of a server whose plain decoding the identity check "
-                   "compares with (default: the validated server at num_speculative_tokens 0)")
+    v.add_argument("--http", type=address, help="with --server: HOST:PORT of its HTTP port (server.port; /health's "
+                                                "reason, /metrics' memory per role)")
+    v.add_argument("--reference", type=address, help="HOST:PORT of the gRPC API of a server whose plain decoding the "
+                   "identity check compares with (default: the validated server at num_speculative_tokens 0)")
     v.add_argument("--prompts-file", default=str(default_home() / "base" / "heldout_prompts.jsonl"),
                    help="one prompt a line (.jsonl: a JSON string each; default: the shipped pair's held-out prompts)")
     v.add_argument("--num-prompts", type=bounded(1), help="use the first N prompts")
@@ -63,12 +64,25 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.config is not None and args.http is not None:
         raise InvalidArgument("--http", "goes with --server (--config serves its own HTTP port)")
     texts = read_prompts(None, args.prompts_file)[: args.num_prompts]
+    tls = client_tls(args)
     if args.config is None:
-        return report(args, run_checks(args.server, args.http, texts, bounds(args), client_tls(args)))
-    from blockspec.services.cli.local_server import served
+        if args.http is not None:
+            check_speaks("--http", args.http, HTTP, tls)
+        result = run_checks(args.server, args.http, texts, bounds(args), tls)
+        if _failed(result, "ready"):  # the HTTP port, perhaps: refused naming it
+            check_speaks("--server", args.server, GRPC, tls)
+    else:
+        from blockspec.services.cli.local_server import served
 
-    with served(args.config) as server:
-        return report(args, run_checks(server.grpc, server.http, texts, bounds(args), client_tls(args)))
+        with served(args.config) as server:
+            result = run_checks(server.grpc, server.http, texts, bounds(args), tls)
+    if args.reference is not None and _failed(result, "identity"):
+        check_speaks("--reference", args.reference, GRPC, tls)
+    return report(args, result)
+
+
+def _failed(result: dict, check: str) -> bool:
+    return any(c.name == check and c.status == "fail" for c in result["checks"])
 
 
 def bounds(args: argparse.Namespace) -> Bounds:

@@ -1,7 +1,8 @@
-"""`blockspec plan`: whether a config's roles fit their shares of a GPU, and what to lower where they do not, from the
-configs alone (no weights read, no GPU needed). The figures are the start-up checks' own: each role's bytes come from
-`footprint.verifier_bytes` / `footprint.drafter_bytes` (what `Verifier.static_bytes` and the drafter role count
-before they allocate), its share from `device.role_fractions`, the verdict from `device.check_fits`' rule."""
+"""`blockspec plan`: whether a config's roles fit their shares of a GPU (or of a CPU machine's RAM), and what to lower
+where they do not, from the configs alone (no weights read, no GPU needed). The figures are the start-up checks' own:
+each role's bytes come from `footprint.verifier_bytes` / `footprint.drafter_bytes` (what `Verifier.static_bytes` and
+the drafter role count before they allocate), its share from `device.role_fractions`, the verdict from
+`device.check_fits`' rule."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ class CapacityPlan:
     family: str
     method: str
     dtype: str
-    gpu_bytes: int
+    device: str  # "cuda": planned as on a GPU (the CUDA runner, captured drafts); "cpu": the CPU runner in RAM
+    memory_bytes: int  # the GPU's memory, or the RAM
+    memory: str  # where memory_bytes comes from
     utilization: float
     replicas: int
     graphs: bool  # the CUDA runner (its spare slot and captured outputs counted)
@@ -73,16 +76,17 @@ class CapacityPlan:
             if r.fits:
                 continue
             if r.weights > r.share:
+                where = "GPU" if self.device == "cuda" else "machine"
                 out.append(f"{r.role}: its weights alone ({r.weights / GIB:.1f} GiB) exceed its share "
-                           f"({r.share / GIB:.1f} GiB): a GPU with more memory, a raised gpu_memory_utilization, or "
-                           "fewer replicas on the GPU")
+                           f"({r.share / GIB:.1f} GiB): a {where} with more memory, a raised gpu_memory_utilization, "
+                           f"or fewer replicas on the {where}")
                 continue
             options = []
             if r.max_slots:
                 options.append(f"server.max_batch {r.max_slots} (at max_model_len {r.max_len})")
             if r.longest:
                 options.append(f"model.max_model_len {r.longest} (at max_batch {r.slots})")
-            needed = r.need / (self.gpu_bytes * r.fraction / self.utilization) if r.fraction else float("inf")
+            needed = r.need / (self.memory_bytes * r.fraction / self.utilization) if r.fraction else float("inf")
             if needed <= 1.0:
                 options.append(f"model.gpu_memory_utilization {min(1.0, needed + 0.005):.2f}")
             out.append(f"{r.role}: needs {r.need / GIB:.2f} GiB of its {r.share / GIB:.2f} GiB share; lower to "
@@ -90,9 +94,12 @@ class CapacityPlan:
         return out
 
     def table(self) -> str:
-        head = (f"Target {self.target} ({self.family}), method {self.method}, {self.dtype}; GPU "
-                f"{self.gpu_bytes / GIB:.1f} GiB, gpu_memory_utilization {self.utilization}, {self.replicas} replica(s) on "
-                "it" + ("; the CUDA runner" if self.graphs else ""))
+        notes = (["the CUDA runner"] if self.graphs else []) + (
+            ["the roles' shares as on a GPU (nothing enforces them on the CPU)"] if self.device == "cpu" else [])
+        head = (f"Target {self.target} ({self.family}), method {self.method}, {self.dtype}; "
+                f"{'GPU' if self.device == 'cuda' else 'RAM'} {self.memory_bytes / GIB:.1f} GiB ({self.memory}), "
+                f"gpu_memory_utilization {self.utilization}, {self.replicas} replica(s) on it"
+                + "".join(f"; {note}" for note in notes))
         columns = ("| role | weights GiB | per slot MiB | slots | max_model_len | needs GiB | share GiB | fits | "
                    "slots that fit | longest context at these slots |")
         lines = [head, "", columns, "|---" * 10 + "|"]
@@ -125,8 +132,26 @@ def _role(role: str, weights: int, per_slot: int, need_at, slots: int, max_len: 
                     _largest(lambda n: need_at(slots, n) <= share, MIN_MODEL_LEN, limit))
 
 
-def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> CapacityPlan:
-    """The plan of a config (`plan.plan` resolves the method and the drafter as serving does)."""
+def machine_memory(device: str) -> tuple[int, str]:
+    """(bytes, where they come from) of this machine's memory for a config's model.device: a GPU's total (the server
+    is its only tenant: gpu_memory_utilization leaves the headroom), or the RAM available now (psutil's `available`,
+    what the processes already running leave, page cache counted free). InvalidArgument without the GPU it names."""
+    if torch.device(device).type == "cpu":
+        import psutil
+
+        ram = psutil.virtual_memory()
+        return ram.available, f"available now, of {ram.total / GIB:.1f} GiB: psutil"
+    if not torch.cuda.is_available():
+        raise InvalidArgument("--gpu-memory", "this machine has no GPU: give the card's memory, e.g. 80GB or 141GB")
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return props.total_memory, f"this machine's {props.name}"
+
+
+def plan_capacity(cfg: BlockspecConfig, memory_bytes: int, replicas: int = 1, device: str = "cuda",
+                  memory: str = "given") -> CapacityPlan:
+    """The plan of a config (`plan.plan` resolves the method and the drafter as serving does) on `memory_bytes`:
+    device "cuda" as on a GPU, whatever model.device says (the CUDA runner, the drafter's captured proposals); "cpu"
+    in RAM (the CPU runner), split between the roles as a GPU is, though nothing enforces it there."""
     from blockspec.common.runtime.backends import uses_cuda_runner
     from blockspec.services.drafter.proposers import verifier_needs
     from blockspec.services.engine.engine import serving_len
@@ -138,7 +163,7 @@ def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> Ca
     target = load_checkpoint(m.target_model_path, with_weights=False).config
     max_len = serving_len(target.max_position_embeddings, m.max_model_len)
     slots = cfg.server.max_batch
-    graphs = uses_cuda_runner(target, torch.device("cuda"), m.runner)  # as on a GPU, whatever model.device says
+    graphs = uses_cuda_runner(target, torch.device(device), m.runner)
     dflash_cfg, drafter_weights, drafter_shape = None, 0, None
     if p.method == "dflash":
         from blockspec.services.drafter.dflash.config import DFlashConfig
@@ -163,9 +188,9 @@ def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> Ca
 
     per_slot = sum(slot_bytes(target, max_len, dtype, len(taps)).values())
     roles = [_role("verifier", weights, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,
-                   int(gpu_bytes * verifier_fraction), verifier_fraction)]
+                   int(memory_bytes * verifier_fraction), verifier_fraction)]
     if drafter_shape is not None:
-        captured = p.method == "dflash"  # on a GPU its proposals are captured: a spare slot
+        captured = p.method == "dflash" and device == "cuda"  # on a GPU its proposals are captured: a spare slot
 
         def drafter_need(s: int, n: int) -> int:
             return drafter_bytes(drafter_weights, *drafter_shape, s, n, dtype, captured)
@@ -173,7 +198,7 @@ def plan_capacity(cfg: BlockspecConfig, gpu_bytes: int, replicas: int = 1) -> Ca
         per_slot = SlotKVCache.nbytes(drafter_shape[0], 1, drafter_shape[1], max_len, drafter_shape[2], dtype)
         roles.append(_role("drafter", drafter_weights, per_slot, drafter_need, slots, max_len,
                            target.max_position_embeddings,
-                           int(gpu_bytes * drafter_fraction), drafter_fraction))
-    return CapacityPlan(str(m.target_model_path), target.family, p.method, m.dtype, gpu_bytes,
+                           int(memory_bytes * drafter_fraction), drafter_fraction))
+    return CapacityPlan(str(m.target_model_path), target.family, p.method, m.dtype, device, memory_bytes, memory,
                         m.gpu_memory_utilization, replicas, graphs, roles)
 

@@ -49,7 +49,7 @@ def batch_file(path: Path, prompts: list[list[int]]) -> Path:
 
 
 def run(served: dict, inp: Path, out: Path, wait: bool = True) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "batch", str(inp), str(out), "--server",
+    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", "batch", str(inp), str(out), "--http",
                              f"127.0.0.1:{served['http']}", "--max-in-flight", "4", "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if wait:
@@ -139,3 +139,28 @@ def test_a_config_serves_the_job_itself(served, prompts, tmp_path):
                            str(served["config"]), "--quiet"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert texts(by_config) == texts(by_server) and len(texts(by_config)) == 6
+
+
+def test_each_port_refuses_the_other_protocols_client_in_one_line(served, tmp_path):
+    """batch sends /v1 requests to the HTTP port (--http), generate calls the gRPC port (--server): pointed at the
+    other port each says so in one line, exit code 2, nothing written (batch at the gRPC port was an http.client
+    BadStatusLine traceback, generate at the HTTP port gRPC's UNAVAILABLE, exit 1). batch --server, the gRPC port's
+    flag everywhere else, is refused naming --http."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 2}})
+                   + "\n")
+    grpc_port, http_port = f"127.0.0.1:{served['grpc']}", f"127.0.0.1:{served['http']}"
+    for argv, message in (
+            (["batch", str(inp), str(out), "--http", grpc_port],
+             f"--http: {grpc_port} speaks gRPC, not HTTP: --http takes the server's HTTP port; the gRPC port "
+             "(server.grpc_port, default 8001) goes to --server of generate, bench and validate"),
+            (["batch", str(inp), str(out), "--server", http_port],
+             "--server: names a server's gRPC API (generate, bench, validate); batch sends /v1 requests to its HTTP "
+             "port: give --http HOST:PORT"),
+            (["generate", "hi", "--server", http_port],
+             f"--server: {http_port} speaks HTTP, not gRPC: --server takes the server's gRPC port; the HTTP port "
+             "(server.port, default 8000) goes to --http of batch and validate")):
+        done = subprocess.run([sys.executable, "-m", "blockspec.services.cli", *argv, *(["--quiet"] if argv[0] ==
+                              "batch" else [])], capture_output=True, text=True, timeout=120, check=False)
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", f"blockspec: error: {message}\n"), argv
+        assert not out.exists()

@@ -106,8 +106,46 @@ def test_27b_pairs_on_80_and_141_gb(size, reference_pairs, tmp_path, capsys):
             assert plan_capacity(cfg, 80 * 10**9).roles[0].fits == fits
 
 
-def test_without_a_gpu_the_card_must_be_named(tmp_path, capsys):
+def test_a_cpu_config_is_planned_in_the_ram_available(monkeypatch, capsys):
+    """`plan` on a CPU config (the shipped one) answers without --gpu-memory (it was exit code 2 asking for it): the
+    RAM psutil says is available, the CPU runner's count (no spare slot, no captured steps: `Verifier.static_bytes`
+    with graphs off), the GPU plan's table and JSON. Too little RAM is exit code 1 with what to lower; --gpu-memory
+    still plans as on a GPU of that size."""
+    import psutil
+
+    from blockspec.common.models.checkpoint import load_checkpoint
+    from blockspec.services.drafter.dflash.checkpoint import load_drafter
+    from blockspec.services.verifier.verifier import Verifier
+
+    config = str(ROOT / "deploy" / "config.yaml")
+    ram = {"total": 64 * GIB, "available": 48 * GIB}
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Ram", (), ram)())
+    assert main(["plan", "--config", config, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["device"], report["memory_bytes"], report["memory"], report["graphs"], report["fits"]) == (
+        "cpu", 48 * GIB, "available now, of 64.0 GiB: psutil", False, True)
+    verifier, drafter = report["roles"]
+    assert (verifier["share"], drafter["share"]) == (int(48 * GIB * 0.72), int(48 * GIB * 0.18))
+    cfg = load_config(config)
+    taps = load_drafter(cfg.model.draft_model_path).cfg.target_layer_ids
+    assert verifier["need"] == Verifier.static_bytes(load_checkpoint(cfg.model.target_model_path), verifier["slots"],
+                                                     verifier["max_len"], taps, torch.float32, False)
+    assert drafter["need"] < plan_capacity(cfg, 48 * GIB).roles[1].need  # a GPU's captured drafter: a spare slot
+    assert main(["plan", "--config", config]) == 0
+    table = capsys.readouterr().out
+    assert "; RAM 48.0 GiB (available now, of 64.0 GiB: psutil), gpu_memory_utilization 0.9" in table
+    assert "| verifier | " in table and "Every role fits." in table
+
+    ram["available"] = 2**28  # 256 MiB: the verifier's 16 slots do not fit its share
+    assert main(["plan", "--config", config]) == 1
+    assert "verifier: needs 0.23 GiB of its 0.18 GiB share; lower to server.max_batch" in capsys.readouterr().out
+    assert main(["plan", "--config", config, "--gpu-memory", "80GB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["device"], report["memory_bytes"], report["graphs"]) == ("cuda", 80 * 10**9, True)
+
+
+def test_a_gpu_config_without_a_gpu_must_name_the_card(reference_pairs, tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: plan reads its memory")
-    assert main(["plan", "--config", str(ROOT / "deploy" / "config.yaml")]) == 2
-    assert "--gpu-memory" in capsys.readouterr().err
+    assert main(["plan", "--config", str(write_config(tmp_path, *reference_pairs["27b"]))]) == 2
+    assert "--gpu-memory: this machine has no GPU" in capsys.readouterr().err

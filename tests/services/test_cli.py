@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import socket
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -263,3 +267,58 @@ def test_a_role_refuses_a_method_without_its_drafter_and_an_address_it_cannot_bi
                            "--method", "none", "--host", "192.0.2.1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("blockspec: error: "), proc.stderr
     assert "cannot bind 192.0.2.1:0 (Cannot assign requested address)" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def ports():
+    """A port that speaks HTTP/1.1 (as the server's /health, /metrics and /v1 port), one that speaks gRPC (HTTP/2, as
+    its API's port, with no service) and one where nothing listens."""
+    import grpc
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:  # quiet: the test reads stderr
+            pass
+
+    class Web(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address) -> None:  # gRPC's preface, the probe's closed socket
+            pass
+
+    web = Web(("127.0.0.1", 0), Health)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    api = grpc.server(ThreadPoolExecutor(1))
+    grpc_port = api.add_insecure_port("127.0.0.1:0")
+    api.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    yield {"http": f"127.0.0.1:{web.server_port}", "grpc": f"127.0.0.1:{grpc_port}", "closed": f"127.0.0.1:{closed}"}
+    web.shutdown()
+    api.stop(None)
+
+
+def test_the_other_protocols_port_is_refused_in_one_line_naming_the_flag(capsys, ports, tmp_path):
+    """--server takes the gRPC port everywhere, --http the HTTP port: given the other one, each command says so in one
+    line, exit code 2 (generate and bench said UNAVAILABLE with gRPC's parse error, exit 1; validate --http at the gRPC
+    port was an http.client BadStatusLine traceback). A port where nothing listens is still gRPC's error, exit 1."""
+    from blockspec.services.cli.ports import GRPC, HTTP, speaks
+
+    assert (speaks(ports["http"]), speaks(ports["grpc"]), speaks(ports["closed"])) == (HTTP, GRPC, None)
+    (tmp_path / "p.txt").write_text("def f(x):\n")
+    at_http = (f"--server: {ports['http']} speaks HTTP, not gRPC: --server takes the server's gRPC port; the HTTP port "
+               "(server.port, default 8000) goes to --http of batch and validate")
+    at_grpc = (f"--http: {ports['grpc']} speaks gRPC, not HTTP: --http takes the server's HTTP port; the gRPC port "
+               "(server.grpc_port, default 8001) goes to --server of generate, bench and validate")
+    for argv, message in ((["generate", "hi", "--server", ports["http"]], at_http),
+                          (["bench", "--server", ports["http"], "--prompts-file", str(tmp_path / "p.txt"), "--out",
+                            str(tmp_path / "bench")], at_http),
+                          (["validate", "--server", ports["http"], "--prompts-file", str(tmp_path / "p.txt")], at_http),
+                          (["validate", "--server", ports["grpc"], "--http", ports["grpc"], "--prompts-file",
+                            str(tmp_path / "p.txt")], at_grpc)):
+        code, out, err = run_cli(capsys, *argv)
+        assert (code, out, err) == (2, "", f"blockspec: error: {message}\n"), argv
+    code, out, err = run_cli(capsys, "generate", "hi", "--server", ports["closed"])
+    assert code == 1 and err.startswith(f"blockspec: error: server {ports['closed']}: UNAVAILABLE: ")
