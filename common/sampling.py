@@ -56,7 +56,7 @@ def _check_finite(name: str, value: float, low: float, high: float, low_open: bo
         raise InvalidArgument(f"sampling.{name}", f"must be a number in {bound}, got {value}")
 
 
-def validate(params: SamplingParams, vocab_size: int) -> SamplingParams:
+def checked(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """Refuse what we cannot honour, naming the field; returns the params with the seed resolved."""
     _check_finite("temperature", params.temperature, 0.0, 100.0)
     if 0.0 < params.temperature < _WIRE_MIN_TEMPERATURE:  # the logits / T would overflow to NaN: say so, no silent token 0
@@ -84,7 +84,7 @@ def validate(params: SamplingParams, vocab_size: int) -> SamplingParams:
 
 
 def from_pb(pb) -> SamplingParams:
-    """blockspec.v1.SamplingParams -> SamplingParams (proto defaults mean "off"); validate afterwards."""
+    """blockspec.v1.SamplingParams -> SamplingParams (proto defaults mean "off"); check it with `checked` afterwards."""
     return SamplingParams(
         temperature=pb.temperature, top_p=pb.top_p or 1.0, top_k=pb.top_k,
         seed=pb.seed if pb.HasField("seed") else None, rule=pb.rule or DEFAULT_RULE,

@@ -12,7 +12,7 @@ from blockspec.common.argtypes import address, bounded
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.runtime.device import add_device_args
 from blockspec.common.runtime.device import resolve as resolve_device
-from blockspec.common.sampling import RULES, SamplingParams, validate
+from blockspec.common.sampling import RULES, SamplingParams, checked
 from blockspec.services.cli.args import (
     UINT32,
     UINT64,
@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rounds = _int_list("--rounds", str(args.rounds))[0]
     waves = _int_list("--waves", str(args.waves))[0]
     try:
-        sampling = validate(SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        sampling = checked(SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                            seed=args.seed, rule=args.rule), UINT32)
     except InvalidArgument as e:  # sampling.X is --X
         raise InvalidArgument(as_flag(e.field), e.message) from None

@@ -13,7 +13,7 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.runner import Runner
 from blockspec.common.runtime.threads import ThreadGovernor
-from blockspec.common.sampling import GREEDY, SamplingParams, validate
+from blockspec.common.sampling import GREEDY, SamplingParams, checked
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
 from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
@@ -135,7 +135,7 @@ class Engine:
         max_k = self.proposer.max_k
         k = (min(DEFAULT_K, max_k) if max_k else 0) if k is None else k
         validate_request(prompt_ids, max_tokens, k, context_len=self.context_len, max_k=max_k)
-        sampling = validate(sampling, self.verifier.runner.config.vocab_size)
+        sampling = checked(sampling, self.verifier.runner.config.vocab_size)
         return Request(request_id, tuple(prompt_ids), max_tokens, k, sampling)
 
     def encode(self, prompt: str) -> list[int]:

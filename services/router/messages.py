@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.sampling import from_pb, validate
+from blockspec.common.sampling import checked, from_pb
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION
 from blockspec.protos import api_pb2
 from blockspec.services.router.step_loop import FinishEvent, Request
@@ -97,7 +97,7 @@ def to_request(msg: api_pb2.GenerateRequest, facts: ModelFacts) -> Request:
         bad = [t for t in ids if t >= facts.vocab_size]
         if bad:
             raise InvalidArgument("token_ids", f"id {bad[0]} is outside the vocabulary of {facts.vocab_size}")
-    sampling = validate(from_pb(msg.sampling), facts.vocab_size)
+    sampling = checked(from_pb(msg.sampling), facts.vocab_size)
     validate_stops(msg.stop)
     k = msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else (facts.default_k if facts.max_k else 0)
     # Unset: the rest of the context (as vLLM's); a prompt that fills it is refused below, naming the prompt.

@@ -200,7 +200,7 @@ def _messages(req: ChatRequest, message: api_pb2.GenerateRequest) -> None:
 
 
 def _sampling(req: OpenAIRequest, sp: api_pb2.SamplingParams) -> None:
-    """Ranges (NaN and inf too) are the router's to check (common/sampling.validate): its error names the field."""
+    """Ranges (NaN and inf too) are the router's to check (common/sampling.checked): its error names the field."""
     sp.temperature = 1.0 if req.temperature is None else req.temperature
     sp.top_p = 1.0 if req.top_p is None else req.top_p
     sp.top_k = 0 if req.top_k in (None, -1) else _unsigned("top_k", req.top_k)

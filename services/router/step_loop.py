@@ -39,7 +39,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     k: int  # draft tokens per step; 0 = plain decoding
-    sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.validate)
+    sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.checked)
     span_context: tracing.SpanContext | None = None  # the request's span: step spans link to it
 
 

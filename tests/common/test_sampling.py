@@ -26,7 +26,7 @@ from blockspec.common.runtime.distributions import (
     sample,
     uniforms,
 )
-from blockspec.common.sampling import GREEDY, SamplingParams, validate
+from blockspec.common.sampling import GREEDY, SamplingParams, checked
 from blockspec.services.verifier.acceptance import rejection_accept, strict_accept
 
 
@@ -284,13 +284,13 @@ def test_top_k_and_top_p_as_a_floor_keep_what_the_sorted_warp_keeps():
 ])
 def test_validation_names_the_field(kwargs, field):
     with pytest.raises(InvalidArgument) as e:
-        validate(SamplingParams(**kwargs), vocab_size=320)
+        checked(SamplingParams(**kwargs), vocab_size=320)
     assert str(e.value).startswith(field)
 
 
 def test_validation_resolves_a_seed_when_sampling():
-    assert validate(SamplingParams(temperature=1.0), 10).seed is not None
-    assert validate(SamplingParams(), 10).seed is None
+    assert checked(SamplingParams(temperature=1.0), 10).seed is not None
+    assert checked(SamplingParams(), 10).seed is None
 
 
 def _rule_output_distribution(p: torch.Tensor, q: torch.Tensor, k: int, n: int, rule) -> torch.Tensor:
