@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from blockspec.services.training.tiny import build_tiny_checkpoint, tiny_tokenizer
+from tests.helpers import DRAFT_VOCAB_SIZE, hf_greedy
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 PROMPT_LENGTHS = (1, 3, 7, 16, 33, 64, 100, 150)  # tokens; 8 prompts of different lengths
-NEW_TOKENS = 128
-DRAFT_VOCAB_SIZE = 128  # of the tiny vocabulary's 320 tokens
 
 # Tiny models run fastest on one thread, and CI's second core may be busy.
 torch.set_num_threads(1)
@@ -62,17 +61,6 @@ def prompts(tokenizer) -> list[list[int]]:
     text = (Path(sysconfig.get_paths()["stdlib"]) / "shlex.py").read_text(encoding="utf-8")
     ids = tokenizer.encode(text)
     return [ids[200 * i : 200 * i + n] for i, n in enumerate(PROMPT_LENGTHS)]
-
-
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS, **settings) -> list[int]:
-    """The oracle: transformers `generate(do_sample=False)` of the model alone (with `settings` such as
-    repetition_penalty); generated ids only."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, **settings)
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="session")

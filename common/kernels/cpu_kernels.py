@@ -3,8 +3,8 @@ the decoder's other operations in C++ (`cpu_shared.cpp`, `cpu_kernels.cpp`).
 
 Decoding is a matrix-vector product per layer and a verify step a product with k + 1 rows: memory-bound shapes
 where MKL's fp32 product reads the weights several times slower than a plain copy of them. The kernel streams each
-weight once and stays ahead of MKL up to 256 rows on the default target's shapes (`tests/common/test_cpu_kernels.py`
-checks its results; docs/performance.md says how to measure it).
+weight once and stays ahead of MKL up to 256 rows on the default target's shapes
+(`tests/common/kernels/test_cpu_kernels.py` checks its results; docs/performance.md says how to measure it).
 
 * Layout: each weight is copied once, packed in panels of 64 output features ([O / 64, I, 64]), so the kernel
   streams a panel contiguously and computes it for every row of x while it sits in cache (8 rows at a time over the

@@ -18,7 +18,7 @@ Two torch custom operators, so that a captured or compiled step sees each as one
 
 Elsewhere (the CPU) each operator is its torch reference: F.linear, and SDPA over the gathered slots with a causal
 mask. `triton_kernels.py` and `triton_deltanet.py` hold the kernels; `TRITON_INTERPRET=1` runs them on CPU tensors
-(tests/common/test_cuda_runner.py).
+(tests/common/runtime/test_cuda_runner.py).
 """
 
 from __future__ import annotations

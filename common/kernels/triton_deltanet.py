@@ -1,6 +1,6 @@
 """The Triton kernels of a Gated DeltaNet layer behind `gpu_kernels`' operators on CUDA, and their launchers: the causal
 convolution, the gates and the delta-rule recurrence. Triton is imported on first use; `TRITON_INTERPRET=1` runs them
-on CPU tensors (tests/common/test_cuda_runner.py)."""
+on CPU tensors (tests/common/runtime/test_cuda_runner.py)."""
 
 from __future__ import annotations
 

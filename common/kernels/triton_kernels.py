@@ -1,7 +1,7 @@
 """The Triton kernels behind `gpu_kernels`' operators on CUDA, and their launchers: products (a GEMM with tiles and split
 of K fixed by the weight's shape and the device, the experts' grouped GEMM), attention over the cache with a fixed key
 split, per-row norms and rotary (a Gated DeltaNet's kernels: `triton_deltanet.py`). Triton is imported on first use: the
-CPU path never needs it. `TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/test_cuda_runner.py).
+CPU path never needs it. `TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/runtime/test_cuda_runner.py).
 """
 
 from __future__ import annotations

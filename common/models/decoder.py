@@ -19,7 +19,7 @@ from blockspec.common.models.model_config import ModelConfig
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same arithmetic as transformers: normalise in fp32, scale in the model dtype. In fp32 on the CPU one C++
     # call (cpu_kernels.rms_norm); elsewhere torch's rms_norm, the same bits as transformers' six operations
-    # (both checked in tests/common/test_cpu_kernels.py).
+    # (both checked in tests/common/kernels/test_cpu_kernels.py).
     if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
         y = cpu_kernels.rms_norm(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps) if y is None else y

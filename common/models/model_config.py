@@ -27,7 +27,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # What transformers 5 takes for a key the config leaves out, per family: its config classes' field defaults (and
 # their __post_init__: Qwen3.5's and Qwen3-Next's partial_rotary_factor and full_attention_interval). None: derived
 # from other keys, as transformers derives it (key/value heads = attention heads; head_dim = hidden / heads).
-# tests/common/test_conformance.py compares every entry with the installed transformers' classes.
+# tests/common/models/test_conformance.py compares every entry with the installed transformers' classes.
 _SHARED = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
            "max_position_embeddings": 32768, "head_dim": None}  # (Qwen2 has no attention_bias: see READ_KEYS)
 _MOE = {"decoder_sparse_step": 1, "mlp_only_layers": None}
@@ -56,7 +56,7 @@ DEFAULTS: dict[str, dict[str, object]] = {
                          "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256},
 }
 DEFAULTS["qwen3_5"], DEFAULTS["qwen3_5_moe"] = DEFAULTS["qwen3_5_text"], DEFAULTS["qwen3_5_moe_text"]
-# The transformers class each model_type's text config is (tests/common/test_conformance.py reads its defaults).
+# The transformers class each model_type's text config is (tests/common/models/test_conformance.py reads its defaults).
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
                   "qwen3_next": "Qwen3NextConfig", "qwen3_5_text": "Qwen3_5TextConfig", "qwen3_5": "Qwen3_5TextConfig",
                   "qwen3_5_moe_text": "Qwen3_5MoeTextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}

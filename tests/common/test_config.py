@@ -6,23 +6,7 @@ import pytest
 
 from blockspec.common.config import load_config, parse_config
 from blockspec.common.errors import InvalidArgument
-
-SEED = """
-server:
-  port: 8000
-  workers: 1
-model:
-  target_model_path: "/data/models/target_model"
-  draft_model_path: "/data/models/draft_model"
-  spec_decode:
-    enabled: true
-    num_speculative_tokens: 5
-    draft_model_dtype: "float16"
-    use_dynamic_conv: true
-    use_path_selector: true
-  tensor_parallel_size: 1
-  gpu_memory_utilization: 0.9
-"""
+from tests.helpers import SEED
 
 
 def test_the_operators_config_loads_with_our_defaults(tmp_path):

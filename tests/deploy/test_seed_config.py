@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockspec.protos import api_pb2
-from tests.services.test_serve import http_status, spawn_serve, stop_serve, wait_for
+from tests.helpers import http_status, spawn_serve, stop_serve, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not (ROOT / "models" / "base" / "card.json").is_file(),

@@ -20,7 +20,7 @@ from blockspec.services.drafter.dflash.cpu_block import ENV_BF16, CpuDrafter
 from blockspec.services.drafter.dflash.model import DFlashDrafter, DrafterContext
 from blockspec.services.engine.engine import Engine
 from blockspec.services.training.tiny import build_tiny_drafter
-from tests.services.test_sampling import with_sampling_top_k
+from tests.helpers import with_sampling_top_k
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="the CPU kernels could not be built here")
 

@@ -17,7 +17,7 @@ from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
 from blockspec.services.drafter.dflash.config import DFlashConfig
 from blockspec.services.training.tiny import build_family, build_tiny_drafter
-from tests.common.test_conformance import base
+from tests.helpers import base_config
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5")
 
@@ -51,7 +51,7 @@ def stored_taps(runner, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_layer_id_is_tapped_as_the_reference_reads_it(family, tokenizer, prompts, tmp_path):
-    config = base(family, len(tokenizer))
+    config = base_config(family, len(tokenizer))
     path = build_family(tmp_path / family, family, config, tokenizer=tokenizer, weight_scale=3.0)
     layers = config["num_hidden_layers"]
     layer_ids = tuple(range(layers))

@@ -18,7 +18,7 @@ from blockspec.common.wire.auth import ENV_API_KEY, ApiKeys, client_channel
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.http import Ready, start_http
-from tests.services.router.test_server import RouterThread, collect
+from tests.helpers import RouterThread, collect
 
 KEY = "k" * 24
 KEYS = ApiKeys({KEY: "team-a"})

@@ -66,11 +66,11 @@ def test_a_drained_replica_finishes_its_stream_and_takes_no_new_one(tiny_models,
 
     from blockspec.protos import api_pb2
     from blockspec.services.engine.engine import Engine
-    from tests.services.router.test_server import RouterThread, _slow_steps, collect
+    from tests.helpers import RouterThread, collect, slow_steps
 
     def engine():
         e = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
-        _slow_steps(0.05)(e)
+        slow_steps(0.05)(e)
         return e
 
     r = RouterThread(engine(), replicas=(engine(),))
@@ -105,7 +105,7 @@ def test_a_replica_whose_step_found_a_role_gone_takes_no_new_request(tiny_models
     from blockspec.protos import api_pb2
     from blockspec.services.engine.engine import Engine
     from blockspec.services.router import scheduler as scheduler_module
-    from tests.services.router.test_server import RouterThread, collect
+    from tests.helpers import RouterThread, collect
 
     def engine():
         return Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)

@@ -20,7 +20,7 @@ import pytest
 
 from blockspec.services.router import openai_http
 from blockspec.services.router.http import BACKLOG, MAX_HEAD_BYTES, Ready, start_http
-from tests.services.router.test_openai import Served
+from tests.helpers import Served
 
 
 @pytest.fixture

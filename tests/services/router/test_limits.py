@@ -17,7 +17,7 @@ from blockspec.common.wire.auth import ApiKeys, client_channel
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.limits import OverLimit, TenantLimits
-from tests.services.router.test_server import RouterThread, collect
+from tests.helpers import RouterThread, collect
 
 
 class Clock:
@@ -151,10 +151,10 @@ def test_a_cancelled_stream_gives_its_unused_tokens_back(limited, prompts):
 def test_a_client_gone_while_its_submit_waits_gets_its_tokens_back(tiny_models, prompts):
     """The deadline passes while the submit waits for the step in flight: the request never ran, and its max_tokens
     go back to the tenant as a cancelled stream's unused tokens do."""
-    from tests.services.router.test_server import _slow_steps
+    from tests.helpers import slow_steps
 
     engine = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
-    _slow_steps(2.0)(engine)  # the deadline (0.8 s) passes while a step is in flight, after the submit began
+    slow_steps(2.0)(engine)  # the deadline (0.8 s) passes while a step is in flight, after the submit began
     limits, refunds = TenantLimits(RateLimits(tokens_per_day=100_000)), []
     refund = limits.refund
     limits.refund = lambda tenant, tokens: (refunds.append(tokens), refund(tenant, tokens))

@@ -16,39 +16,10 @@ from blockspec.common.config import RateLimits
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
 from blockspec.common.wire.auth import ApiKeys
 from blockspec.services.engine.engine import Engine
-from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.limits import TenantLimits
-from blockspec.services.router.openai_http import Upstream, V1App
-from tests.services.router.test_server import RouterThread
+from tests.helpers import SERVED_KEY, Served
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
-
-KEY = "o" * 24
-
-
-class Served:
-    """A router on a free port with the HTTP server in front, as `serve` runs them."""
-
-    def __init__(self, engine: Engine, **router_kwargs) -> None:
-        self.router = RouterThread(engine, **router_kwargs)
-        keys = router_kwargs.get("api_keys")
-        self.http = start_http("127.0.0.1", 0, lambda: Ready(True, "ok\n"), keys,
-                               V1App(Upstream(lambda: f"127.0.0.1:{self.router.router.port}")))
-        self.port = self.http.server_port
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.router.close()
-
-    def raw(self, method: str, path: str, body: bytes | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        result = response.status, response.headers, response.read()  # headers: case-insensitive
-        conn.close()
-        return result
-
 
 @pytest.fixture(scope="module")
 def served(tiny_models):
@@ -199,7 +170,7 @@ def test_x_request_id_names_the_request_and_a_live_one_is_409(served, model_id, 
 
 
 def test_keys_and_rate_limits_answer_as_on_grpc(tiny_models, prompts):
-    keys = ApiKeys({KEY: "team-a"})
+    keys = ApiKeys({SERVED_KEY: "team-a"})
     limits = TenantLimits(RateLimits(requests_per_minute=1, tenants={"team-a": RateLimits(requests_per_minute=1)}))
     s = Served(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2), api_keys=keys, limits=limits)
     try:
@@ -223,7 +194,7 @@ def test_chat_completions_are_the_target_alones_reply_to_the_rendered_conversati
     opening the assistant's turn, then content deltas, then the finish) and whole; errors name the parameter."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import hf_greedy
+    from tests.helpers import hf_greedy
 
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]}]

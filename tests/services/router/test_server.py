@@ -3,7 +3,6 @@ INVALID_ARGUMENT naming the field, cancellation frees the slots, health and refl
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -14,35 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from blockspec.common.config import DEFAULT_K
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
-from blockspec.protos import api_grpc, api_pb2
+from blockspec.protos import api_pb2
 from blockspec.services.engine.engine import Engine
-from blockspec.services.router.app import start_router
+from tests.helpers import RouterThread, collect, poll_until, slow_steps
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
-
-
-class RouterThread:
-    """A router on a free port, its asyncio loop in a background thread."""
-
-    def __init__(self, engine: Engine, metrics: RouterMetrics | None = None, api_keys=None, limits=None,
-                 replicas: tuple[Engine, ...] = (), tls=None) -> None:
-        """replicas: more engines, each one more replica of the router (facts from the first); tls: a ServerTls."""
-        self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.router = asyncio.run_coroutine_threadsafe(
-            start_router([engine.loop, *(e.loop for e in replicas)], engine.facts(), metrics=metrics,
-                         api_keys=api_keys, limits=limits, tls=tls),
-            self.loop).result(60)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.router.port}")
-        self.stub = api_grpc.GenerationStub(self.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.router.stop(0), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +26,6 @@ def router(tiny_models):
     r = RouterThread(engine)
     yield r
     r.close()
-
-
-def collect(stream) -> tuple[list[int], str, api_pb2.Finish]:
-    ids, text, finish = [], "", None
-    for msg in stream:
-        ids += msg.token_ids
-        text += msg.text
-        if msg.HasField("finish"):
-            finish = msg.finish
-    return ids, text, finish
 
 
 def test_concurrent_streams_equal_the_target_alone(router, prompts, references, tokenizer):
@@ -147,7 +112,7 @@ def test_cancelled_streams_leave_no_slot_behind(router, prompts):
     with pytest.raises(grpc.RpcError):
         list(deadline_call)
     # Cancellation is processed between steps.
-    assert _wait(lambda: (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free)
+    assert poll_until(lambda: (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free)
     assert router.engine.loop.idle
 
 
@@ -269,7 +234,7 @@ def test_a_stop_sequence_whose_release_fails_still_ends_its_stream_cleanly(tiny_
         _, text, finish = collect(r.stub.Generate(req, timeout=60))
         ids, _, after = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1]),
                                                                         max_tokens=16), timeout=60))
-        drafter_freed = _wait(lambda: r.engine.loop.idle and r.engine.proposer.runner.cache.free_slots == drafter_slots)
+        drafter_freed = poll_until(lambda: r.engine.loop.idle and r.engine.proposer.runner.cache.free_slots == drafter_slots)
     finally:
         r.close()
     assert finish.reason == "stop_sequence" and text == full[: full.find(stop)]
@@ -277,23 +242,10 @@ def test_a_stop_sequence_whose_release_fails_still_ends_its_stream_cleanly(tiny_
     assert drafter_freed  # the verifier's release failed; the drafter's ran all the same
 
 
-def _slow_steps(seconds: float):
-    """wrap for _router_with: every proposal takes `seconds` (a step in flight the event loop can act during)."""
-    def wrap(engine):
-        propose = engine.loop.drafter.propose
-
-        def slow(inputs):
-            time.sleep(seconds)
-            return propose(inputs)
-
-        engine.loop.drafter.propose = slow
-    return wrap
-
-
 def test_a_request_id_is_free_again_once_its_stream_ended(tiny_models, prompts, references):
     """A client that cancels and at once sends another request under the same request_id gets only that request's
     tokens: the cancelled one runs on until its cancel's turn between steps, and its events are not the new one's."""
-    r = _router_with(tiny_models, _slow_steps(0.2))
+    r = _router_with(tiny_models, slow_steps(0.2))
     try:
         first = r.stub.Generate(api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[0]),
                                                         max_tokens=64, num_speculative_tokens=4), timeout=60)
@@ -302,7 +254,7 @@ def test_a_request_id_is_free_again_once_its_stream_ended(tiny_models, prompts, 
         again = api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[1]), max_tokens=16,
                                         num_speculative_tokens=4)
         ids, _, finish = collect(r.stub.Generate(again, timeout=60))
-        idle = _wait(lambda: r.engine.loop.idle)
+        idle = poll_until(lambda: r.engine.loop.idle)
     finally:
         r.close()
     assert ids == references["qwen3"][1][:16] and finish.reason == "length" and finish.usage.completion_tokens == 16
@@ -316,8 +268,8 @@ def test_a_live_request_id_is_refused_on_every_replica(tiny_models, prompts):
         return Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
 
     first, second = engine(), engine()
-    _slow_steps(0.2)(first)
-    _slow_steps(0.2)(second)
+    slow_steps(0.2)(first)
+    slow_steps(0.2)(second)
     r = RouterThread(first, replicas=(second,))
     try:
         request = api_pb2.GenerateRequest(request_id="dup", token_ids=api_pb2.TokenIds(ids=prompts[0]), max_tokens=8,
@@ -338,7 +290,7 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
     A's end must not free B's id: C under the same id is refused, whichever replica it would land on."""
     def engine():
         e = Engine(tiny_models["qwen3"]["target"], tiny_models["qwen3"]["other"], "draft_model", max_batch=2)
-        _slow_steps(0.5)(e)
+        slow_steps(0.5)(e)
         return e
 
     engines = [engine(), engine()]
@@ -353,7 +305,7 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
         next(b)  # B runs
         # A's end: its cancel has waited out the step in flight once only B is left in the engines (however long a
         # step takes on a loaded machine), then the event loop ends A's stream.
-        assert _wait(lambda: sum(e.loop.num_running + e.loop.num_waiting for e in engines) == 1, 60)
+        assert poll_until(lambda: sum(e.loop.num_running + e.loop.num_waiting for e in engines) == 1, 60)
         time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as e:
             collect(r.stub.Generate(request, timeout=60))
@@ -366,7 +318,7 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
 def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models, prompts, references):
     """The deadline passes while the submit waits for the step in flight: the request is cancelled as soon as it
     joins (it does not run to max_tokens with nobody listening), and its request_id can be sent again at once."""
-    r = _router_with(tiny_models, _slow_steps(2.0))  # the deadline (0.8 s) passes while a step is in flight
+    r = _router_with(tiny_models, slow_steps(2.0))  # the deadline (0.8 s) passes while a step is in flight
     drafter = r.engine.loop.drafter
     free = r.engine.verifier.free_slots
     try:
@@ -380,19 +332,11 @@ def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models,
         del drafter.propose  # the class's own again: the rest at full speed
         ids, _, finish = collect(r.stub.Generate(late, timeout=60))  # not ALREADY_EXISTS
         collect(busy)
-        idle = _wait(lambda: r.engine.loop.idle and r.engine.verifier.free_slots == free)
+        idle = poll_until(lambda: r.engine.loop.idle and r.engine.verifier.free_slots == free)
     finally:
         r.close()
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert ids == references["qwen3"][2][:16] and finish.reason == "length" and idle
-
-
-def _wait(condition, seconds: float = 10.0) -> bool:
-    """condition() once it holds, polled (the step thread acts between steps), or its last value."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 def test_a_chat_prompt_is_the_targets_chat_template_rendered(chat_target, tiny_models):
@@ -400,7 +344,7 @@ def test_a_chat_prompt_is_the_targets_chat_template_rendered(chat_target, tiny_m
     that prompt. Without a template, or with messages the template refuses, INVALID_ARGUMENT naming the field."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import hf_greedy
+    from tests.helpers import hf_greedy
 
     messages = [("system", "be brief"), ("user", "def add(a, b):")]
     tok = AutoTokenizer.from_pretrained(str(chat_target))
@@ -432,7 +376,7 @@ def test_chat_template_kwargs_reach_the_template(chat_target, tiny_models):
     not, and are refused naming the variable."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import hf_greedy
+    from tests.helpers import hf_greedy
 
     tok = AutoTokenizer.from_pretrained(str(chat_target))
     messages = [{"role": "user", "content": "def add(a, b):"}]

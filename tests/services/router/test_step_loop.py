@@ -8,7 +8,7 @@ import pytest
 
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent, Load, TokenEvent
-from tests.conftest import NEW_TOKENS
+from tests.helpers import NEW_TOKENS
 
 
 def test_requests_join_between_steps_and_stay_exact(tiny_models, prompts, references):
@@ -133,7 +133,7 @@ def test_prompt_lookup_drafts_repeats_and_asks_the_drafter_for_the_rest(tiny_mod
 
 def test_step_spans_only_while_a_tracer_provider_is_set(tiny_models, prompts, monkeypatch):
     """No provider set (no OTLP endpoint): spans would be no-ops, and the loop makes none. Once one is set, every
-    step gets its span with the step's figures (the served path: tests/services/test_observability.py)."""
+    step gets its span with the step's figures (the served path: tests/services/serving/test_observability.py)."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from blockspec.services.cli.main import main
-from tests.conftest import hf_greedy
+from tests.helpers import hf_greedy
 
 
 def test_build_default_tiny_end_to_end(tiny_pair, capsys, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from tests.conftest import hf_greedy
+from tests.helpers import hf_greedy
 
 PAIR = Path(__file__).resolve().parents[3] / "models" / "base"
 pytestmark = pytest.mark.skipif(not (PAIR / "card.json").is_file(), reason="models/base is not built (build-default)")

@@ -16,7 +16,7 @@ from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.engine.engine import Engine
 from blockspec.services.training.tiny import build_tiny_drafter, build_tiny_family
-from tests.conftest import hf_greedy
+from tests.helpers import hf_greedy
 
 NEW = 48  # tokens generated per prompt
 LAYOUTS = ("text", "multimodal")
@@ -195,11 +195,11 @@ def peaked_hybrid(tmp_path_factory, tokenizer):
     pytest.param("ngram", "strict", marks=pytest.mark.slow)])
 def test_sampled_sequences_of_a_hybrid_follow_its_distribution(peaked_hybrid, hybrid_drafter, tokenizer, method, rule):
     """Sampled 3-token continuations against transformers' exact distribution (chi-square, as
-    tests/services/test_sampling.py; 4,000 here, the hybrid's steps being slower). The prompt repeats a prefix after
-    the target's own greedy continuation of it, so n-gram drafts are often accepted and often not: the states roll
-    back both ways."""
+    tests/services/engine/test_sampling.py; 4,000 here, the hybrid's steps being slower). The prompt repeats a prefix
+    after the target's own greedy continuation of it, so n-gram drafts are often accepted and often not: the states
+    roll back both ways."""
     from blockspec.common.sampling import SamplingParams
-    from tests.services.test_sampling import P_FAIL, chi_square_p, exact_cells, sample_sequences
+    from tests.helpers import P_FAIL, chi_square_p, exact_cells, sample_sequences
 
     n = 4000
     prefix = tokenizer.encode("    def wrap(self, text):\n")
@@ -265,7 +265,7 @@ def test_the_reported_checkpoints_decode_as_transformers_generate(family, layout
 
     from blockspec.services.training.tiny import build_family
 
-    shipped = Path(__file__).resolve().parents[2] / "models" / "base"
+    shipped = Path(__file__).resolve().parents[3] / "models" / "base"
     tokenizer = AutoTokenizer.from_pretrained(shipped / "target")
     path = build_family(tmp_path / "target", family, reported_config(family, len(tokenizer)), layout,
                         tokenizer=tokenizer, weight_scale=3.0)

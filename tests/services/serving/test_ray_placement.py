@@ -14,15 +14,7 @@ import psutil
 import pytest
 
 from blockspec.protos import api_pb2
-from tests.services.test_serve import (
-    CONFIG,
-    drafted_once_back,
-    generate,
-    http_status,
-    spawn_serve,
-    stop_serve,
-    wait_for,
-)
+from tests.helpers import CONFIG, drafted_once_back, generate, http_status, spawn_serve, stop_serve, wait_for
 
 pytestmark = pytest.mark.e2e
 

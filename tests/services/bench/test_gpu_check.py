@@ -71,7 +71,7 @@ def test_gpu_check_script_puts_the_checkout_on_the_path_where_blockspec_is_not_i
     env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": sysconfig.get_paths()["purelib"], "DEVICE": "cpu",
            "SIZES": "tiny", "OUT": str(tmp_path / "out")}
     assert subprocess.run([python, "-c", "import blockspec"], env=env, capture_output=True).returncode != 0
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(["bash", "deploy/gpu_check.sh"], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| tiny |" in done.stdout and json.loads((tmp_path / "out" / "gpu_check.json").read_text())[0]["size"] == "tiny"
@@ -93,7 +93,7 @@ def test_gpu_check_runs_where_the_serving_packages_are_not_installed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(blocker), "PYTHON": sys.executable, "DEVICE": "cpu", "SIZES": "tiny",
            "PEER": "0", "OUT": str(tmp_path / "out")}
     assert subprocess.run([sys.executable, "-c", "import pydantic"], env=env, capture_output=True).returncode != 0
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(["bash", "deploy/gpu_check.sh"], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Failed" not in done.stdout, (done.stdout + done.stderr)[-2000:]
     assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())[0]["exact"]["spec-1"] > 0

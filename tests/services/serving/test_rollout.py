@@ -16,8 +16,7 @@ import pytest
 
 from blockspec.protos import api_pb2
 from blockspec.services.cli.main import main
-from tests.conftest import hf_greedy
-from tests.services.test_serve import CONFIG, role_pids, spawn_serve, stop_serve, wait_for
+from tests.helpers import CONFIG, hf_greedy, role_pids, spawn_serve, stop_serve, wait_for
 
 KEY = "k" * 32
 NEW_TOKENS = 24

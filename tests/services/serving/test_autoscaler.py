@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.test_serve import CONFIG, generate, metric, role_pids, spawn_serve, stop_serve, wait_for
+from tests.helpers import CONFIG, generate, metric, role_pids, spawn_serve, stop_serve, wait_for
 
 
 def gauge(port: int, name: str, labels: str = "") -> float | None:

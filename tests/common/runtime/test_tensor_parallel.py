@@ -19,7 +19,7 @@ import torch
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.tensor_parallel import shard_config, unsupported
 from blockspec.protos import api_pb2
-from tests.services.test_serve import CONFIG, spawn_serve, stop_serve, wait_for
+from tests.helpers import CONFIG, spawn_serve, stop_serve, wait_for
 
 NEW = 24
 # One process per run: the calling process leads the ranks (torch.distributed's group is per process).

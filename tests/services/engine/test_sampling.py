@@ -12,85 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from blockspec.common.sampling import SamplingParams
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from tests.conftest import hf_greedy
-
-SAMPLES = 10_000  # sequences per check: the rule that skips the p/q test still reads p far below P_FAIL
-# A correct sampler fails one check with probability P_FAIL (chi-square p-value below it). The runs are
-# seeded, so on one machine the outcome is fixed; but the tiny pair is trained where the tests run, and another
-# CPU type trains another pair: a new draw. At 1e-3 the default run's 6 checks would fail a correct sampler on 0.6%
-# of machine types; at 1e-6 almost never, while a rule that skips the p/q test still reads p = 0.0 (below).
-P_FAIL = 1e-6
-MIN_EXPECTED = 5  # cells expected less often are merged into one "rest" cell (the chi-square rule of thumb)
-
-
-def hf_probs(model, prefixes: list[list[int]], params: SamplingParams) -> torch.Tensor:
-    """p of the next token after each prefix [n, V], from transformers' own logits warpers (not ours)."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
-    if params.top_k:
-        warpers.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(params.top_p))
-    ids = torch.tensor(prefixes)
-    with torch.no_grad():
-        logits = model(ids).logits[:, -1].double()
-    return warpers(ids, logits).softmax(-1)
-
-
-def exact_cells(target: Path, prompt: list[int], params: SamplingParams, depth: int, n: int) -> dict[tuple, float]:
-    """P(t1..t_depth) for every sequence expected at least MIN_EXPECTED times in n samples.
-
-    A prefix less likely than that cannot hold such a cell, so only likelier prefixes are expanded."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    floor = MIN_EXPECTED / n
-    level = {(): 1.0}
-    for _ in range(depth):
-        prefixes = list(level)
-        probs = torch.cat([hf_probs(model, [prompt + list(p) for p in prefixes[i : i + 256]], params)
-                           for i in range(0, len(prefixes), 256)])
-        nxt = {}
-        for prefix, row in zip(prefixes, probs):
-            mass = level[prefix] * row
-            for t in torch.nonzero(mass >= floor).flatten().tolist():
-                nxt[prefix + (t,)] = float(mass[t])
-        level = nxt
-    return level
-
-
-def chi_square_p(observed: Counter, cells: dict[tuple, float], n: int) -> float:
-    """Pearson's test of the observed sequences against the exact cells (+ one cell for all the rest)."""
-    expected = {c: n * p for c, p in cells.items()}
-    rest_expected = n - sum(expected.values())
-    stat = sum((observed.get(c, 0) - e) ** 2 / e for c, e in expected.items())
-    dof = len(expected) - 1
-    if rest_expected >= MIN_EXPECTED:
-        rest_observed = n - sum(observed.get(c, 0) for c in expected)
-        stat += (rest_observed - rest_expected) ** 2 / rest_expected
-        dof += 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def sample_sequences(engine: Engine, prompt: list[int], params: SamplingParams, depth: int, k: int | None, n: int,
-                     seed0: int = 0) -> tuple[Counter, float]:
-    """n generations of `depth` tokens (request i seeded seed0 + i) -> counts of the sequences, acceptance."""
-    from dataclasses import replace
-
-    counts, drafted, accepted = Counter(), 0, 0
-    requests = [engine.request(str(i), prompt, depth, k, replace(params, seed=seed0 + i)) for i in range(n)]
-    for event in engine.generate(requests):
-        if isinstance(event, FinishEvent):
-            counts[tuple(event.token_ids)] += 1
-            drafted, accepted = drafted + event.stats.drafted, accepted + event.stats.accepted
-    assert sum(counts.values()) == n and all(len(s) == depth for s in counts)
-    return counts, accepted / max(drafted, 1)
+from tests.helpers import P_FAIL, SAMPLES, chi_square_p, exact_cells, hf_greedy, sample_sequences, with_sampling_top_k
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +40,6 @@ def vocab_drafter(tiny_pair, tmp_path_factory):
     text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")
     draft_vocab.build(out, target.config.vocab_size, target.config.eos_token_ids, [target.tokenizer.encode(text)], 128,
                       "textwrap.py")
-    return out
-
-
-def with_sampling_top_k(drafter: Path, width: int, out: Path) -> Path:
-    """A copy of a DFlash drafter checkpoint whose sampling walks draw from `width` candidates a slot."""
-    shutil.copytree(drafter, out)
-    raw = json.loads((out / "config.json").read_text())
-    raw["dflash_config"]["sampling_top_k"] = width
-    (out / "config.json").write_text(json.dumps(raw))
     return out
 
 

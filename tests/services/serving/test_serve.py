@@ -18,63 +18,20 @@ import grpc
 import psutil
 import pytest
 
-from blockspec.protos import api_grpc, api_pb2
-from tests.common.test_config import SEED
-from tests.services.router.test_server import collect
+from blockspec.protos import api_pb2
+from tests.helpers import (
+    CONFIG,
+    config_with_a_broken_drafter,
+    drafted_once_back,
+    generate,
+    http_status,
+    role_pids,
+    spawn_serve,
+    stop_serve,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
-
-# The operators' seed config (tests/common/test_config.py) on free ports, with the models filled in.
-CONFIG = (SEED.replace('"/data/models/target_model"', '"{target}"').replace('"/data/models/draft_model"', '"{drafter}"')
-          .replace("  port: 8000\n", "  port: 0\n  grpc_port: 0\n  max_batch: 4\n"))
-
-
-def metric(text: str, name: str, labels: str = "") -> float | None:
-    """The sum of `name`'s series in Prometheus text whose labels include `labels` (`{state="ready"}`; every series
-    also carries its serving version); None where none has them."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-              if s.name == name and wanted.items() <= s.labels.items()]
-    return sum(values) if values else None
-
-
-def http_status(port: int, path: str = "/health") -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def spawn_serve(*args: str, cwd=None, env: dict | None = None, stderr=None, verbose: bool = False) -> dict:
-    """`blockspec serve ARGS` as a child process, once it serves: its proc, ports, a stub, and the
-    /health status seen while the roles were still loading. stderr: a file for the server's and its roles' logs."""
-    proc = subprocess.Popen([sys.executable, "-m", "blockspec.services.cli", *(("-v",) if verbose else ()), "serve",
-                             *args], cwd=cwd, stderr=stderr,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    info = {"proc": proc, "before": None}
-    for line in proc.stdout:
-        if line.startswith("HTTP "):
-            info["http"] = int(line.split()[1])
-            info["before"] = http_status(info["http"])  # roles still loading
-        if line.startswith("ADMIN "):
-            info["admin"] = int(line.split()[1])
-        if line.startswith("SERVING "):
-            info["grpc"] = int(line.split()[1].split("=")[1])
-            break
-    assert "grpc" in info, f"serve exited with code {proc.wait()} before serving"
-    info["channel"] = grpc.insecure_channel(f"127.0.0.1:{info['grpc']}")
-    info["stub"] = api_grpc.GenerationStub(info["channel"])
-    return info
-
-
-def stop_serve(info: dict) -> None:
-    info["channel"].close()
-    info["proc"].send_signal(signal.SIGTERM)
-    info["proc"].wait(60)
-
 
 @pytest.fixture(scope="module")
 def server(tiny_models, dflash_drafters, tmp_path_factory):
@@ -83,43 +40,6 @@ def server(tiny_models, dflash_drafters, tmp_path_factory):
     info = spawn_serve("--config", str(cfg), "--no-ray")
     yield info
     stop_serve(info)
-
-
-def generate(stub, ids, max_tokens=128, timeout=120):
-    return collect(stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=ids), max_tokens=max_tokens),
-                                 timeout=timeout))
-
-
-def wait_for(condition, seconds: float = 120.0) -> bool:
-    """Poll condition() every 0.2 s until it holds or `seconds` pass (a role start takes 4-9 s here, Ray's far
-    longer on a loaded machine: the deadline is for the worst case, a passing run returns at once)."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return bool(condition())
-
-
-def drafted_once_back(stub, ids, reference, max_tokens: int, seconds: float = 60.0) -> int:
-    """Generate until a stream has drafts again (the router reconnects to a restarted drafter on its next retry),
-    every stream the target alone's text; the last stream's drafted tokens."""
-    deadline, drafted = time.monotonic() + seconds, 0
-    while not drafted and time.monotonic() < deadline:
-        out = generate(stub, ids, max_tokens)
-        assert out[0] == reference[:max_tokens]
-        drafted = out[2].acceptance.drafted
-        time.sleep(0 if drafted else 1)
-    return drafted
-
-
-def role_pids(proc: subprocess.Popen, role: str) -> list[int]:
-    pids = []
-    for child in psutil.Process(proc.pid).children():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and role in " ".join(child.cmdline()):
-                pids.append(child.pid)
-        except psutil.Error:  # exited in between
-            continue
-    return pids
 
 
 def test_health_503_then_200_and_streams_equal_the_target_alone(server, prompts, references):
@@ -282,7 +202,7 @@ def test_cli_generate_through_the_server(server, tiny_models, tokenizer, capsys)
     import json
 
     from blockspec.services.cli.main import main
-    from tests.conftest import hf_greedy
+    from tests.helpers import hf_greedy
 
     address = f"127.0.0.1:{server['grpc']}"
     assert main(["generate", "def f(x):", "--server", address, "--max-tokens", "24", "-k", "3", "--json"]) == 0
@@ -347,7 +267,7 @@ def test_a_server_with_api_keys_serves_only_clients_that_send_one(tiny_models, d
     answers anyone, and `blockspec generate --server` sends $BLOCKSPEC_API_KEY."""
     from blockspec.common.wire.auth import ENV_API_KEY
     from blockspec.services.cli.main import main
-    from tests.conftest import hf_greedy
+    from tests.helpers import hf_greedy
 
     key = "serve-test-key-0123456789"
     (tmp_path / "keys").write_text(f"team-a {key}\n")
@@ -511,19 +431,6 @@ def test_a_router_alone_serves_roles_started_elsewhere(tiny_models, dflash_draft
     assert ids == references["qwen3"][3][:64] and finish.acceptance.drafted > 0 and code == 1
     text = log.read_text()
     assert "server.max_batch 4 > its 2 slots" in text and "role verifier --target" in text
-
-
-def config_with_a_broken_drafter(tiny_models, dflash_drafters, tmp_path):
-    """A config whose drafter's weights file is cut short: (the config's path, the weights file)."""
-    import shutil
-
-    drafter = tmp_path / "drafter"
-    shutil.copytree(dflash_drafters["qwen3-trained"], drafter)
-    weights = next(drafter.glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:100])
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=drafter))
-    return cfg, weights
 
 
 def test_a_drafter_that_cannot_load_ends_serve_with_one_line_naming_its_file(tiny_models, dflash_drafters, tmp_path):

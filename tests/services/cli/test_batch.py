@@ -15,7 +15,7 @@ import pytest
 
 from blockspec.common.errors import InvalidArgument
 from blockspec.services.cli.batch import read_jobs, written_ids
-from tests.services.test_serve import CONFIG, http_status, spawn_serve, stop_serve, wait_for
+from tests.helpers import CONFIG, http_status, spawn_serve, stop_serve, wait_for
 
 pytestmark = pytest.mark.e2e
 REQUESTS = 40

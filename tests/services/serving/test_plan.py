@@ -14,7 +14,7 @@ from blockspec.common.config import load_config
 from blockspec.services.cli.main import main
 from blockspec.services.serving.plan import GIB, parse_size, plan_capacity
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def write_config(tmp_path: Path, target: Path, drafter: Path | None, max_batch: int = 16, **model) -> Path:

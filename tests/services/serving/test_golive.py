@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from blockspec.services.serving.golive import ACCEPTANCE_ALERT, CHECKS, check_tokenizer, first_difference, role_memory
-from tests.services.router.test_server import RouterThread
-from tests.services.test_serve import CONFIG, http_status, role_pids, spawn_serve, stop_serve, wait_for
+from tests.helpers import CONFIG, RouterThread, http_status, role_pids, spawn_serve, stop_serve, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAIR = ROOT / "models" / "base"
 shipped = pytest.mark.skipif(not (PAIR / "card.json").is_file(), reason="models/base is not built (build-default)")
 # A line no speculating server misses, however loaded the machine (the shipped pair measures about 2.7x on a quiet

@@ -3,8 +3,6 @@ bidirectional streams; dflash maps the verifier's shared tensors. Output == the 
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,23 +13,9 @@ from blockspec.common.telemetry.metrics import DEFAULT_VERSION
 from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.drafter.service import DrafterService
 from blockspec.services.serving.launch import serve_drafter, serve_verifier, start_split_router, verifier_service
-from tests.services.router.test_server import collect
+from tests.helpers import Loop, collect
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
-
-
-class Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def start_split(method: str, vsvc, dsvc, prefill_chunk: int = 32, **router_options) -> dict:

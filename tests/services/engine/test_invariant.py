@@ -11,7 +11,7 @@ from blockspec.services.drafter.dflash import draft_vocab
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.adaptive_k import WARMUP_STEPS
 from blockspec.services.router.step_loop import FinishEvent
-from tests.conftest import DRAFT_VOCAB_SIZE, NEW_TOKENS
+from tests.helpers import DRAFT_VOCAB_SIZE, NEW_TOKENS
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 KS = (1, 3, 5, 8)

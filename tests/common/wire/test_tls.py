@@ -27,7 +27,7 @@ from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.openai_http import Upstream, V1App
-from tests.services.router.test_server import RouterThread
+from tests.helpers import RouterThread
 
 
 class Certs:
@@ -213,7 +213,7 @@ def test_serve_with_tls_and_role_hops_over_tcp_under_mutual_tls(tiny_models, dfl
     """`serve` from a config with server.tls (mutual) and server.role_tls, the roles on TCP (unix_sockets false):
     `generate --server` with the CA and a client certificate streams the target alone's tokens; the role ports
     refuse a caller without the roles' certificate."""
-    from tests.services.test_serve import CONFIG
+    from tests.helpers import CONFIG
 
     cfg = tmp_path / "config.yaml"
     text = CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])

@@ -10,14 +10,7 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.step_loop import FinishEvent
-from tests.services.test_sampling import (
-    P_FAIL,
-    SAMPLES,
-    chi_square_p,
-    exact_cells,
-    sample_sequences,
-    with_sampling_top_k,
-)
+from tests.helpers import P_FAIL, SAMPLES, chi_square_p, exact_cells, sample_sequences, with_sampling_top_k
 
 TREES = [(2,), (3, 2), pytest.param((2, 2, 2), marks=pytest.mark.slow)]
 
@@ -49,7 +42,7 @@ def test_a_tree_with_penalties_equals_transformers_generate(tiny_pair):
     """Each tree row is processed with its own path as the history (a repetition penalty sees the branch's tokens)."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import hf_greedy
+    from tests.helpers import hf_greedy
 
     prompt = AutoTokenizer.from_pretrained(tiny_pair.target).encode("    def wrap(self, text):\n        ")
     engine = Engine(tiny_pair.target, tiny_pair.drafter, "dflash", max_batch=1, draft_tree=(3, 2))
@@ -144,7 +137,7 @@ def test_the_config_key_reaches_the_inprocess_engine_and_role_processes_refuse_i
     from blockspec.common.config import load_yaml, parse_config
     from blockspec.services.serving.inprocess import build_engine
     from blockspec.services.serving.startup import resolve_startup
-    from tests.services.test_serve import CONFIG
+    from tests.helpers import CONFIG
 
     text = CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=dflash_drafters["qwen3-trained"])
     raw = load_yaml(text, "config")

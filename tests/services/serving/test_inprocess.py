@@ -13,15 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from tests.services.test_serve import (
-    CONFIG,
-    config_with_a_broken_drafter,
-    generate,
-    http_status,
-    spawn_serve,
-    stop_serve,
-    wait_for,
-)
+from tests.helpers import CONFIG, config_with_a_broken_drafter, generate, http_status, spawn_serve, stop_serve, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -18,27 +18,7 @@ from blockspec.common.models.model_config import CONFIG_CLASSES, DEFAULTS, READ_
 from blockspec.common.runtime.cuda_runner import CudaRunner, unsupported
 from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.training.tiny import PUBLISHED, build_family, tiny_family_config
-
-HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-          "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25}
-MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-
-
-def base(family: str, vocab: int) -> dict:
-    """A small config of the family: 4 query heads over 2 KV heads of 32 dims (hidden 64), 2 layers (dense) or 3
-    linear-attention layers and a full one (hybrids) with 4 value heads over 2 key heads. No end-of-sequence id: the
-    greedy continuations run their full length."""
-    cfg = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "num_hidden_layers": 2}
-    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        cfg.update(HYBRID, num_hidden_layers=4)
-    if family in ("qwen3_moe", "qwen3_5_moe", "qwen3_next"):
-        cfg.update(MOE)
-    if family in ("qwen3_5_moe", "qwen3_next"):
-        cfg["shared_expert_intermediate_size"] = 48
-    if family == "qwen3_5_moe":
-        del cfg["intermediate_size"]  # not a key of its config (every layer routed)
-    return cfg
+from tests.helpers import base_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +26,7 @@ class Case:
     name: str
     family: str
     layout: str = "text"
-    changes: dict = dataclasses.field(default_factory=dict)  # over base(): None removes a key before the build
+    changes: dict = dataclasses.field(default_factory=dict)  # over base_config(): None removes a key before the build
     drop: tuple[str, ...] = ()  # the language model's keys removed from the saved config.json: read as absent
     drop_top: tuple[str, ...] = ()  # a multimodal config's top-level keys removed
     outer: dict | None = None  # a multimodal config's top-level keys
@@ -98,7 +78,7 @@ DECODES, VERIFY = 3, 4  # single-token steps after the prefill, then one forward
 
 
 def build(root, tokenizer, case: Case) -> object:
-    config = {k: v for k, v in {**base(case.family, len(tokenizer)), **case.changes}.items() if v is not None}
+    config = {k: v for k, v in {**base_config(case.family, len(tokenizer)), **case.changes}.items() if v is not None}
     return build_family(root / case.name, case.family, config, case.layout, seed=sum(map(ord, case.name)) % 97,
                         tokenizer=tokenizer, weight_scale=3.0, outer=case.outer, drop_keys=case.drop,
                         drop_top_keys=case.drop_top)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockspec.services.cli.main import main
-from tests.conftest import hf_greedy
+from tests.helpers import hf_greedy
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -218,7 +218,7 @@ def test_bench_refuses_bad_counts(capsys):
 
 
 def test_serve_refuses_flags_that_do_not_go_together(capsys):
-    config = str(Path(__file__).resolve().parents[2] / "deploy" / "config.yaml")
+    config = str(Path(__file__).resolve().parents[3] / "deploy" / "config.yaml")
     for extra, message in ((["--no-ray", "--ray-address", "auto"], "--ray-address: serves on Ray"),
                            (["--drafter-address", "h:1"], "--drafter-address: goes with --verifier-address"),
                            (["--ray-address", "127.0.0.1:1"], "--ray-address: 127.0.0.1:1: no Ray cluster answers there")):

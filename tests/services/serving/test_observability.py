@@ -18,8 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from blockspec.common.telemetry import tracing
 from blockspec.protos import api_pb2
-from tests.services.router.test_server import collect
-from tests.services.test_serve import CONFIG, metric, spawn_serve, stop_serve
+from tests.helpers import CONFIG, collect, metric, spawn_serve, stop_serve
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
