@@ -100,6 +100,7 @@ class GenerationService(api_grpc.GenerationServicer):
             request = await self._request(msg, version.facts, span, abort)
             with await self._admit(request, msg.HasField("max_tokens"), context, abort) as admission:
                 if not version.schedulers:  # a version being stopped (a withdrawn rollout's, on its check socket)
+                    admission.prompt_spent = False  # nothing ran: all it reserved comes back
                     await abort(grpc.StatusCode.UNAVAILABLE, f"version {version.name} has no replica serving; the "
                                 "request can be sent again")
                 stream = RequestStream(admission, version.replica(), version.facts.tokenizer, list(msg.stop), span,

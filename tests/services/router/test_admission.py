@@ -93,3 +93,46 @@ def test_without_limits_only_the_id_is_held():
         with pytest.raises(AlreadyRunning):
             admissions.admit(request(), "b", max_tokens_set=True)
     admissions.admit(request(), "b", max_tokens_set=True).release()
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """The little of a grpc.aio context Generate uses before its request reaches a replica."""
+
+    async def send_initial_metadata(self, _metadata) -> None:
+        pass
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    async def abort(self, code, message, trailing_metadata=()) -> None:
+        raise Aborted(code, message)
+
+
+def test_a_version_without_replicas_gives_back_all_it_reserved(tokenizer):
+    """A request that reaches a version being stopped (no replica left) ends UNAVAILABLE, and its tenant gets the
+    prompt's and max_tokens' reservation back: nothing ran."""
+    import asyncio
+
+    import grpc
+
+    from blockspec.protos import api_pb2
+    from blockspec.services.router.messages import ModelFacts
+    from blockspec.services.router.server import GenerationService, Version
+
+    facts = ModelFacts("t", "d", "none", 0, 0, 256, 320, tokenizer)
+    limits = TenantLimits(RateLimits(tokens_per_minute=100), Clock())
+    service = GenerationService(Version(facts, []), limits=limits)
+    msg = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=list(range(10))), max_tokens=40)
+
+    async def call():
+        async for _ in service.Generate(msg, Context()):
+            pass
+
+    with pytest.raises(Aborted) as err:
+        asyncio.run(call())
+    assert err.value.args[0] == grpc.StatusCode.UNAVAILABLE
+    assert room(limits) == 100
