@@ -121,6 +121,7 @@ def test_a_version_without_replicas_gives_back_all_it_reserved(tokenizer):
 
     from blockspec.protos import api_pb2
     from blockspec.services.router.messages import ModelFacts
+    from blockspec.common.wire.auth import DEFAULT_TENANT
     from blockspec.services.router.server import GenerationService, Version
 
     facts = ModelFacts("t", "d", "none", 0, 0, 256, 320, tokenizer)
@@ -135,4 +136,4 @@ def test_a_version_without_replicas_gives_back_all_it_reserved(tokenizer):
     with pytest.raises(Aborted) as err:
         asyncio.run(call())
     assert err.value.args[0] == grpc.StatusCode.UNAVAILABLE
-    assert room(limits) == 100
+    assert room(limits, DEFAULT_TENANT) == 100
