@@ -258,14 +258,6 @@ def slow_steps(seconds: float):
     return wrap
 
 
-def poll_until(condition, seconds: float = 10.0) -> bool:
-    """condition() once it holds, polled (the step thread acts between steps), or its last value."""
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
-
-
 # --- `blockspec serve` as a child process --------------------------------------------------------------------------
 
 # The operators' seed config (tests/common/test_config.py loads it).
@@ -364,11 +356,12 @@ def metric(text: str, name: str, labels: str = "") -> float | None:
 
 
 def wait_for(condition, seconds: float = 120.0) -> bool:
-    """Poll condition() every 0.2 s until it holds or `seconds` pass (a role start takes 4-9 s here, Ray's far
-    longer on a loaded machine: the deadline is for the worst case, a passing run returns at once)."""
+    """Poll condition() every 0.05 s until it holds or `seconds` pass (a step thread acts between steps; a role start
+    takes 4-9 s here, Ray's far longer on a loaded machine: the deadline is for the worst case, a passing run returns
+    at once)."""
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
     return bool(condition())
 
 

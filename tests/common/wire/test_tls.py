@@ -27,7 +27,7 @@ from blockspec.protos import api_grpc, api_pb2
 from blockspec.services.engine.engine import Engine
 from blockspec.services.router.http import Ready, start_http
 from blockspec.services.router.openai_http import Upstream, V1App
-from tests.helpers import RouterThread
+from tests.helpers import RouterThread, wait_for
 
 
 class Certs:
@@ -113,7 +113,7 @@ def test_https_and_grpc_over_tls_serve_the_openai_client_and_the_stubs(tiny_mode
             conn.getresponse()
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # the client trusts another CA
             https_get(served.port, ClientTls(certs._write("other-ca.pem", certs.other_ca.cert_pem)))
-        assert wait_until(lambda: refusals() == before + 2)
+        assert wait_for(lambda: refusals() == before + 2)
         assert "HTTP: TLS handshake from 127.0.0.1:" in caplog.text and "HTTP_REQUEST" in caplog.text
         with pytest.raises(grpc.RpcError) as plain:
             grpc_model(served.grpc, None)
@@ -139,15 +139,6 @@ def assert_clients_speak_tls(served: TlsServed, tls: ClientTls, model: str) -> N
     assert len(outputs) == 1 and row.tokens >= 1
 
 
-def wait_until(check, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_mutual_tls_refuses_no_an_expired_or_an_unknown_client_certificate(tiny_models, certs, caplog):
     served = TlsServed(Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=1),
                        ServerTls(certs.server, certs.server, client_ca_file=certs.ca_file))
@@ -163,7 +154,7 @@ def test_mutual_tls_refuses_no_an_expired_or_an_unknown_client_certificate(tiny_
             with pytest.raises(grpc.RpcError) as refused:
                 grpc_model(served.grpc, certs.client_tls(cert))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert wait_until(lambda: refusals() == before + 3)
+        assert wait_for(lambda: refusals() == before + 3)
         reasons = {s.labels["reason"] for s in HANDSHAKE_FAILURES.collect()[0].samples}
         assert {"PEER_DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_VERIFY_FAILED"} <= reasons, reasons
         assert https_get(served.port, certs.client_tls(certs.client)) == 200  # the server goes on

@@ -119,9 +119,9 @@ def test_a_version_without_replicas_gives_back_all_it_reserved(tokenizer):
 
     import grpc
 
+    from blockspec.common.wire.auth import DEFAULT_TENANT
     from blockspec.protos import api_pb2
     from blockspec.services.router.messages import ModelFacts
-    from blockspec.common.wire.auth import DEFAULT_TENANT
     from blockspec.services.router.server import GenerationService, Version
 
     facts = ModelFacts("t", "d", "none", 0, 0, 256, 320, tokenizer)

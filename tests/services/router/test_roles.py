@@ -16,7 +16,7 @@ from blockspec.services.drafter.service import DrafterService
 from blockspec.services.router.roles import RemoteDrafter, RemoteVerifier
 from blockspec.services.router.step_loop import Request, StepLoop
 from blockspec.services.serving.launch import serve_drafter, serve_verifier, verifier_service
-from tests.helpers import Loop, poll_until
+from tests.helpers import Loop, wait_for
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_a_router_that_goes_away_leaves_no_request_in_the_roles(roles, prompts):
         assert steps.num_running == 2 and remote.fallbacks == 0
         remote.close()  # gone without a release
         verifier.close()
-        freed.append(poll_until(lambda: vsvc.verifier.free_slots == 2 and not dsvc._tokens
+        freed.append(wait_for(lambda: vsvc.verifier.free_slots == 2 and not dsvc._tokens
                            and dsvc.proposer.cache.free_slots == 2))
     assert freed == [True, True]
 

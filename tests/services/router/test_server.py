@@ -15,7 +15,7 @@ from blockspec.common.config import DEFAULT_K
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
 from blockspec.protos import api_pb2
 from blockspec.services.engine.engine import Engine
-from tests.helpers import RouterThread, collect, poll_until, slow_steps
+from tests.helpers import RouterThread, collect, slow_steps, wait_for
 
 AT = {"version": DEFAULT_VERSION}  # every router metric carries its serving version
 
@@ -112,7 +112,7 @@ def test_cancelled_streams_leave_no_slot_behind(router, prompts):
     with pytest.raises(grpc.RpcError):
         list(deadline_call)
     # Cancellation is processed between steps.
-    assert poll_until(lambda: (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free)
+    assert wait_for(lambda: (router.engine.verifier.free_slots, router.engine.proposer.runner.cache.free_slots) == free)
     assert router.engine.loop.idle
 
 
@@ -234,7 +234,7 @@ def test_a_stop_sequence_whose_release_fails_still_ends_its_stream_cleanly(tiny_
         _, text, finish = collect(r.stub.Generate(req, timeout=60))
         ids, _, after = collect(r.stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[1]),
                                                                         max_tokens=16), timeout=60))
-        drafter_freed = poll_until(lambda: r.engine.loop.idle and r.engine.proposer.runner.cache.free_slots == drafter_slots)
+        drafter_freed = wait_for(lambda: r.engine.loop.idle and r.engine.proposer.runner.cache.free_slots == drafter_slots)
     finally:
         r.close()
     assert finish.reason == "stop_sequence" and text == full[: full.find(stop)]
@@ -254,7 +254,7 @@ def test_a_request_id_is_free_again_once_its_stream_ended(tiny_models, prompts, 
         again = api_pb2.GenerateRequest(request_id="x", token_ids=api_pb2.TokenIds(ids=prompts[1]), max_tokens=16,
                                         num_speculative_tokens=4)
         ids, _, finish = collect(r.stub.Generate(again, timeout=60))
-        idle = poll_until(lambda: r.engine.loop.idle)
+        idle = wait_for(lambda: r.engine.loop.idle)
     finally:
         r.close()
     assert ids == references["qwen3"][1][:16] and finish.reason == "length" and finish.usage.completion_tokens == 16
@@ -305,7 +305,7 @@ def test_a_cancelled_streams_late_end_does_not_free_the_id_its_resend_holds(tiny
         next(b)  # B runs
         # A's end: its cancel has waited out the step in flight once only B is left in the engines (however long a
         # step takes on a loaded machine), then the event loop ends A's stream.
-        assert poll_until(lambda: sum(e.loop.num_running + e.loop.num_waiting for e in engines) == 1, 60)
+        assert wait_for(lambda: sum(e.loop.num_running + e.loop.num_waiting for e in engines) == 1, 60)
         time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as e:
             collect(r.stub.Generate(request, timeout=60))
@@ -332,7 +332,7 @@ def test_a_client_gone_while_its_submit_waits_leaves_nothing_behind(tiny_models,
         del drafter.propose  # the class's own again: the rest at full speed
         ids, _, finish = collect(r.stub.Generate(late, timeout=60))  # not ALREADY_EXISTS
         collect(busy)
-        idle = poll_until(lambda: r.engine.loop.idle and r.engine.verifier.free_slots == free)
+        idle = wait_for(lambda: r.engine.loop.idle and r.engine.verifier.free_slots == free)
     finally:
         r.close()
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
