@@ -3,16 +3,18 @@
 # Qwen3.5-27B-shaped hybrid (26.9B; bf16) with matching DFlash drafters -> one table: decode / verify-8 / verify-16 ms
 # against the measured memory-bandwidth floor, kernels per decode, c_d, step-loop overhead, plain vs speculative
 # tokens/s at concurrency 1 and 8 with a fixed-acceptance drafter (tau 3.6) beside transformers' compiled static-cache
-# generate, exactness against plain decoding alone, invariant vs fast numerics; then CUDA IPC between two processes
-# (docs/gpu.md). Its budget is 8 minutes on one H100 or H200; this version has not run on one yet.
+# generate (PEER=1), exactness against plain decoding alone, invariant vs fast numerics; then CUDA IPC between two
+# processes (docs/gpu.md). Its budget is 8 minutes on one H100 or H200; this version has not run on one yet.
 #
 # It runs under the GPU machine's own Python and CUDA build of torch: the pins in pyproject.toml name
 # the CPU build, and such machines are often offline. PYTHON picks the interpreter (default: the first
 # of .venv's and python3 whose torch sees a GPU, else .venv's). Where blockspec is not installed for
 # it, this checkout is put on its path as the package; besides torch it needs numpy, safetensors, tqdm,
 # transformers and grpcio/protobuf, not the serving packages (pydantic, opentelemetry, ray, uvicorn, starlette).
-# SIZES (default 1b,8b,27b,27b-hybrid), OUT (default gpu-check-out) and DEVICE (default cuda) are passed on; PEER=0
-# leaves out transformers' compiled generate. A size that fails is said under the table and the others still run.
+# SIZES (default 1b,8b,27b,27b-hybrid), OUT (default gpu-check-out) and DEVICE (default cuda) are passed on; PEER=1
+# adds transformers' compiled generate (its compile takes minutes a size). Each size has a budget (--budget-s, 105 s)
+# past which its optional stages are left out; the table is rewritten after each size, so a run cut short keeps what
+# it measured. A size that fails is said under the table and the others still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sees_gpu() { "$1" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
@@ -29,6 +31,6 @@ if ! "$PYTHON" -c "import blockspec.services.cli" 2>/dev/null; then
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 fi
 peer=()
-if [ "${PEER:-1}" = 0 ]; then peer=(--no-peer); fi
+if [ "${PEER:-0}" = 1 ]; then peer=(--peer); fi
 exec "$PYTHON" -m blockspec.services.cli gpu-check --device "${DEVICE:-cuda}" --sizes "${SIZES:-1b,8b,27b,27b-hybrid}" \
   --out "${OUT:-gpu-check-out}" "${peer[@]}"

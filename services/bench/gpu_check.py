@@ -3,9 +3,10 @@
 size one row: decode, verify-8 and verify-16 ms against the memory-bandwidth floor (bytes a decode reads over a large
 device-to-device copy's bandwidth, measured in the same run), kernels per decode, the drafter's cost c_d, the step
 loop's overhead, plain and speculative tokens/s at concurrency 1 and 8 with a drafter of fixed acceptance (tau 3.6,
-so the speedup does not hang on random weights) beside transformers' static-cache `generate` (compiled on the GPU),
-the default mode's exactness against plain decoding alone (at concurrency 1 and in batches of 8), and what the
-batch-invariant numerics cost against torch's products. Then CUDA IPC sharing between two processes.
+so the speedup does not hang on random weights) beside transformers' static-cache `generate` (compiled on the GPU;
+`--peer`), the default mode's exactness against plain decoding alone (at concurrency 1 and in batches of 8), and what
+the batch-invariant numerics cost against torch's products, each size within its budget. Then CUDA IPC sharing
+between two processes.
 
 `--device cpu --sizes tiny,tiny-hybrid` runs the same code on the CPU in seconds (what the tests run)."""
 
@@ -40,12 +41,13 @@ class SizeReport:
     kernels_per_decode: int | None  # GPU kernels of one decode step (None off the GPU)
     r: dict[int, float]  # r(k + 1)
     c_d: dict[int, float]  # drafter proposal / one target decode
-    overhead_ms: float  # step loop time per step beyond the drafter and verifier calls
+    overhead_ms: float | None  # step loop time per step beyond the drafter and verifier calls
     tau: float  # tokens per step of the fixed-acceptance runs (measured)
     tokens_per_s: dict[str, float]  # "plain-1", "spec-1", "plain-8", "spec-8", "peer-1" (transformers)
     exact: dict[str, int]  # tokens equal to plain decoding alone before the first difference: "spec-1", "plain-8", ...
     exact_of: int  # tokens per request compared
     numerics_ms: dict[str, float]  # decode ms of the CUDA runner: "invariant-1", "fast-1", "invariant-16", "fast-16"
+    skipped: tuple[str, ...] = ()  # optional stages left out: the size's budget was spent before them
 
     @property
     def floor_ratio(self) -> float:
@@ -54,11 +56,27 @@ class SizeReport:
 
 THROUGHPUT_TOKENS = 64  # per request of the throughput and exactness runs, after a 128-token prompt
 SPEC_K = 7  # draft tokens per step of those runs: a verify of 8
+# Seconds a size may take before its optional stages (step-loop overhead, the numerics' cost, transformers) are left
+# out: four sizes and the sharing check fit 8 minutes, cold Triton and compile caches counted. The step costs, the
+# kernels, the throughput and the exactness counts always run.
+SIZE_BUDGET_S = 105.0
 
 
 def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20,
-               bandwidth: float | None = None, backend: str = "auto", peer: bool = True) -> SizeReport:
+               bandwidth: float | None = None, backend: str = "auto", peer: bool = False,
+               budget_s: float | None = SIZE_BUDGET_S) -> SizeReport:
+    """One size's row. Past `budget_s` seconds from its start (None: no budget) the optional stages still to come are
+    left out and named in `skipped`."""
     from blockspec.services.bench.costs import cost_ratios
+
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    skipped: list[str] = []
+
+    def room(stage: str) -> bool:
+        if deadline is not None and time.perf_counter() > deadline:
+            skipped.append(stage)
+            return False
+        return True
 
     target = random_target(size, device, dtype)
     context = min(context, 256) if size.startswith("tiny") else context
@@ -76,20 +94,20 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     kernels = kernels_per_decode(verifier, "x", device)
     verifier.release("x")
     proposer.release("x")
-    overhead = loop_overhead(verifier, proposer, prompt, repeats, device)
-    del proposer, drafter
     tau, tps, exact = throughput(verifier, prompt, device)
-    del verifier
+    overhead = loop_overhead(verifier, proposer, prompt, repeats, device) if room("loop overhead") else None
+    del proposer, drafter, verifier
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    numerics = numerics_cost(target, prompt[:256], dtype, device) if backend == "graphs" else {}
-    tps["peer-1"] = peer_tokens_per_s(size, target, prompt[:128], device, dtype) if peer else None
+    numerics = numerics_cost(target, prompt[:256], dtype, device) if backend == "graphs" and room("numerics") else {}
+    tps["peer-1"] = peer_tokens_per_s(size, target, prompt[:128], device, dtype) if peer and room("transformers") \
+        else None
     floor = decode_bytes(target.config, context, dtype) / (bandwidth or copy_bandwidth(device)) * 1e3
     del target
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return SizeReport(size, round(params, 3), backend, decode * 1e3, decode * r[7] * 1e3, decode * r[15] * 1e3, floor,
-                      kernels, r, c_d, overhead, tau, tps, exact, THROUGHPUT_TOKENS, numerics)
+                      kernels, r, c_d, overhead, tau, tps, exact, THROUGHPUT_TOKENS, numerics, tuple(skipped))
 
 
 def copy_bandwidth(device: str) -> float:
@@ -341,9 +359,11 @@ def table(reports: list[SizeReport]) -> str:
     return "\n".join(lines)
 
 
-def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto", peer: bool = True) -> int:
-    """Each size in turn; one that fails is said (its error under the table, the traceback in the log) and the next
-    one runs: one run on a lent GPU keeps whatever it could measure. Exit code 1 when a size failed."""
+def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto", peer: bool = False,
+         budget_s: float | None = SIZE_BUDGET_S) -> int:
+    """Each size in turn, each within its budget (check_size); one that fails is said (its error under the table, the
+    traceback in the log) and the next one runs: one run on a lent GPU keeps whatever it could measure. Exit code 1
+    when a size failed."""
     import traceback
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -355,7 +375,8 @@ def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto",
     for size in sizes:  # the files are rewritten after each size: a run cut short keeps what it measured
         started, outcome = time.perf_counter(), "done"
         try:
-            reports.append(check_size(size, device, dtype, bandwidth=bandwidth, backend=backend, peer=peer))
+            reports.append(check_size(size, device, dtype, bandwidth=bandwidth, backend=backend, peer=peer,
+                                      budget_s=budget_s))
         except Exception as e:  # noqa: BLE001 - a failing size must not cost the others
             traceback.print_exc()
             failures.append(f"{size}: {type(e).__name__}: {e}")
@@ -363,15 +384,19 @@ def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto",
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         print(f"{size}: {outcome} in {time.perf_counter() - started:.0f} s", flush=True)
-        _write(out, f"{head}\n\n{table(reports)}\n{_failed(failures)}", reports)
-    text = f"{head}\n\n{table(reports)}\n{_failed(failures)}\nSharing between processes: {check_ipc(device)}\n"
+        _write(out, f"{head}\n\n{table(reports)}\n{_failed(failures, reports)}", reports)
+    text = (f"{head}\n\n{table(reports)}\n{_failed(failures, reports)}\n"
+            f"Sharing between processes: {check_ipc(device)}\n")
     print(text)
     _write(out, text, reports)
     return 1 if failures else 0
 
 
-def _failed(failures: list[str]) -> str:
-    return "".join(f"\nFailed: {f}\n" for f in failures)
+def _failed(failures: list[str], reports: list[SizeReport] = ()) -> str:
+    """What did not run, under the table: the sizes that failed, the stages a size's budget left out."""
+    skipped = "".join(f"\nLeft out of {r.size} (its budget spent): {', '.join(r.skipped)}\n"
+                      for r in reports if r.skipped)
+    return skipped + "".join(f"\nFailed: {f}\n" for f in failures)
 
 
 def _write(out: Path | None, text: str, reports: list[SizeReport]) -> None:

@@ -89,8 +89,11 @@ def add_gpu_check_command(sub) -> None:
     gc.add_argument("--out", help="directory for gpu_check.md and gpu_check.json")
     gc.add_argument("--backend", default="auto", choices=("auto", "eager", "graphs"),
                     help="the verifier's runner (auto: the captured CUDA runner on CUDA)")
-    gc.add_argument("--no-peer", action="store_true", help="leave out transformers' compiled generate (its compile "
-                                                          "takes the longest)")
+    gc.add_argument("--peer", action="store_true", help="also transformers' compiled generate per size (its compile "
+                                                       "takes the longest: give the sizes time for it)")
+    gc.add_argument("--budget-s", type=_budget, default=None,
+                    help="seconds a size may take before its optional stages (loop overhead, numerics, --peer) are "
+                         "left out (default 105: four sizes in 8 minutes; 0: no budget)")
     gc.set_defaults(func=cmd_gpu_check)
 
 
@@ -226,4 +229,12 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     if not sizes or unknown:
         raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
     resolve_device(args.device)
-    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend, not args.no_peer)
+    budget = gpu_check.SIZE_BUDGET_S if args.budget_s is None else args.budget_s or None
+    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend, args.peer, budget)
+
+
+def _budget(value: str) -> float:
+    seconds = float(value)
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{value} is not a number of seconds >= 0")
+    return seconds

@@ -18,7 +18,8 @@ from blockspec.services.cli.main import main
 def test_gpu_check_runs_on_cpu_with_the_tiny_shapes(tmp_path, capsys):
     """The captured runner's code (uncaptured on the CPU) for the dense and the hybrid shape: every column filled, the
     fixed-acceptance drafter at its tau, every stream equal to plain decoding alone."""
-    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--backend", "graphs", "--out", str(tmp_path)]
+    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--backend", "graphs", "--peer",
+            "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| tiny | 0.0 | graphs |" in out and "| tiny-hybrid | 0.0 | graphs |" in out and "-> ok" in out
@@ -31,6 +32,25 @@ def test_gpu_check_runs_on_cpu_with_the_tiny_shapes(tmp_path, capsys):
         assert report["exact"] == dict.fromkeys(("spec-1", "plain-8", "spec-8"), 8 * report["exact_of"])
         assert set(report["numerics_ms"]) == ({"invariant-1", "fast-1", "invariant-16", "fast-16"}
                                               if report["backend"] == "graphs" else set())
+        assert report["skipped"] == [] and report["overhead_ms"] > 0
+
+
+def test_a_size_past_its_budget_leaves_out_its_optional_stages_and_says_which(tmp_path, capsys):
+    """The step costs, the throughput and the exactness counts always run; the loop overhead, the numerics' cost and
+    transformers are left out once the size's budget is spent, named under the table."""
+    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny", "--backend", "graphs", "--peer", "--budget-s", "0.001",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Left out of tiny (its budget spent): loop overhead, numerics, transformers" in out
+    [report] = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["skipped"] == ["loop overhead", "numerics", "transformers"]
+    assert report["overhead_ms"] is None and report["numerics_ms"] == {} and report["tokens_per_s"]["peer-1"] is None
+    assert report["decode_ms"] > 0 and report["exact"] == dict.fromkeys(("spec-1", "plain-8", "spec-8"),
+                                                                         8 * report["exact_of"])
+    with pytest.raises(SystemExit) as refused:
+        main(["gpu-check", "--device", "cpu", "--sizes", "tiny", "--budget-s", "-1"])
+    assert refused.value.code == 2 and "--budget-s: -1 is not a number of seconds >= 0" in capsys.readouterr().err
 
 
 def test_a_size_that_fails_is_said_and_the_others_still_run(tmp_path, capsys, monkeypatch):
@@ -44,7 +64,7 @@ def test_a_size_that_fails_is_said_and_the_others_still_run(tmp_path, capsys, mo
         return run(size, *args, **kwargs)
 
     monkeypatch.setattr(gpu_check, "check_size", flaky)
-    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--no-peer", "--out", str(tmp_path)]
+    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--out", str(tmp_path)]
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "Failed: tiny: RuntimeError: no kernel image is available" in out and "| tiny-hybrid |" in out
