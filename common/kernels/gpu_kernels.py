@@ -23,6 +23,7 @@ mask. `triton_kernels.py` and `triton_deltanet.py` hold the kernels; `TRITON_INT
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,14 +39,23 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def sum_parts(parts: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A product's value from its split partials [S, ..., N] (`linear_parts`): added in split order in fp32, rounded to
+    dtype, plus the bias in dtype."""
+    total = parts[0] if parts.shape[0] == 1 else functools.reduce(torch.add, parts.float().unbind(0))
+    total = total.to(dtype)
+    return total if bias is None else total + bias
+
+
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, T, H, D], caches [S, KV, L, D], slots [B], positions [B, T] -> [B, T, H, D]."""
+                        positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, T, H, D], caches [S, KV, L, D], slots [B], positions [B, T] -> [B, T, H, D] (times sigmoid(gate) where
+    given)."""
     keys, values = k_cache[slots], v_cache[slots]  # [B, KV, L, D]
     mask = (torch.arange(k_cache.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)  # [B, H, T, D]
-    return out.transpose(1, 2)
+                                         enable_gqa=True).transpose(1, 2)  # [B, T, H, D]
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
@@ -56,46 +66,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_c
     return (h * (1.0 + weight.float())).to(x.dtype) if zero_centred else weight * h.to(x.dtype)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
+def add_rms_norm_reference(parts: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                           weight: torch.Tensor, eps: float, zero_centred: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = sum_parts(parts, residual.dtype, bias) + residual
     return rms_norm_reference(summed, weight, eps, zero_centred), summed
-
-
-def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """A Gated DeltaNet's output norm: RMSNorm (plain weight) of x, then times SiLU(gate) in fp32, cast back."""
-    return (rms_norm_reference(x, weight, eps).float() * F.silu(gate.float())).to(x.dtype)
-
-
-def gated_delta_rule_reference(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               g: torch.Tensor, beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over T tokens from state [B, Hv, dk, dv] (fp32): q, k [B, T, Hk, dk] as the convolution
-    left them (each key head serving Hv / Hk consecutive value heads; l2-normalised here, q also scaled), v [B, T, Hv,
-    dv], g (log decay) and beta [B, T, Hv]. Returns the outputs [B, T, Hv, dv] and the final state
-    (`delta_rule.delta_rule_steps`)."""
-
-    groups = v.shape[2] // k.shape[2]
-    q, k = (t.float().repeat_interleave(groups, dim=2) for t in (q, k))
-    return delta_rule_steps(state, l2_normalise(k), v.float(), g.float(), beta.float(), l2_normalise(q) * scale)
-
-
-def causal_conv_reference(state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A Gated DeltaNet's causal depthwise convolution with SiLU: state [B, C, K - 1] (the inputs before the block),
-    mixed [B, T, C], weight [C, K] (fp32) -> [B, T, C] in mixed's dtype; each output the taps summed in order in fp32."""
-    T, K = mixed.shape[1], weight.shape[1]
-    wide = torch.cat((state, mixed.transpose(1, 2)), dim=2).float()  # [B, C, K - 1 + T]
-    conv = weight[:, 0, None] * wide[:, :, :T]
-    for j in range(1, K):
-        conv = conv + weight[:, j, None] * wide[:, :, j : j + T]
-    return F.silu(conv).to(mixed.dtype).transpose(1, 2)
-
-
-def delta_gates_reference(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-                          real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule's log decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b), fp32
-    [B, T, Hv], both 0 at padding (real [B, T] False): a padding token leaves the state as it is."""
-    mask = real[..., None].float()
-    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()) * mask, torch.sigmoid(b.float()) * mask
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,18 +79,132 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
-                           zero_centred: bool = False) -> torch.Tensor:
-    """qkv [B, T, heads + kv_heads (+ more), D] -> the q and k heads [B, T, heads + kv_heads, D], each RMS-normed with
-    its weight (where the weights are not empty) and rotated at its position on its first R features (cos / sin
-    tables [max_len, R]; the rest pass)."""
-    q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
+def attention_inputs_reference(parts: torch.Tensor, bias: torch.Tensor | None, q_weight: torch.Tensor,
+                               k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                               write_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                               kv_heads: int, eps: float, zero_centred: bool = False, gated: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q/k/v product's split partials [S, B, T, columns] (q heads first, each followed by its gate where gated, then
+    the k and the v heads) -> (q [B, T, heads, D], the gates [B, T, heads, D] or an empty tensor); q and k RMS-normed
+    with their weights (where not empty) and rotated at their positions on the first R features (cos / sin tables
+    [max_len, R]); k and v stored in the caches [slots, kv_heads, max_len, D] at (write_slots, positions)."""
+    D = k_cache.shape[-1]
+    y = sum_parts(parts, k_cache.dtype, bias)
+    B, T = y.shape[:2]
+    qs = 2 * D if gated else D
+    q_all = y[..., : heads * qs].view(B, T, heads, qs)
+    q, gate = q_all[..., :D], q_all[..., D:]
+    k = y[..., heads * qs : heads * qs + kv_heads * D].view(B, T, kv_heads, D)
+    v = y[..., heads * qs + kv_heads * D :].view(B, T, kv_heads, D)
     if q_weight.numel():
         q, k = (rms_norm_reference(q, q_weight, eps, zero_centred), rms_norm_reference(k, k_weight, eps, zero_centred))
     c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, R]
-    qk, rot = torch.cat((q, k), dim=2), c.shape[-1]
-    return torch.cat((rotate(qk[..., :rot], c, s), qk[..., rot:]), dim=-1)
+    rot = c.shape[-1]
+    q, k = (torch.cat((rotate(t[..., :rot], c, s), t[..., rot:]), dim=-1) for t in (q, k))
+    k_cache[write_slots, :, positions] = k
+    v_cache[write_slots, :, positions] = v
+    return q, gate.clone() if gated else q.new_empty((B, T, heads, 0))
+
+
+def silu_mul_reference(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A gate/up product (gate columns first) -> silu(gate) * up."""
+    gate, up = sum_parts(parts, dtype, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gated_rms_norm_reference(x: torch.Tensor, parts: torch.Tensor, z_col: int, weight: torch.Tensor, eps: float,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """A Gated DeltaNet's output norm: x [B, T, Hv, D] (fp32) rounded to dtype, RMSNorm (plain weight), times SiLU(z) in
+    fp32, cast back; z the product's columns from z_col."""
+    x = x.to(dtype)
+    z = sum_parts(parts, dtype)[..., z_col : z_col + x.shape[2] * x.shape[3]].reshape(x.shape)
+    return (rms_norm_reference(x, weight, eps).float() * F.silu(z.float())).to(dtype)
+
+
+def causal_conv_reference(parts: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, reads: torch.Tensor,
+                          real: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A Gated DeltaNet's causal depthwise convolution with SiLU over the product's first C columns (its inputs), from
+    each row's state state[slot, read] ([slots, 2, C, K - 1]: the inputs before the block; weight [C, K], fp32; each
+    output the taps summed in order in fp32) -> both [B, T, 2, C]: the inputs and the outputs. The next state (the
+    K - 1 inputs before each row's first padding token) goes to state[slot, 1 - read]."""
+    C, K = weight.shape
+    mixed = sum_parts(parts, dtype)[..., :C]  # [B, T, C]
+    T = mixed.shape[1]
+    inputs = torch.cat((state[slots, reads], mixed.transpose(1, 2)), dim=2)  # [B, C, K - 1 + T]
+    wide = inputs.float()
+    conv = weight[:, 0, None] * wide[:, :, :T]
+    for j in range(1, K):
+        conv = conv + weight[:, j, None] * wide[:, :, j : j + T]
+    ends = real.sum(dim=1)[:, None] + torch.arange(K - 1, device=parts.device)
+    state[slots, 1 - reads] = inputs.gather(2, ends[:, None, :].expand(-1, C, -1))
+    return torch.stack((mixed, F.silu(conv).to(dtype).transpose(1, 2)), dim=2)
+
+
+def delta_gates_reference(parts: torch.Tensor, col_b: int, col_a: int, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                          real: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The delta rule's log decay g = -exp(A_log) softplus(a + dt_bias) and write strength beta = sigmoid(b) of every
+    value head, fp32 [B, T, 2, Hv] (g first), both 0 at padding (real [B, T] 0): a padding token leaves the state as it
+    is. a and b: the product's Hv columns from col_a and col_b."""
+    y = sum_parts(parts, dtype)
+    hv = a_log.shape[0]
+    a, b = y[..., col_a : col_a + hv], y[..., col_b : col_b + hv]
+    mask = real[..., None].float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()) * mask
+    return torch.stack((g, torch.sigmoid(b.float()) * mask), dim=2)
+
+
+def split_heads(conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet's convolution outputs [..., C] -> q, k [..., Hk, dk], v [..., Hv, dv]."""
+    kd = key_heads * key_dim
+    q, k, v = conv[..., :kd], conv[..., kd : 2 * kd], conv[..., 2 * kd :]
+    return (q.unflatten(-1, (key_heads, key_dim)), k.unflatten(-1, (key_heads, key_dim)),
+            v.unflatten(-1, (value_heads, v.shape[-1] // value_heads)))
+
+
+def delta_rule_reference(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                         g: torch.Tensor, beta: torch.Tensor, scale: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The gated delta rule over T tokens from state [B, Hv, dk, dv] (fp32): q, k [B, T, Hk, dk] as the convolution
+    left them (each key head serving Hv / Hk consecutive value heads; l2-normalised here, q also scaled; q None: no
+    outputs), v [B, T, Hv, dv], g (log decay) and beta [B, T, Hv] -> the outputs [B, T, Hv, dv] and the final state
+    (`delta_rule.delta_rule_steps`)."""
+    groups = v.shape[2] // k.shape[2]
+    k = l2_normalise(k.float().repeat_interleave(groups, dim=2))
+    q = None if q is None else l2_normalise(q.float().repeat_interleave(groups, dim=2)) * scale
+    return delta_rule_steps(state, k, v.float(), g.float(), beta.float(), q)
+
+
+def gated_delta_rule_reference(rec: torch.Tensor, slots: torch.Tensor, reads: torch.Tensor, both: torch.Tensor,
+                               gates: torch.Tensor, key_heads: int, scale: float) -> torch.Tensor:
+    """The recurrence of a Gated DeltaNet layer over a block: each row's state rec[slot, read] ([slots, 2, Hv, dk, dv],
+    fp32) advanced over its tokens (q, k, v the convolution's outputs both[:, :, 1], g and beta `gates`), the final
+    state written to rec[slot, 1 - read] -> the outputs [B, T, Hv, dv] (fp32)."""
+    hv, dk = rec.shape[2], rec.shape[3]
+    q, k, v = split_heads(both[:, :, 1], key_heads, dk, hv)
+    out, state = delta_rule_reference(rec[slots, reads], q, k, v, gates[:, :, 0], gates[:, :, 1], scale)
+    rec[slots, 1 - reads] = state
+    return out
+
+
+def rollback_reference(rec: torch.Tensor, conv: torch.Tensor, kept: torch.Tensor, kept_gates: torch.Tensor,
+                       slots: torch.Tensor, current: torch.Tensor, counts: torch.Tensor, key_heads: int) -> None:
+    """Every layer of R slots at once: each slot's current buffers (rec [L, slots, 2, Hv, dk, dv], conv [L, slots, 2, C,
+    K - 1]) become its other buffers advanced by its first counts[r] kept tokens (kept [L, slots, W, 2, C]: the last
+    forward's convolution inputs and outputs; kept_gates [L, slots, W, 2, Hv]) with the recurrence of the step; the
+    tokens past a slot's count enter as padding (g = beta = 0), which leaves a state bitwise as it is."""
+    L, W = rec.shape[0], kept.shape[2]
+    hv, dk, dv = rec.shape[3:]
+    k1 = conv.shape[-1]
+    prev = 1 - current
+    live = (torch.arange(W, device=rec.device)[None, :] < counts[:, None]).float()[None, :, :, None]  # [1, R, W, 1]
+    gates = kept_gates[:, slots] * live[..., None]  # [L, R, W, 2, Hv]
+    _, k, v = split_heads(kept[:, slots, :, 1].flatten(0, 1), key_heads, dk, hv)  # [L R, W, ...]
+    _, state = delta_rule_reference(rec[:, slots, prev].flatten(0, 1), None, k, v, gates[:, :, :, 0].flatten(0, 1),
+                                    gates[:, :, :, 1].flatten(0, 1), 1.0)
+    rec[:, slots, current] = state.view(L, -1, hv, dk, dv)
+    inputs = torch.cat((conv[:, slots, prev], kept[:, slots, :, 0].transpose(2, 3)), dim=3)  # [L, R, C, K - 1 + W]
+    ends = (counts[:, None] + torch.arange(k1, device=rec.device))[None, :, None, :]  # [1, R, 1, K - 1]
+    conv[:, slots, current] = inputs.gather(3, ends.expand(L, -1, inputs.shape[2], -1))
 
 
 def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -146,123 +235,197 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @linear.register_kernel("cuda")
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return tk.triton_linear(x, w)
+    return F.linear(x, w) if GEMM.cublas else tk.triton_linear(x, w)
+
+
+@torch.library.custom_op("blockspec::linear_parts", mutates_args=())
+def linear_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T as split partials [S, ..., N] (fp32; S = 1: the product in x's dtype), which the next
+    operator adds in split order (`sum_parts`): no launch of its own for the sum. On the CPU S = 1."""
+    return linear_reference(x, w)[None]
+
+
+@linear_parts.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cuda" or GEMM.cublas:
+        return x.new_empty((1, *x.shape[:-1], w.shape[0]))
+    split = tk.gemm_config(w.shape[0], w.shape[1], tk._sms(x.device))[2]
+    return x.new_empty((split, *x.shape[:-1], w.shape[0]), dtype=x.dtype if split == 1 else torch.float32)
+
+
+@linear_parts.register_kernel("cuda")
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)[None] if GEMM.cublas else tk.triton_linear_parts(x, w)
 
 
 @torch.library.custom_op("blockspec::cache_attention", mutates_args=())
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                    positions: torch.Tensor, scale: float) -> torch.Tensor:
-    return attention_reference(q, k_cache, v_cache, slots, positions, scale)
+                    positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    return attention_reference(q, k_cache, v_cache, slots, positions, scale, gate)
 
 
 @cache_attention.register_fake
-def _(q, k_cache, v_cache, slots, positions, scale):
+def _(q, k_cache, v_cache, slots, positions, scale, gate=None):
     return torch.empty_like(q)
 
 
 @cache_attention.register_kernel("cuda")
-def _(q, k_cache, v_cache, slots, positions, scale):
-    return tk.triton_attention(q, k_cache, v_cache, slots, positions, scale)
+def _(q, k_cache, v_cache, slots, positions, scale, gate=None):
+    return tk.triton_attention(q, k_cache, v_cache, slots, positions, scale, gate)
 
 
 @torch.library.custom_op("blockspec::add_rms_norm", mutates_args=())
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm in one pass."""
-    return add_rms_norm_reference(x, residual, weight, eps, zero_centred)
+def add_rms_norm(parts: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), x the product `parts` (+ bias): the partials' sum, a layer's residual
+    add and the next norm in one pass."""
+    return add_rms_norm_reference(parts, bias, residual, weight, eps, zero_centred)
 
 
 @add_rms_norm.register_fake
-def _(x, residual, weight, eps, zero_centred=False):
-    return torch.empty_like(x), torch.empty_like(x)
+def _(parts, bias, residual, weight, eps, zero_centred=False):
+    return torch.empty_like(residual), torch.empty_like(residual)
 
 
 @add_rms_norm.register_kernel("cuda")
-def _(x, residual, weight, eps, zero_centred=False):
-    return tk.triton_add_rms_norm(x, residual, weight, eps, zero_centred)
+def _(parts, bias, residual, weight, eps, zero_centred=False):
+    return tk.triton_add_rms_norm(parts, bias, residual, weight, eps, zero_centred)
 
 
-@torch.library.custom_op("blockspec::qk_norm_rope", mutates_args=())
-def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, eps: float,
-                 zero_centred: bool = False) -> torch.Tensor:
-    return qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred)
+@torch.library.custom_op("blockspec::attention_inputs", mutates_args=("k_cache", "v_cache"))
+def attention_inputs(parts: torch.Tensor, bias: torch.Tensor | None, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                     zero_centred: bool = False, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_inputs_reference(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache,
+                                      v_cache, heads, kv_heads, eps, zero_centred, gated)
 
 
-@qk_norm_rope.register_fake
-def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred=False):
-    return qkv.new_empty((*qkv.shape[:2], heads + kv_heads, qkv.shape[3]))
+@attention_inputs.register_fake
+def _(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache, v_cache, heads, kv_heads, eps,
+      zero_centred=False, gated=False):
+    q = k_cache.new_empty((*parts.shape[1:3], heads, k_cache.shape[-1]))
+    return q, q.new_empty((*q.shape[:3], q.shape[3] if gated else 0))
 
 
-@qk_norm_rope.register_kernel("cuda")
-def _(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred=False):
-    return tk.triton_qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, heads, kv_heads, eps, zero_centred)
+@attention_inputs.register_kernel("cuda")
+def _(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache, v_cache, heads, kv_heads, eps,
+      zero_centred=False, gated=False):
+    return tk.triton_attention_inputs(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache,
+                                      v_cache, heads, kv_heads, eps, zero_centred, gated)
+
+
+@torch.library.custom_op("blockspec::silu_mul", mutates_args=())
+def silu_mul(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return silu_mul_reference(parts, bias, dtype)
+
+
+@silu_mul.register_fake
+def _(parts, bias, dtype):
+    return parts.new_empty((*parts.shape[1:-1], parts.shape[-1] // 2), dtype=dtype)
+
+
+@silu_mul.register_kernel("cuda")
+def _(parts, bias, dtype):
+    return tk.triton_silu_mul(parts, bias, dtype)
 
 
 @torch.library.custom_op("blockspec::gated_rms_norm", mutates_args=())
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, gate [..., D] (a Gated DeltaNet's heads) -> rms_norm(x) * silu(gate)."""
-    return gated_rms_norm_reference(x, gate, weight, eps)
+def gated_rms_norm(x: torch.Tensor, parts: torch.Tensor, z_col: int, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    return gated_rms_norm_reference(x, parts, z_col, weight, eps, dtype)
 
 
 @gated_rms_norm.register_fake
-def _(x, gate, weight, eps):
-    return torch.empty_like(x)
+def _(x, parts, z_col, weight, eps, dtype):
+    return torch.empty_like(x, dtype=dtype)
 
 
 @gated_rms_norm.register_kernel("cuda")
-def _(x, gate, weight, eps):
-    return tk.triton_gated_rms_norm(x, gate, weight, eps)
+def _(x, parts, z_col, weight, eps, dtype):
+    return tk.triton_gated_rms_norm(x, parts, z_col, weight, eps, dtype)
 
 
-@torch.library.custom_op("blockspec::gated_delta_rule", mutates_args=())
-def gated_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence of a Gated DeltaNet layer over a block of tokens, one token after another in a fixed order:
-    `gated_delta_rule_reference`. On CUDA one program per (request, value head, 64 value columns) keeps its part of
-    the state on chip for the whole block, l2-normalising q and k as it goes."""
-    return gated_delta_rule_reference(state, q, k, v, g, beta, scale)
-
-
-@gated_delta_rule.register_fake
-def _(state, q, k, v, g, beta, scale):
-    return v.new_empty(v.shape, dtype=torch.float32), torch.empty_like(state)
-
-
-@gated_delta_rule.register_kernel("cuda")
-def _(state, q, k, v, g, beta, scale):
-    return td.triton_gated_delta_rule(state, q, k, v, g, beta, scale)
-
-
-@torch.library.custom_op("blockspec::causal_conv", mutates_args=())
-def causal_conv(state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return causal_conv_reference(state, mixed, weight)
+@torch.library.custom_op("blockspec::causal_conv", mutates_args=("state",))
+def causal_conv(parts: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, reads: torch.Tensor,
+                real: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return causal_conv_reference(parts, state, slots, reads, real, weight, dtype)
 
 
 @causal_conv.register_fake
-def _(state, mixed, weight):
-    return torch.empty_like(mixed)
+def _(parts, state, slots, reads, real, weight, dtype):
+    return parts.new_empty((*parts.shape[1:3], 2, weight.shape[0]), dtype=dtype)
 
 
 @causal_conv.register_kernel("cuda")
-def _(state, mixed, weight):
-    return td.triton_causal_conv(state, mixed, weight)
+def _(parts, state, slots, reads, real, weight, dtype):
+    return td.triton_causal_conv(parts, state, slots, reads, real, weight, dtype)
 
 
 @torch.library.custom_op("blockspec::delta_gates", mutates_args=())
-def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-                real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return delta_gates_reference(a, b, a_log, dt_bias, real)
+def delta_gates(parts: torch.Tensor, col_b: int, col_a: int, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                real: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return delta_gates_reference(parts, col_b, col_a, a_log, dt_bias, real, dtype)
 
 
 @delta_gates.register_fake
-def _(a, b, a_log, dt_bias, real):
-    return a.new_empty(a.shape, dtype=torch.float32), a.new_empty(a.shape, dtype=torch.float32)
+def _(parts, col_b, col_a, a_log, dt_bias, real, dtype):
+    return parts.new_empty((*parts.shape[1:3], 2, a_log.shape[0]), dtype=torch.float32)
 
 
 @delta_gates.register_kernel("cuda")
-def _(a, b, a_log, dt_bias, real):
-    return td.triton_delta_gates(a, b, a_log, dt_bias, real)
+def _(parts, col_b, col_a, a_log, dt_bias, real, dtype):
+    return td.triton_delta_gates(parts, col_b, col_a, a_log, dt_bias, real, dtype)
+
+
+@torch.library.custom_op("blockspec::gated_delta_rule", mutates_args=("rec",))
+def gated_delta_rule(rec: torch.Tensor, slots: torch.Tensor, reads: torch.Tensor, both: torch.Tensor,
+                     gates: torch.Tensor, key_heads: int, scale: float) -> torch.Tensor:
+    """The recurrence of a Gated DeltaNet layer over a block of tokens, one token after another in a fixed order:
+    `gated_delta_rule_reference`. On CUDA one launch for any number of tokens: one program per (request, value head, 64
+    value columns) keeps its part of the state on chip for the whole block, l2-normalising q and k as it goes."""
+    return gated_delta_rule_reference(rec, slots, reads, both, gates, key_heads, scale)
+
+
+@gated_delta_rule.register_fake
+def _(rec, slots, reads, both, gates, key_heads, scale):
+    return both.new_empty((*both.shape[:2], rec.shape[2], rec.shape[4]), dtype=torch.float32)
+
+
+@gated_delta_rule.register_kernel("cuda")
+def _(rec, slots, reads, both, gates, key_heads, scale):
+    return td.triton_gated_delta_rule(rec, slots, reads, both, gates, key_heads, scale)
+
+
+@torch.library.custom_op("blockspec::rollback_states", mutates_args=("rec", "conv"))
+def rollback_states(rec: torch.Tensor, conv: torch.Tensor, kept: torch.Tensor, kept_gates: torch.Tensor,
+                    slots: torch.Tensor, current: torch.Tensor, counts: torch.Tensor, key_heads: int) -> None:
+    """`rollback_reference`: on CUDA one launch for every layer of every slot rolled back."""
+    rollback_reference(rec, conv, kept, kept_gates, slots, current, counts, key_heads)
+
+
+@rollback_states.register_fake
+def _(rec, conv, kept, kept_gates, slots, current, counts, key_heads):
+    return None
+
+
+@rollback_states.register_kernel("cuda")
+def _(rec, conv, kept, kept_gates, slots, current, counts, key_heads):
+    td.triton_rollback(rec, conv, kept, kept_gates, slots, current, counts, key_heads)
+
+
+class _Gemm:
+    """Which products `linear` and `linear_parts` run on CUDA: the Triton GEMM (cublas False), or torch's (cuBLAS)
+    where a probe on the device found them row-invariant (`use_cublas`)."""
+
+    cublas = False
+
+
+GEMM = _Gemm()
+
+
+def use_cublas(on: bool) -> None:
+    GEMM.cublas = on
 
 
 @torch.library.custom_op("blockspec::moe", mutates_args=())

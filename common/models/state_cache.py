@@ -114,6 +114,65 @@ class SlotStates:
             self._blocks[slot] = _Block(start, n, start + n, conv_in, recurrence)
 
 
+class StepStates(SlotStates):
+    """The slot states of the CUDA runner's captured steps (`cuda_steps.HybridStaticStep`). A step stores, with each
+    slot, what a rollback within it replays (`kept`: the convolution's inputs and outputs [layers, slots, width, 2,
+    conv_dim]; `kept_gates`: g and beta [layers, slots, width, 2, v_heads], fp32) for forwards of up to `width` tokens.
+    A rollback (`set_length`) is recorded, and `flush` - called before the next forward - runs every recorded one, all
+    layers of all slots, in one `gpu_kernels.rollback_states` launch."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 width: int) -> None:
+        super().__init__(cfg, num_slots, dtype, device, "replay", max_block=width)
+        lin, n = cfg.linear, len(cfg.linear_layers)
+        self.kept = torch.zeros(n, num_slots, width, 2, lin.conv_dim, dtype=dtype, device=device)
+        self.kept_gates = torch.zeros(n, num_slots, width, 2, lin.num_v_heads, dtype=torch.float32, device=device)
+        self._pending: dict[int, int] = {}  # slot -> the kept tokens its rollback replays
+
+    @staticmethod
+    def kept_bytes(cfg: ModelConfig, dtype: torch.dtype, width: int) -> int:
+        """What one slot's kept tokens take."""
+        lin = cfg.linear
+        return len(cfg.linear_layers) * width * 2 * (lin.conv_dim * dtype.itemsize + lin.num_v_heads * 4)
+
+    def reset(self, slot: int) -> None:
+        super().reset(slot)
+        self._pending.pop(slot, None)
+
+    def keep(self, slot: int, start: int, n: int, conv_in=None, recurrence=None) -> None:
+        """A forward of n tokens at `start` wrote the slot's other buffers (and, within the width, its kept tokens)."""
+        self.current[slot] = 1 - self.current[slot]
+        self._pending.pop(slot, None)
+        within = n <= self.max_block
+        self._blocks[slot] = _Block(start if within else start + n, n if within else 0, start + n, [], [])
+
+    def set_length(self, slot: int, length: int) -> None:
+        block = self._blocks.get(slot)
+        if block is None or length == block.at:
+            return
+        if not block.start <= length <= block.start + block.n:
+            raise ValueError(f"slot {slot}: the linear-attention state holds positions {block.start}.."
+                             f"{block.start + block.n} of its last forward, not {length}")
+        if length == block.start + block.n:
+            self._pending.pop(slot, None)  # the buffers the forward wrote
+        else:
+            self._pending[slot] = length - block.start
+        block.at = length
+
+    def flush(self) -> None:
+        """Run the recorded rollbacks: each slot's current buffers become the state after its kept tokens."""
+        if not self._pending:
+            return
+        from blockspec.common.kernels import gpu_kernels as gk
+
+        slots = list(self._pending)
+        index = torch.tensor([slots, [self.current[s] for s in slots], list(self._pending.values())],
+                             dtype=torch.long).to(self.conv.device, non_blocking=True)
+        gk.rollback_states(self.recurrent, self.conv, self.kept, self.kept_gates, index[0], index[1], index[2],
+                           self.cfg.linear.num_k_heads)
+        self._pending.clear()
+
+
 class StateStep:
     """One forward's access to the states: each layer reads the rows' current buffers and writes the others;
     `finish` swaps them and keeps the block for a rollback."""
@@ -155,10 +214,13 @@ class HybridKVCache(SlotKVCache):
     both (allocate zeroes the states, a shorter length rolls them back within the last forward)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", rollback: str = "replay", spare_slots: int = 0) -> None:
+                 device: torch.device | str = "cpu", rollback: str = "replay", spare_slots: int = 0,
+                 step_width: int | None = None) -> None:
+        """step_width: the states are the CUDA runner's (`StepStates`), kept for forwards of up to that many tokens."""
         super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device,
                          spare_slots)
-        self.states = SlotStates(cfg, num_slots + spare_slots, dtype, device, rollback)
+        self.states = (SlotStates(cfg, num_slots + spare_slots, dtype, device, rollback) if step_width is None else
+                       StepStates(cfg, num_slots + spare_slots, dtype, device, step_width))
 
     def allocate(self) -> int:
         slot = super().allocate()

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import torch
 
-from blockspec.common.kernels import gpu_kernels as gk
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
@@ -151,10 +150,8 @@ class CudaRunner:
                              "its final norm's output")
         self.model = build_decoder(checkpoint, dtype).to(self.device)
         if cfg.hybrid:
-            self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots)
-            # a rollback replays the kept tokens with the kernel that ran them (q unused: k stands in)
-            self.cache.states.replay = lambda state, k, v, g, beta: gk.gated_delta_rule(
-                state, k, k, v, g, beta, 1.0)[1]
+            self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots,
+                                       step_width=max(WIDTHS))
         else:
             self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype,
                                      self.device, spare_slots=self.spare_slots)
@@ -230,11 +227,13 @@ class CudaRunner:
         firsts = [n - 1 if s.last_only else 0 for s, n in zip(segments, lengths)]
         ends = list(lengths)
         states = getattr(self.cache, "states", None)
+        if states is not None:
+            states.flush()  # the rollbacks since the last forward, in one launch
         if key is not None:
             bucket = self._bucket(key)
             bucket.host.copy_(inputs_of(segments, starts, key, self.spare, self.max_len, states))
             bucket.inputs.copy_(bucket.host, non_blocking=True)
-            logits, decided, kept = self.graphs.run(key, self.step, bucket.args())
+            logits, decided = self.graphs.run(key, self.step, bucket.args())
             host = bucket.decided
             host.copy_(decided, non_blocking=True)
         else:  # eager at the forward's own shape; of a prefill (every segment last_only) the last rows' logits only
@@ -244,12 +243,11 @@ class CudaRunner:
             if all(s.last_only for s in segments):
                 last = torch.tensor([n - 1 for n in lengths], device=self.device)
                 firsts, ends = [0] * len(segments), [1] * len(segments)
-            logits, decided, kept = self.step(*args, last)
+            logits, decided = self.step(*args, last)
             host = decided.to("cpu", non_blocking=True)
-        if states is not None:  # the other buffers are current now; what a rollback replays stays with the slot
-            for b, (seg, start, n) in enumerate(zip(segments, starts, lengths)):
-                states.keep(seg.slot, start, n, [layer[0][b, :n] for layer in kept],
-                            [tuple(t[b, :n] for t in layer[1:]) for layer in kept])
+        if states is not None:  # the other buffers are current now
+            for seg, start, n in zip(segments, starts, lengths):
+                states.keep(seg.slot, start, n)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step's one wait: its decisions are on the host
         rows = host.tolist()

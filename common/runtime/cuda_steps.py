@@ -2,13 +2,14 @@
 no host value read, every index on the device - for dense decoders (`StaticStep`) and for the Qwen3.5 hybrids
 (`HybridStaticStep`: `hybrid.HybridDecoder`'s arithmetic).
 
-The hybrid step's gated attention layers use the KV cache; its Gated DeltaNet layers read the slot states from the
-buffer `reads` names and write the other (`state_cache.SlotStates`). A linear layer's q/k/v, z, b and a projections
-are one product; the causal convolution (its taps summed in a fixed order in fp32), the decay and write strength, the
-recurrence (`gpu_kernels.gated_delta_rule`, its state on chip over the block, each key head read for the value heads
-it serves) and the output norm gated by SiLU(z) are one kernel each. What a
-rollback within the step replays (the convolution inputs, and k, v, g, beta of every token) comes back as outputs;
-the runner keeps them per slot and replays with the same kernel, so a state rolled back equals the state a plain
+Every product leaves its split partials, which the launch after it adds (`gpu_kernels.linear_parts`): a product costs
+one launch. The hybrid step's gated attention layers use the KV cache; its Gated DeltaNet layers read the slot states
+from the buffer `reads` names and write the other, in place (`state_cache.StepStates`). A linear layer's q/k/v, z, b
+and a projections are one product; the causal convolution (its taps summed in a fixed order in fp32), the decay and
+write strength, the recurrence (`gpu_kernels.gated_delta_rule`, its state on chip over the block, each key head read
+for the value heads it serves) and the output norm gated by SiLU(z) are one kernel each. What a rollback within the
+step replays (the convolution's inputs and outputs, g and beta of every token) is stored with each slot inside the
+step; `StepStates` replays it with the recurrence's own arithmetic, so a state rolled back equals the state a plain
 decode of the accepted tokens writes.
 """
 
@@ -37,8 +38,7 @@ class StaticStep(nn.Module):
         super().__init__()
         cfg = self.cfg = model.cfg
         self.cache, self.tap_layers, self.tap_dest = cache, tap_layers, tap_dest
-        self.linear = gk.linear if numerics == "invariant" else torch.ops.aten.linear.default
-        self.add_norm = gk.add_rms_norm if numerics == "invariant" else gk.add_rms_norm_reference
+        self.linear, self.linear_parts = products(numerics)
         self.scale = gk.attention_scale(cfg.head_dim)
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
         self.cos, self.sin = (t.to(device, dtype) for t in rope_table(cfg, max_len))
@@ -55,44 +55,47 @@ class StaticStep(nn.Module):
                                 mlp_spec(checkpoint, model, i, layer.mlp)))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
-    def _proj(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.linear(x, weight)
-        return y if bias is None else y + bias
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, write_slots: torch.Tensor,
                 real: torch.Tensor, reads: torch.Tensor, last: torch.Tensor | None = None) -> tuple:
-        """tokens, positions, write_slots, real (1 or 0) [B, T]; slots [B]; reads [B] (a hybrid's state buffers; unused here);
-        last [B] (optional): return only that row of each. -> fp32 logits [B, T or 1, vocab], the greedy decision
-        [B, T + 1] (int64: column 0 the drafts a greedy verify of [anchor, d1..] accepts, then the argmax of every
-        row) and what a rollback replays (nothing for a dense model). K/V and tap features are stored at
-        (write_slots, positions)."""
+        """tokens, positions, write_slots, real (1 or 0) [B, T]; slots [B]; reads [B] (a hybrid's state buffers; unused
+        here); last [B] (optional): return only that row of each. -> fp32 logits [B, T or 1, vocab] and the greedy
+        decision [B, T + 1] (int64: column 0 the drafts a greedy verify of [anchor, d1..] accepts, then the argmax of
+        every row). K/V and tap features are stored at (write_slots, positions).
+
+        A layer is nine launches on CUDA: the q/k/v product, q/k norm + rotary with the K/V stores, attention and its
+        combine, the output product, add + norm, the gate/up product, SiLU x up, the down product, add + norm. Each
+        product leaves its split partials, which the next launch adds (`gpu_kernels.linear_parts`)."""
         cfg = self.cfg
         B, T = tokens.shape
-        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H, KV = cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
-        real = real.bool()
+        slots = slots.contiguous()
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
-        h, residual = self.add_norm(x, torch.zeros_like(x), self.layers[0][0], eps)
+        h, residual = gk.add_rms_norm(x[None], None, torch.zeros_like(x), self.layers[0][0], eps)
         taps = []
         n = len(self.layers)
         for i, (_, qkv_w, qkv_b, q_norm, k_norm, o_proj, post_norm, mlp) in enumerate(self.layers):
-            qkv = self._proj(h, qkv_w, qkv_b).view(B, T, H + 2 * KV, D)
-            qk = gk.qk_norm_rope(qkv, q_norm, k_norm, self.cos, self.sin, positions, H, KV, eps)  # [B, T, H + KV, D]
-            kc, vc = self.cache.k[i], self.cache.v[i]  # [slots, KV, max_len, D]
-            kc[write_slots, :, positions] = qk[:, :, H:]
-            vc[write_slots, :, positions] = qkv[:, :, H + KV :]
-            att = gk.cache_attention(qk[:, :, :H], kc, vc, slots, positions, self.scale)  # [B, T, H, D]
-            h, residual = self.add_norm(self._proj(att.reshape(B, T, H * D), o_proj.weight, o_proj.bias), residual,
-                                        post_norm, eps)
-            h, residual = self.add_norm(run_mlp(self, h, mlp), residual,
-                                        self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps)
+            q, _ = gk.attention_inputs(self.linear_parts(h, qkv_w), qkv_b, q_norm, k_norm, self.cos, self.sin,
+                                       positions, write_slots, self.cache.k[i], self.cache.v[i], H, KV, eps)
+            att = gk.cache_attention(q, self.cache.k[i], self.cache.v[i], slots, positions, self.scale)
+            h, residual = gk.add_rms_norm(self.linear_parts(att.flatten(2), o_proj.weight), o_proj.bias, residual,
+                                          post_norm, eps)
+            h, residual = gk.add_rms_norm(*run_mlp(self, h, mlp), residual,
+                                          self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps)
             if i in self.tap_layers:
                 taps.append(residual)  # the layer's output
         if n in self.tap_layers:
             taps.append(h)  # the final norm's output
         if taps and self.tap_dest is not None:
             self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
-        return (*greedy_head(self, h, tokens, real, last), ())
+        return greedy_head(self, h, tokens, real.bool(), last)
+
+
+def products(numerics: str):
+    """(linear, linear_parts) of a step: the batch-invariant operators, or ("fast") torch's products."""
+    if numerics == "invariant":
+        return gk.linear, gk.linear_parts
+    return torch.ops.aten.linear.default, lambda x, w: F.linear(x, w)[None]
 
 
 def merge(checkpoint: Checkpoint, model: Decoder, layer: int, module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
@@ -168,13 +171,14 @@ def mlp_spec(checkpoint: Checkpoint, model: nn.Module, layer: int, mlp: nn.Modul
             mlp.down_proj.bias)
 
 
-def run_mlp(step, h: torch.Tensor, spec: tuple) -> torch.Tensor:
-    """A layer's MLP over h [B, T, H] with the step's products: the SiLU-gated MLP, or the routed experts (softmax over
-    the router's logits in fp32, top_k, renormalised in rank order; `gpu_kernels.moe`) plus a gated shared expert."""
+def run_mlp(step, h: torch.Tensor, spec: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's MLP over h [B, T, H] with the step's products, as (split partials, bias) for the add + norm after it:
+    the SiLU-gated MLP, or the routed experts (softmax over the router's logits in fp32, top_k, renormalised in rank
+    order; `gpu_kernels.moe`) plus a gated shared expert."""
     if spec[0] == "dense":
         _, gate_up, gate_up_bias, down, down_bias = spec
-        gate, up = step._proj(h, gate_up, gate_up_bias).chunk(2, dim=-1)
-        return step._proj(F.silu(gate) * up, down, down_bias)
+        act = gk.silu_mul(step.linear_parts(h, gate_up), gate_up_bias, h.dtype)
+        return step.linear_parts(act, down), down_bias
     _, router, gate_up, down, shared, top_k, renormalise = spec
     x = h.reshape(-1, h.shape[-1])
     weights, ids = torch.topk(torch.softmax(step.linear(x, router).float(), dim=-1), top_k, dim=-1)
@@ -186,9 +190,9 @@ def run_mlp(step, h: torch.Tensor, spec: tuple) -> torch.Tensor:
     out = gk.moe(x, weights.to(x.dtype), ids, gate_up, down)
     if shared is not None:
         s_gate_up, s_down, s_gate = shared
-        gate, up = step.linear(x, s_gate_up).chunk(2, dim=-1)
-        out = out + torch.sigmoid(step.linear(x, s_gate)) * step.linear(F.silu(gate) * up, s_down)
-    return out.view(h.shape)
+        act = gk.silu_mul(step.linear_parts(x, s_gate_up), None, x.dtype)
+        out = out + torch.sigmoid(step.linear(x, s_gate)) * step.linear(act, s_down)
+    return out.view(h.shape)[None], None
 
 
 class HybridStaticStep(nn.Module):
@@ -198,8 +202,7 @@ class HybridStaticStep(nn.Module):
         cfg = self.cfg = model.cfg
         self.cache, self.states = cache, cache.states
         self.tap_layers, self.tap_dest = tap_layers, tap_dest
-        self.linear = gk.linear if numerics == "invariant" else torch.ops.aten.linear.default
-        self.add_norm = gk.add_rms_norm if numerics == "invariant" else gk.add_rms_norm_reference
+        self.linear, self.linear_parts = products(numerics)
         self.scale = gk.attention_scale(cfg.head_dim)
         self.embed = model.embed_tokens.weight
         self.cos, self.sin = (t.to(self.embed.device, self.embed.dtype) for t in rope_table(cfg, max_len))
@@ -219,78 +222,60 @@ class HybridStaticStep(nn.Module):
                                 mlp_spec(checkpoint, model, i, layer.mlp)))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
-    def _proj(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.linear(x, weight)
-        return y if bias is None else y + bias
-
     def _attention(self, h, mixer, positions, slots, write_slots):
         cfg = self.cfg
         _, layer, qkv_w, q_norm, k_norm, o_proj = mixer
-        B, T, _ = h.shape
-        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        y = self.linear(h, qkv_w)
-        q, gate = y[..., : 2 * H * D].view(B, T, H, 2 * D).chunk(2, dim=-1)  # each [B, T, H, D]
-        k = y[..., 2 * H * D : (2 * H + KV) * D].view(B, T, KV, D)
-        v = y[..., (2 * H + KV) * D :].view(B, T, KV, D)
-        qk = gk.qk_norm_rope(torch.cat((q, k), dim=2), q_norm, k_norm, self.cos, self.sin, positions, H, KV,
-                             cfg.rms_norm_eps, True)  # [B, T, H + KV, D]
+        H, KV = cfg.num_heads, cfg.num_kv_heads
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[write_slots, :, positions] = qk[:, :, H:]
-        vc[write_slots, :, positions] = v
-        att = gk.cache_attention(qk[:, :, :H].contiguous(), kc, vc, slots, positions, self.scale)  # [B, T, H, D]
-        return self.linear((att * torch.sigmoid(gate)).reshape(B, T, H * D), o_proj)
+        q, gate = gk.attention_inputs(self.linear_parts(h, qkv_w), None, q_norm, k_norm, self.cos, self.sin, positions,
+                                      write_slots, kc, vc, H, KV, cfg.rms_norm_eps, True, True)
+        att = gk.cache_attention(q, kc, vc, slots, positions, self.scale, gate)  # [B, T, H, D], gated
+        return self.linear_parts(att.flatten(2), o_proj)
 
-    def _linear_attention(self, h, mixer, slots, real, reads, kept):
+    def _linear_attention(self, h, mixer, slots, real, reads):
         lin = self.cfg.linear
         _, layer, proj, conv_w, a_log, dt_bias, norm_w, out_w = mixer
         B, T, _ = h.shape
-        C, Hv, Hk, dk, dv = lin.conv_dim, lin.num_v_heads, lin.num_k_heads, lin.k_head_dim, lin.v_head_dim
-        y = self.linear(h, proj)  # q/k/v (the convolution's inputs), z, b, a
-        mixed, z, b, a = y.split((C, lin.value_dim, Hv, Hv), dim=-1)
-        writes = 1 - reads
-        k1 = lin.conv_kernel - 1
-        conv_state = self.states.conv[layer, slots, reads]  # [B, C, k1]
-        conv = gk.causal_conv(conv_state, mixed, conv_w)  # [B, T, C]
-        # the new convolution state: the k1 inputs before each row's first padding token
-        inputs = torch.cat((conv_state, mixed.transpose(1, 2)), dim=2)  # [B, C, k1 + T]
-        ends = real.sum(dim=1)[:, None] + torch.arange(k1, device=h.device)
-        self.states.conv[layer, slots, writes] = inputs.gather(2, ends[:, None, :].expand(-1, C, -1))
-        kd = Hk * dk
-        q = conv[..., :kd].view(B, T, Hk, dk)
-        k = conv[..., kd : 2 * kd].view(B, T, Hk, dk)
-        v = conv[..., 2 * kd :].view(B, T, Hv, dv)
-        g, beta = gk.delta_gates(a, b, a_log, dt_bias, real)  # [B, T, Hv] each; 0 at padding
-        out, state = gk.gated_delta_rule(self.states.recurrent[layer, slots, reads], q, k, v, g, beta, dk ** -0.5)
-        self.states.recurrent[layer, slots, writes] = state
-        kept.append((mixed, k, v, g, beta))
-        out = gk.gated_rms_norm(out.to(h.dtype), z.view(B, T, Hv, dv), norm_w, self.cfg.rms_norm_eps)
-        return self.linear(out.reshape(B, T, lin.value_dim), out_w)
+        C, Hv = lin.conv_dim, lin.num_v_heads
+        parts = self.linear_parts(h, proj)  # q/k/v (the convolution's inputs), z, b, a
+        both = gk.causal_conv(parts, self.states.conv[layer], slots, reads, real, conv_w, h.dtype)  # [B, T, 2, C]
+        b_col = C + lin.value_dim  # then a: the product's columns are [inputs C | z | b Hv | a Hv]
+        gates = gk.delta_gates(parts, b_col, b_col + Hv, a_log, dt_bias, real, h.dtype)  # [B, T, 2, Hv]; 0 at padding
+        if T <= self.states.max_block:  # what a rollback within this forward replays, kept with each slot
+            self.states.kept[layer, :, :T][slots] = both
+            self.states.kept_gates[layer, :, :T][slots] = gates
+        out = gk.gated_delta_rule(self.states.recurrent[layer], slots, reads, both, gates, lin.num_k_heads,
+                                  lin.k_head_dim ** -0.5)
+        out = gk.gated_rms_norm(out, parts, C, norm_w, self.cfg.rms_norm_eps, h.dtype)
+        return self.linear_parts(out.reshape(B, T, lin.value_dim), out_w)
 
     def forward(self, tokens, positions, slots, write_slots, real, reads, last=None):
-        """As `cuda_runner.StaticStep.forward`, with reads [B] (each row's current state buffer); also returns what a
-        rollback replays, per linear layer (conv inputs [B, T, C], k, v, g, beta)."""
+        """As `StaticStep.forward`, with reads [B] (each row's current state buffer). A Gated DeltaNet layer is ten to
+        twelve launches on CUDA: its input product, the convolution (which also writes the next convolution state),
+        the gates, the recurrence (state read and written in place), the gated norm, the output product, add + norm,
+        the MLP's three and add + norm, and within a verify's width the two stores of what a rollback replays."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        real = real.bool()
+        slots, reads = slots.contiguous(), reads.contiguous()
         x = F.embedding(tokens, self.embed)
-        h, residual = self.add_norm(x, torch.zeros_like(x), self.layers[0][0], eps, True)
-        taps, kept = [], []
+        h, residual = gk.add_rms_norm(x[None], None, torch.zeros_like(x), self.layers[0][0], eps, True)
+        taps = []
         n = len(self.layers)
         for i, (_, mixer, post_norm, mlp) in enumerate(self.layers):
             if mixer[0] == "linear":
-                out = self._linear_attention(h, mixer, slots, real, reads, kept)
+                out = self._linear_attention(h, mixer, slots, real, reads)
             else:
                 out = self._attention(h, mixer, positions, slots, write_slots)
-            h, residual = self.add_norm(out, residual, post_norm, eps, True)
-            h, residual = self.add_norm(run_mlp(self, h, mlp), residual,
-                                        self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps, True)
+            h, residual = gk.add_rms_norm(out, None, residual, post_norm, eps, True)
+            h, residual = gk.add_rms_norm(*run_mlp(self, h, mlp), residual,
+                                          self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps, True)
             if i in self.tap_layers:
                 taps.append(residual)
         if n in self.tap_layers:
             taps.append(h)  # the final norm's output
         if taps and self.tap_dest is not None:
             self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
-        return (*greedy_head(self, h, tokens, real, last), kept)
+        return greedy_head(self, h, tokens, real.bool(), last)
 
 
 def greedy_head(step, h: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,

@@ -141,8 +141,8 @@ def test_the_step_compiles_as_one_graph(family, variant_dirs, tmp_path, tokenize
     torch._dynamo.reset()
     compiled = torch.compile(runner.step, fullgraph=True, backend="aot_eager", dynamic=False)
     with torch.inference_mode():
-        logits, decided, _ = compiled(*bucket_.args())
-        ref_logits, ref_decided, _ = runner.step(*bucket_.args())
+        logits, decided = compiled(*bucket_.args())
+        ref_logits, ref_decided = runner.step(*bucket_.args())
     assert torch.equal(logits, ref_logits) and torch.equal(decided, ref_decided)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -175,57 +175,106 @@ KERNEL_CHECK = textwrap.dedent("""
     from blockspec.common.kernels import triton_kernels as tk
 
     torch.manual_seed(0)
-    # GEMM: the reference's values, and a row alone equal bit for bit to the same row among 13 (split K included)
-    for n, k in ((96, 256), (64, 1024)):
+    close = lambda a, b, tol=1e-5: (a - b).abs().max() < tol
+    # GEMM: its split partials (two here) add up to the product; a row alone equal bit for bit to the same row among 13
+    for n, k, splits in ((96, 256, 2), (64, 1024, 8)):
         x, w = torch.randn(13, k), torch.randn(n, k)
-        y = tk.triton_linear(x, w)
-        assert (y - x @ w.T).abs().max() < 1e-3, "gemm"
-        assert torch.equal(tk.triton_linear(x[5:6], w)[0], y[5]), "gemm rows"
-    # attention over two slots of a cache, queries at ragged positions across chunks
+        parts = tk.triton_linear_parts(x, w)
+        assert parts.shape == (splits, 13, n) and close(gk.sum_parts(parts, x.dtype), x @ w.T, 1e-3), "gemm"
+        assert torch.equal(tk.triton_linear_parts(x[5:6], w)[:, 0], parts[:, 5]), "gemm rows"
+        assert torch.equal(tk.triton_linear(x, w), gk.sum_parts(parts, x.dtype)), "gemm sum"
+    # attention over two slots of a cache, queries at ragged positions across chunks, with and without the output gate
     kc, vc = torch.randn(3, 2, 512, 16), torch.randn(3, 2, 512, 16)
-    q = torch.randn(2, 3, 6, 16)
+    q, gate = torch.randn(2, 3, 6, 16), torch.randn(2, 3, 6, 16)
     slots, pos = torch.tensor([2, 0]), torch.tensor([[5, 6, 7], [300, 301, 302]])
-    o = tk.triton_attention(q, kc, vc, slots, pos, 0.25)
-    assert (o - gk.attention_reference(q, kc, vc, slots, pos, 0.25)).abs().max() < 1e-5, "attention"
-    assert torch.equal(tk.triton_attention(q[1:, 1:2], kc, vc, slots[1:], pos[1:, 1:2], 0.25)[0, 0], o[1, 1]), "rows"
-    # add + RMSNorm (plain and zero-centred), q/k norm with rotary (full and partial, and rotary alone)
-    x, r, w = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
+    for z in (None, gate):
+        o = tk.triton_attention(q, kc, vc, slots, pos, 0.25, z)
+        assert close(o, gk.attention_reference(q, kc, vc, slots, pos, 0.25, z)), "attention"
+        alone = tk.triton_attention(q[1:, 1:2].contiguous(), kc, vc, slots[1:], pos[1:, 1:2].contiguous(), 0.25,
+                                    None if z is None else z[1:, 1:2].contiguous())
+        assert torch.equal(alone[0, 0], o[1, 1]), "attention rows"
+    # add + RMSNorm of a product's partials (plain and zero-centred, with and without a bias)
+    h, w48 = torch.randn(3, 4, 64), torch.randn(48, 64)
+    parts, r, w = tk.triton_linear_parts(h, w48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
+    assert parts.shape[0] > 1
     for zc in (False, True):
-        y, s = tk.triton_add_rms_norm(x, r, w, 1e-6, zc)
-        y0, s0 = gk.add_rms_norm_reference(x, r, w, 1e-6, zc)
-        assert (y - y0).abs().max() < 1e-5 and torch.equal(s, s0), "norm"
-    qkv, pos = torch.randn(2, 3, 8, 16), torch.randint(0, 64, (2, 3))
-    for rot in (16, 8):
-        cos, sin = torch.randn(64, rot), torch.randn(64, rot)
-        for qw, kw, zc in ((torch.randn(16), torch.randn(16), False), (torch.randn(16), torch.randn(16), True),
-                           (torch.empty(0), torch.empty(0), False)):
-            a = tk.triton_qk_norm_rope(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
-            b = gk.qk_norm_rope_reference(qkv, qw, kw, cos, sin, pos, 4, 2, 1e-6, zc)
-            assert (a - b).abs().max() < 1e-5, "qk"
-    # a Gated DeltaNet's output norm, and its recurrence over 21 tokens (two blocks), a row alone equal to the batch's
-    x, z = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4, 16)
-    assert (tk.triton_gated_rms_norm(x, z, w[:16], 1e-6) - gk.gated_rms_norm_reference(x, z, w[:16], 1e-6)).abs().max() < 1e-5
-    B, T, HV, DK, DV = 2, 21, 4, 16, 32  # two key heads, each serving two value heads
-    state, q, k = torch.randn(B, HV, DK, DV), torch.randn(B, T, 2, DK), torch.randn(B, T, 2, DK)
-    v, g, beta = torch.randn(B, T, HV, DV), -torch.rand(B, T, HV), torch.rand(B, T, HV)
-    o, s = td.triton_gated_delta_rule(state, q, k, v, g, beta, 0.25)
-    o0, s0 = gk.gated_delta_rule_reference(state, q, k, v, g, beta, 0.25)
-    assert (o - o0).abs().max() < 1e-4 and (s - s0).abs().max() < 1e-4, "delta rule"
-    o1, _ = td.triton_gated_delta_rule(state[1:], q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5], beta[1:, :5], 0.25)
+        for bias in (None, torch.randn(48)):
+            y, s = tk.triton_add_rms_norm(parts, bias, r, w, 1e-6, zc)
+            y0, s0 = gk.add_rms_norm_reference(parts, bias, r, w, 1e-6, zc)
+            assert close(y, y0) and torch.equal(s, s0), "norm"
+    # q/k norm + rotary with the K/V stores: plain and gated q heads, full and partial rotary, with and without norms
+    B, T, H, KV, D = 2, 3, 4, 2, 16
+    pos, ws = torch.randint(0, 64, (B, T)), torch.tensor([[0, 0, 0], [2, 2, 3]])
+    for gated in (False, True):
+        cols = H * D * (2 if gated else 1) + 2 * KV * D
+        parts = tk.triton_linear_parts(torch.randn(B, T, 64), torch.randn(cols, 64))
+        for rot in (16, 8):
+            cos, sin = torch.randn(64, rot), torch.randn(64, rot)
+            for qw, kw, zc, bias in ((torch.randn(D), torch.randn(D), False, torch.randn(cols)),
+                                     (torch.randn(D), torch.randn(D), True, None),
+                                     (torch.empty(0), torch.empty(0), False, None)):
+                caches = [torch.zeros(4, KV, 64, D) for _ in range(4)]
+                qa, ga = tk.triton_attention_inputs(parts, bias, qw, kw, cos, sin, pos, ws, caches[0], caches[1], H, KV,
+                                                    1e-6, zc, gated)
+                qb, gb = gk.attention_inputs_reference(parts, bias, qw, kw, cos, sin, pos, ws, caches[2], caches[3], H,
+                                                       KV, 1e-6, zc, gated)
+                assert close(qa, qb) and close(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), "qk"
+                assert ga.shape == gb.shape and (not gated or torch.equal(ga, gb)), "gate"
+    # SiLU x up and a Gated DeltaNet's output norm (its gate z the product's columns from 8), from partials
+    parts = tk.triton_linear_parts(torch.randn(2, 3, 64), torch.randn(96, 64))
+    bias = torch.randn(96)
+    silu = tk.triton_silu_mul(parts, bias, torch.float32)
+    assert close(silu, gk.silu_mul_reference(parts, bias, torch.float32)), "silu"
+    x = torch.randn(2, 3, 4, 16)
+    assert close(tk.triton_gated_rms_norm(x, parts, 8, w[:16], 1e-6, torch.float32),
+                 gk.gated_rms_norm_reference(x, parts, 8, w[:16], 1e-6, torch.float32)), "gated norm"
+    # a Gated DeltaNet layer over 21 tokens (row 1 padded after 17): conv (and its next state), gates, the recurrence
+    B, T, HK, HV, DK, DV, K = 2, 21, 2, 4, 16, 32, 4  # two key heads, each serving two value heads
+    C = 2 * HK * DK + HV * DV
+    parts = tk.triton_linear_parts(torch.randn(B, T, 64), torch.randn(C + HV * DV + 2 * HV, 64) * 0.2)
+    slots, reads = torch.tensor([3, 1]), torch.tensor([1, 0])
+    real = torch.ones(B, T, dtype=torch.long)
+    real[1, 17:] = 0
+    conv_w, a_log, dt_bias = torch.randn(C, K) * 0.5, torch.randn(HV), torch.randn(HV)
+    state = [torch.randn(5, 2, C, K - 1)] * 2
+    state = [state[0].clone(), state[0].clone()]
+    both = td.triton_causal_conv(parts, state[0], slots, reads, real, conv_w, torch.float32)
+    both0 = gk.causal_conv_reference(parts, state[1], slots, reads, real, conv_w, torch.float32)
+    assert close(both, both0) and torch.equal(state[0], state[1]), "conv"
+    b_col = C + HV * DV
+    gates = td.triton_delta_gates(parts, b_col, b_col + HV, a_log, dt_bias, real, torch.float32)
+    assert close(gates, gk.delta_gates_reference(parts, b_col, b_col + HV, a_log, dt_bias, real, torch.float32))
+    assert not gates[1, 17:].any(), "gates"
+    rec = torch.randn(5, 2, HV, DK, DV)
+    recs = [rec.clone(), rec.clone()]
+    o = td.triton_gated_delta_rule(recs[0], slots, reads, both, gates, HK, 0.25)
+    o0 = gk.gated_delta_rule_reference(recs[1], slots, reads, both, gates, HK, 0.25)
+    assert close(o, o0, 1e-4) and close(recs[0], recs[1], 1e-4), "delta rule"
+    alone = rec.clone()
+    o1 = td.triton_gated_delta_rule(alone, slots[1:], reads[1:], both[1:, :5].contiguous(), gates[1:, :5].contiguous(),
+                                    HK, 0.25)
     assert torch.equal(o1[0], o[1, :5]), "delta rule rows"
-    # the causal convolution over [state, block] and the decay and write strength (0 at padding)
-    conv_state, mixed, conv_w = torch.randn(2, 40, 3), torch.randn(2, 5, 40), torch.randn(40, 4)
-    assert (td.triton_causal_conv(conv_state, mixed, conv_w)
-            - gk.causal_conv_reference(conv_state, mixed, conv_w)).abs().max() < 1e-5, "conv"
-    a, b, real = torch.randn(2, 5, 6), torch.randn(2, 5, 6), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
-    a_log, dt_bias = torch.randn(6), torch.randn(6)
-    got, want = td.triton_delta_gates(a, b, a_log, dt_bias, real), gk.delta_gates_reference(a, b, a_log, dt_bias, real)
-    assert all((x - y).abs().max() < 1e-5 for x, y in zip(got, want)) and not got[0][1, 3:].any(), "gates"
+    # the rollback of every layer of two slots in one launch: the state after the first j kept tokens, equal bit for
+    # bit to the recurrence run over those j tokens alone; the convolution state the last K - 1 of [state, inputs]
+    L, W = 3, 8
+    rec, conv = torch.randn(L, 5, 2, HV, DK, DV), torch.randn(L, 5, 2, C, K - 1)
+    kept, kept_gates = torch.randn(L, 5, W, 2, C), torch.stack((-torch.rand(L, 5, W, HV), torch.rand(L, 5, W, HV)), 3)
+    slots, current, counts = torch.tensor([4, 0]), torch.tensor([0, 1]), torch.tensor([5, 0])
+    got, want = (rec.clone(), conv.clone()), (rec.clone(), conv.clone())
+    td.triton_rollback(*got, kept, kept_gates, slots, current, counts, HK)
+    gk.rollback_reference(*want, kept, kept_gates, slots, current, counts, HK)
+    assert close(got[0], want[0], 1e-4) and torch.equal(got[1], want[1]), "rollback"
+    assert torch.equal(got[0][:, 0, 1], rec[:, 0, 0]) and torch.equal(got[1][:, 0, 1], conv[:, 0, 0]), "rollback of 0"
+    for layer in range(L):
+        replay = rec.clone()
+        td.triton_gated_delta_rule(replay[layer], slots[:1], 1 - current[:1], kept[layer, 4:5, :5].contiguous(),
+                                   kept_gates[layer, 4:5, :5].contiguous(), HK, 0.25)
+        assert torch.equal(replay[layer, 4, current[0]], got[0][layer, 4, current[0]]), "rollback = recurrence"
     # the routed experts: 5 tokens, 8 experts, top 2; a token alone equal to the same token among the five
     x, gate_up, down = torch.randn(5, 64), torch.randn(8, 64, 64) * 0.1, torch.randn(8, 64, 32) * 0.1
     ids, weights = torch.stack([torch.randperm(8)[:2] for _ in range(5)]), torch.rand(5, 2)
     y = tk.triton_moe(x, weights, ids, gate_up, down)
-    assert (y - gk.moe_reference(x, weights, ids, gate_up, down)).abs().max() < 1e-5, "moe"
+    assert close(y, gk.moe_reference(x, weights, ids, gate_up, down)), "moe"
     assert torch.equal(tk.triton_moe(x[2:3], weights[2:3], ids[2:3], gate_up, down)[0], y[2]), "moe rows"
     print("ok")
 """)
