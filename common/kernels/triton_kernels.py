@@ -373,7 +373,7 @@ def triton_add_rms_norm(parts: torch.Tensor, bias: torch.Tensor | None, residual
 def triton_attention_inputs(parts: torch.Tensor, bias: torch.Tensor | None, q_weight: torch.Tensor,
                             k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                             write_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
-                            kv_heads: int, eps: float, zero_centred: bool, gated: bool
+                            kv_heads: int, eps: float, zero_centred: bool = False, gated: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     kn = _rows()
     _, B, T, ncol = parts.shape
