@@ -1,24 +1,29 @@
 """Batch-invariant operators of the CUDA backend: a row's result depends on that row alone.
 
-Two torch custom operators, so that a captured or compiled step sees each as one opaque node:
+Torch custom operators, so that a captured or compiled step sees each as one opaque node:
 
-* `blockspec::linear(x, w)` = x @ w.T. On CUDA a Triton GEMM whose tiles (BLOCK_M x BLOCK_N x BLOCK_K) and split of K
-  are fixed by the weight's shape and the device, never by the row count: every row is reduced in the same order
-  whether it is decoded alone, verified in a block of 16 or batched with 15 other requests. The split partials are
-  added in a fixed order (split 0 first).
-* `blockspec::cache_attention(q, k_cache, v_cache, slots, positions, scale)`: each query row attends to keys
+* `blockspec::linear_parts(x, w)`: x @ w.T as split partials. On CUDA a Triton GEMM whose tiles (BLOCK_M x BLOCK_N x
+  BLOCK_K) and split of K are fixed by the weight's shape and the device, never by the row count: every row is reduced
+  in the same order whether it is decoded alone, verified in a block of 16 or batched with 15 other requests. The
+  operator after it adds the partials in a fixed order (split 0 first, `sum_parts`), so a product costs one launch.
+  `blockspec::linear(x, w)` is the product itself (the partials added by their own launch).
+* `blockspec::attention_inputs`: q/k RMS norm and rotary over a q/k/v product, storing K and V in the cache;
+  `blockspec::cache_attention(q, k_cache, v_cache, slots, positions, scale, gate)`: each query row attends to keys
   [0, position] of its slot, read in place from the static cache [slots, kv_heads, max_len, head_dim] (no gather, no
   mask tensor). Keys are split into fixed chunks of CHUNK positions (flash-decoding with a split fixed per position,
   not per batch), each chunk's partial softmax combined in chunk order.
-
+* `add_rms_norm`, `silu_mul`, `gated_rms_norm`: per-row kernels over a product's partials.
+* A Gated DeltaNet layer: `causal_conv` (and the next convolution state), `delta_gates`, `gated_delta_rule` (the
+  recurrence, the slot states read and written in place) and `rollback_states` (every layer of every slot rolled
+  back in one launch).
 * `blockspec::moe(x, weights, ids, gate_up, down)`: a mixture of experts' routed MLPs. The (token, expert) pairs are
   grouped by expert into blocks of MOE_BLOCK rows (each expert's group padded to whole blocks: a layout of static size,
   built on the device), each block's products run with that expert's weights in the GEMM's fixed order, and every
   token adds its top_k outputs in rank order.
 
-Elsewhere (the CPU) each operator is its torch reference: F.linear, and SDPA over the gathered slots with a causal
-mask. `triton_kernels.py` and `triton_deltanet.py` hold the kernels; `TRITON_INTERPRET=1` runs them on CPU tensors
-(tests/common/runtime/test_cuda_runner.py).
+Elsewhere (the CPU) each operator is its torch reference (`*_reference`: F.linear, SDPA over the gathered slots with a
+causal mask, the delta rule token by token). `triton_kernels.py` and `triton_deltanet.py` hold the kernels;
+`TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/runtime/test_cuda_runner.py).
 """
 
 from __future__ import annotations
