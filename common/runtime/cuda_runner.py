@@ -65,8 +65,10 @@ class Graphs:
     graph (capturing fn(*args) first: two warm-up calls on a side stream, where kernels compile and the allocator
     settles, then the capture) and returns the outputs it recorded: static tensors, valid until the next replay.
     capture False calls fn(*args) instead (the CPU). `emulate` (the CPU tests) calls fn with the arguments of the key's
-    first call every time, as a replay reads the tensors its graph was captured with: a step that read a tensor made
-    outside its static buffers would compute from stale values there too."""
+    first call every time, as a replay reads the tensors its graph was captured with (a step that read a tensor made
+    outside its static buffers would compute from stale values there too), and returns the first call's output tensors
+    with each call's values copied in, as a replay overwrites its outputs (a reader that kept an earlier replay's
+    output, rather than copying it into a buffer of its own, would read the later one's values there too)."""
 
     def __init__(self, device: torch.device, capture: bool) -> None:
         self.device, self.capture = device, capture
@@ -80,7 +82,13 @@ class Graphs:
     def run(self, key, fn, args: tuple):
         if not self.capture:
             if self.emulate:
-                return fn(*self._graphs.setdefault(key, args))
+                first_args, outputs = self._graphs.get(key, (args, None))
+                fresh = fn(*first_args)
+                if outputs is None:
+                    self._graphs[key] = (first_args, fresh)
+                    return fresh
+                _copy_into(outputs, fresh)
+                return outputs
             return fn(*args)
         if key not in self._graphs:
             side = torch.cuda.Stream(self.device)
@@ -98,6 +106,15 @@ class Graphs:
         graph, outputs = self._graphs[key]
         graph.replay()
         return outputs
+
+
+def _copy_into(outputs, values) -> None:
+    """Each tensor of `values` (nested tuples and lists of tensors) copied into the same place of `outputs`."""
+    if isinstance(outputs, torch.Tensor):
+        outputs.copy_(values)
+    else:
+        for out, value in zip(outputs, values):
+            _copy_into(out, value)
 
 
 class _Bucket:

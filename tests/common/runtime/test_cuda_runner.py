@@ -386,6 +386,27 @@ def test_a_replayed_bucket_reads_each_calls_inputs(tmp_path, tokenizer):
         assert greedy_a == greedy_b and all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
 
 
+def test_a_rollback_reads_what_its_slot_owns_not_a_replays_outputs(tmp_path, tokenizer):
+    """A replay overwrites its graph's outputs (Graphs.emulate does too): two requests verified one after the other in
+    one bucket, then both rolled back, decode on as a runner that captures nothing decodes them - what a rollback
+    replays lives with its slot, not in the outputs of the replay that computed it."""
+    path = build_tiny_family(tmp_path / "hybrid", "qwen3_5", tokenizer=tokenizer)
+    ck = load_checkpoint(path)
+    runners = [CudaRunner(ck, 2, 128, (), torch.float32, "cpu") for _ in range(2)]
+    runners[0].graphs.emulate = True
+    outs = []
+    for runner in runners:
+        slots = [runner.cache.allocate() for _ in range(2)]
+        runner.forward([Segment(s, list(range(5 + s, 30 + s)), last_only=True) for s in slots])
+        for s in slots:  # bucket (1, 8) twice: the second replay overwrites the first one's outputs
+            runner.forward([Segment(s, list(range(50 + 3 * s, 58 + 3 * s)))])
+        for s, keep in zip(slots, (2, 5)):
+            runner.cache.set_length(s, runner.cache.lengths[s] - 8 + keep)
+        result = runner.forward([Segment(s, [7 + s]) for s in slots])
+        outs.append((result.greedy, [t.clone() for t in result.logits]))
+    assert outs[0][0] == outs[1][0] and all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+
+
 def test_warm_up_captures_every_bucket_and_touches_no_slot(variant_dirs):
     """Every bucket run once; the requests' slots of the KV cache and the tap buffer keep what they held."""
     runner = CudaRunner(load_checkpoint(variant_dirs[2]), 3, 64, (0, 1), torch.float32, "cpu", warm_up=False)
