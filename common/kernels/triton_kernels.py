@@ -103,7 +103,9 @@ def _attention() -> SimpleNamespace:
         start = c * CH
         end = tl.minimum(start + CH, pos + 1)
         base = slot * sk_s + kv * sk_h
-        for n0 in range(CH // BN):  # a fixed trip count; the blocks past the row's position are masked out
+        blocks = (end - start + BN - 1) // BN  # none in a chunk past the row's position: work follows the context
+        n0 = 0
+        while n0 < blocks:
             n = start + n0 * BN + tl.arange(0, BN)
             live = n < end
             kt = tl.load(kc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
@@ -117,6 +119,7 @@ def _attention() -> SimpleNamespace:
             s_sum = s_sum * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
+            n0 += 1
         o = (row * H + heads) * n_chunks + c
         tl.store(m_out + o, m, mask=g < G)
         tl.store(l_out + o, s_sum, mask=g < G)
