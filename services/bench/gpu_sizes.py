@@ -42,11 +42,13 @@ def hf_config(size: str) -> dict:
             "eos_token_id": vocab - 1}
 
 
-def random_target(size: str, device: str, dtype: torch.dtype) -> Checkpoint:
-    """A checkpoint of the size's shape with random weights made directly on the device (no file, no host copy)."""
+def random_target(size: str, device: str, dtype: torch.dtype, layers: int | None = None) -> Checkpoint:
+    """A checkpoint of the size's shape with random weights made directly on the device (no file, no host copy).
+    layers: its first `layers` layers only (a hybrid keeps its pattern of layer types)."""
     from blockspec.common.runtime.runner import decoder_class
 
-    cfg = parse_config(hf_config(size), Path(f"<random {size}>"))
+    raw = hf_config(size)
+    cfg = parse_config({**raw, "num_hidden_layers": layers or raw["num_hidden_layers"]}, Path(f"<random {size}>"))
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in decoder_class(cfg)(cfg).state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(0)
