@@ -1,27 +1,29 @@
-"""`blockspec gpu-check`: random-weight Qwen3-shaped targets up to the reference size (~27B, bf16), Qwen3.5 hybrids
+"""`blockspec gpu-check`: first a smoke stage (gpu_smoke.py: versions, the operators at the reference shapes, the
+cuBLAS probe), then random-weight Qwen3-shaped targets up to the reference size (~27B, bf16), Qwen3.5 hybrids
 (`tiny-hybrid`, and `27b-hybrid` with Qwen3.5-27B's published shape) and a matching DFlash drafter on one GPU. Per
-size one row: decode, verify-8 and verify-16 ms against the memory-bandwidth floor (bytes a decode reads over a large
-device-to-device copy's bandwidth, measured in the same run), kernels per decode, the drafter's cost c_d, the step
-loop's overhead, plain and speculative tokens/s at concurrency 1 and 8 with a drafter of fixed acceptance (tau 3.6,
-so the speedup does not hang on random weights) beside transformers' static-cache `generate` (compiled on the GPU;
-`--peer`), the default mode's exactness against plain decoding alone (at concurrency 1 and in batches of 8), and what
-the batch-invariant numerics cost against torch's products, each size within its budget. Then CUDA IPC sharing
-between two processes.
+size one row: its runner's logits against the eager runner's in fp32 (gpu_logits.py), then decode, verify-8 and
+verify-16 ms against the memory-bandwidth floor (bytes a decode reads over a large device-to-device copy's bandwidth,
+measured in the same run), kernels per decode, the drafter's cost c_d, the step loop's overhead, plain and
+speculative tokens/s at concurrency 1 and 8 with a drafter of fixed acceptance (tau 3.6, so the speedup does not hang
+on random weights) beside transformers' static-cache `generate` (compiled on the GPU; `--peer`), the default mode's
+exactness against plain decoding alone (at concurrency 1 and in batches of 8), and what the batch-invariant numerics
+cost against torch's products, each size within its budget. Then CUDA IPC sharing between two processes.
 
 `--device cpu --sizes tiny,tiny-hybrid` runs the same code on the CPU in seconds (what the tests run)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.models.model_config import parse_config
 from blockspec.common.runtime.cuda_runner import unsupported
+from blockspec.services.bench.gpu_logits import check_logits
+from blockspec.services.bench.gpu_report import SizeReport, notes, table, write
 from blockspec.services.bench.gpu_sizes import check_fits, hf_config, random_drafter, random_target
 
 log = logging.getLogger(__name__)
@@ -29,44 +31,20 @@ log = logging.getLogger(__name__)
 KS = (1, 3, 5, 7, 15)
 
 
-@dataclass
-class SizeReport:
-    size: str
-    params_b: float
-    backend: str  # the verifier's runner: "graphs" (cuda_runner, captured) or "eager"
-    decode_ms: float
-    verify8_ms: float
-    verify16_ms: float
-    floor_ms: float  # bytes a decode reads (weights, KV / states at the context) over the measured copy bandwidth
-    kernels_per_decode: int | None  # GPU kernels of one decode step (None off the GPU)
-    r: dict[int, float]  # r(k + 1)
-    c_d: dict[int, float]  # drafter proposal / one target decode
-    overhead_ms: float | None  # step loop time per step beyond the drafter and verifier calls
-    tau: float  # tokens per step of the fixed-acceptance runs (measured)
-    tokens_per_s: dict[str, float]  # "plain-1", "spec-1", "plain-8", "spec-8", "peer-1" (transformers)
-    exact: dict[str, int]  # tokens equal to plain decoding alone before the first difference: "spec-1", "plain-8", ...
-    exact_of: int  # tokens per request compared
-    numerics_ms: dict[str, float]  # decode ms of the CUDA runner: "invariant-1", "fast-1", "invariant-16", "fast-16"
-    skipped: tuple[str, ...] = ()  # optional stages left out: the size's budget was spent before them
-
-    @property
-    def floor_ratio(self) -> float:
-        return self.decode_ms / self.floor_ms
-
-
 THROUGHPUT_TOKENS = 64  # per request of the throughput and exactness runs, after a 128-token prompt
 SPEC_K = 7  # draft tokens per step of those runs: a verify of 8
 # Seconds a size may take before its optional stages (step-loop overhead, the numerics' cost, transformers) are left
-# out: four sizes and the sharing check fit 8 minutes, cold Triton and compile caches counted. The step costs, the
-# kernels, the throughput and the exactness counts always run.
-SIZE_BUDGET_S = 105.0
+# out: the smoke stage (gpu_smoke.SMOKE_LIMIT_S), four sizes and the sharing check fit 8 minutes, cold Triton and
+# compile caches counted. The logits against fp32, the step costs, the kernels, the throughput and the exactness
+# counts always run.
+SIZE_BUDGET_S = 90.0
 
 
 def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, repeats: int = 20,
                bandwidth: float | None = None, backend: str = "auto", peer: bool = False,
                budget_s: float | None = SIZE_BUDGET_S) -> SizeReport:
-    """One size's row. Past `budget_s` seconds from its start (None: no budget) the optional stages still to come are
-    left out and named in `skipped`."""
+    """One size's row, its logits against fp32 first. Past `budget_s` seconds from its start (None: no budget) the
+    optional stages still to come are left out and named in `skipped`."""
     from blockspec.services.bench.costs import cost_ratios
 
     deadline = None if budget_s is None else time.perf_counter() + budget_s
@@ -78,14 +56,17 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
             return False
         return True
 
+    if backend == "graphs" and unsupported(parse_config(hf_config(size), Path(size))):  # a shape its kernels refuse
+        backend = "auto"
+    logits = check_logits(size, device, dtype, backend)  # its truncated target freed before the whole one is made
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     target = random_target(size, device, dtype)
     context = min(context, 256) if size.startswith("tiny") else context
     params = sum(w.numel() for w in target.weights.values()) / 1e9
     prompt = torch.randint(0, target.config.vocab_size - 1, (context,),
                            generator=torch.Generator().manual_seed(1)).tolist()
     drafter = random_drafter(size, target.config, device, dtype)
-    if backend == "graphs" and unsupported(target.config):  # a shape the CUDA runner's kernels do not take
-        backend = "auto"
     verifier, proposer = roles(target, drafter, None, context + 64, dtype, device, slots=8, backend=backend)
     backend = "graphs" if type(verifier.runner).__name__ == "CudaRunner" else "eager"
     verifier.add("x", prompt)
@@ -107,7 +88,7 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return SizeReport(size, round(params, 3), backend, decode * 1e3, decode * r[7] * 1e3, decode * r[15] * 1e3, floor,
-                      kernels, r, c_d, overhead, tau, tps, exact, THROUGHPUT_TOKENS, numerics, tuple(skipped))
+                      kernels, r, c_d, overhead, tau, tps, exact, THROUGHPUT_TOKENS, numerics, tuple(skipped), logits)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -333,37 +314,12 @@ def _child_sum(handle) -> float:
     return float(open_handle(handle).sum())
 
 
-def table(reports: list[SizeReport]) -> str:
-    """One row per size: the step's costs against its floor, the drafter and the loop, throughput at the fixed
-    acceptance beside plain decoding and transformers, and the exactness counts of the default mode."""
-    cols = ["size", "params (B)", "runner", "decode ms", "verify-8 ms", "verify-16 ms", "floor ms", "decode / floor",
-            "kernels / decode", "c_d k=7", "c_d k=15", "loop overhead ms", "tau", "plain tok/s c=1", "spec tok/s c=1",
-            "speedup c=1", "plain tok/s c=8", "spec tok/s c=8", "speedup c=8", "transformers tok/s c=1",
-            "= plain alone: spec c=1", "plain c=8", "spec c=8", "invariant / fast decode c=1", "c=16"]
-    lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
-
-    def num(x, fmt=".2f") -> str:
-        return "-" if x is None else format(x, fmt)
-
-    for r in reports:
-        t, n, e = r.tokens_per_s, r.numerics_ms, r.exact
-        total = 8 * r.exact_of
-        cells = [r.size, r.params_b, r.backend, num(r.decode_ms), num(r.verify8_ms), num(r.verify16_ms),
-                 num(r.floor_ms), num(r.floor_ratio), num(r.kernels_per_decode, "d"), num(r.c_d.get(7)),
-                 num(r.c_d.get(15)), num(r.overhead_ms), num(r.tau), num(t["plain-1"], ".1f"), num(t["spec-1"], ".1f"),
-                 num(t["spec-1"] / t["plain-1"]), num(t["plain-8"], ".1f"), num(t["spec-8"], ".1f"),
-                 num(t["spec-8"] / t["plain-8"]), num(t.get("peer-1"), ".1f"),
-                 f"{e['spec-1']}/{total}", f"{e['plain-8']}/{total}", f"{e['spec-8']}/{total}",
-                 num(n["invariant-1"] / n["fast-1"]) if n else "-", num(n["invariant-16"] / n["fast-16"]) if n else "-"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
-
-
 def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto", peer: bool = False,
-         budget_s: float | None = SIZE_BUDGET_S) -> int:
-    """Each size in turn, each within its budget (check_size); one that fails is said (its error under the table, the
-    traceback in the log) and the next one runs: one run on a lent GPU keeps whatever it could measure. Exit code 1
-    when a size failed."""
+         budget_s: float | None = SIZE_BUDGET_S, smoke: bool = True) -> int:
+    """The smoke stage (unless `smoke` is False; its own time limit), then each size in turn, each within its budget
+    (check_size); a size that fails is said (its error under the table, the traceback in the log) and the next one
+    runs: one run on a lent GPU keeps whatever it could measure. Exit code 1 when a size failed, its logits were off the
+    fp32 reference, or a smoke case failed."""
     import traceback
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -371,7 +327,19 @@ def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto",
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     reports, failures = [], []
     bandwidth = copy_bandwidth(device)
-    head = f"Device: {name}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s."
+    head = f"Device: {name}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.0f} GB/s.\n\n"
+    report = None
+    if smoke:
+        from blockspec.services.bench.gpu_smoke import run_smoke, smoke_table
+
+        try:
+            report = run_smoke(device, bandwidth)
+            head += smoke_table(report) + "\n"
+        except Exception as e:  # noqa: BLE001 - a smoke that breaks is said, and the sizes still run
+            traceback.print_exc()
+            failures.append(f"smoke stage: {type(e).__name__}: {e}")
+        print(head, flush=True)
+        write(out, head + notes(failures), reports, report)
     for size in sizes:  # the files are rewritten after each size: a run cut short keeps what it measured
         started, outcome = time.perf_counter(), "done"
         try:
@@ -384,23 +352,11 @@ def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto",
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         print(f"{size}: {outcome} in {time.perf_counter() - started:.0f} s", flush=True)
-        _write(out, f"{head}\n\n{table(reports)}\n{_failed(failures, reports)}", reports)
-    text = (f"{head}\n\n{table(reports)}\n{_failed(failures, reports)}\n"
+        write(out, f"{head}{table(reports)}\n{notes(failures, reports, report)}", reports, report)
+    text = (f"{head}{table(reports)}\n{notes(failures, reports, report)}\n"
             f"Sharing between processes: {check_ipc(device)}\n")
     print(text)
-    _write(out, text, reports)
-    return 1 if failures else 0
-
-
-def _failed(failures: list[str], reports: list[SizeReport] = ()) -> str:
-    """What did not run, under the table: the sizes that failed, the stages a size's budget left out."""
-    skipped = "".join(f"\nLeft out of {r.size} (its budget spent): {', '.join(r.skipped)}\n"
-                      for r in reports if r.skipped)
-    return skipped + "".join(f"\nFailed: {f}\n" for f in failures)
-
-
-def _write(out: Path | None, text: str, reports: list[SizeReport]) -> None:
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.md").write_text(text)
-        (out / "gpu_check.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
+    write(out, text, reports, report)
+    wrong = (any(r.logits is not None and not r.logits.passed for r in reports)
+             or (report is not None and not report.passed))
+    return 1 if failures or wrong else 0

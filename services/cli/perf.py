@@ -93,7 +93,10 @@ def add_gpu_check_command(sub) -> None:
                                                        "takes the longest: give the sizes time for it)")
     gc.add_argument("--budget-s", type=_budget, default=None,
                     help="seconds a size may take before its optional stages (loop overhead, numerics, --peer) are "
-                         "left out (default 105: four sizes in 8 minutes; 0: no budget)")
+                         "left out (default 90: the smoke stage and four sizes in 8 minutes; 0: no budget)")
+    gc.add_argument("--no-smoke", action="store_true",
+                    help="leave out the smoke stage that runs first (versions, each operator's time, row invariance "
+                         "and error against fp32 at the reference shapes, the cuBLAS probe; at most 60 s)")
     gc.set_defaults(func=cmd_gpu_check)
 
 
@@ -230,7 +233,8 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
         raise InvalidArgument("--sizes", f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
     resolve_device(args.device)
     budget = gpu_check.SIZE_BUDGET_S if args.budget_s is None else args.budget_s or None
-    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend, args.peer, budget)
+    return gpu_check.main(sizes, args.device, out_dir(args.out) if args.out else None, args.backend, args.peer, budget,
+                          smoke=not args.no_smoke)
 
 
 def _budget(value: str) -> float:

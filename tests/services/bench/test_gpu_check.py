@@ -16,14 +16,26 @@ from blockspec.services.cli.main import main
 
 
 def test_gpu_check_runs_on_cpu_with_the_tiny_shapes(tmp_path, capsys):
-    """The captured runner's code (uncaptured on the CPU) for the dense and the hybrid shape: every column filled, the
+    """The smoke stage first, printed and written before the sizes; then the captured runner's code (uncaptured on the
+    CPU) for the dense and the hybrid shape: its logits equal to the eager runner's in fp32, every column filled, the
     fixed-acceptance drafter at its tau, every stream equal to plain decoding alone."""
+    from blockspec.services.bench.smoke_cases import CASES
+
     args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--backend", "graphs", "--peer",
             "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "| tiny | 0.0 | graphs |" in out and "| tiny-hybrid | 0.0 | graphs |" in out and "-> ok" in out
+    assert "| tiny | 0.0 | graphs | " in out and "| tiny-hybrid | 0.0 | graphs | " in out and "-> ok" in out
+    assert out.index("Smoke (") < out.index("| operator |") < out.index("| size |")
+    assert "| logits / fp32 (error / tolerance, argmax) |" in out and out.count(" / 1e-05 ok, argmax 72/72 |") == 2
+    written = (tmp_path / "gpu_check.md").read_text()
+    assert written.index("| cache_attention |") < written.index("| tiny |")
+    smoke = json.loads((tmp_path / "smoke.json").read_text())
+    assert smoke["passed"] and [c["name"] for c in smoke["cases"]] == list(CASES)
     for report in json.loads((tmp_path / "gpu_check.json").read_text()):
+        logits = report["logits"]
+        assert logits["runner"] == "graphs" and logits["passed"] and logits["error"] <= logits["tolerance"] == 1e-5
+        assert logits["agree"] == logits["rows"] == 72 and logits["layers"] == (4 if "hybrid" in report["size"] else 2)
         assert set(report["r"]) == {"1", "3", "5", "7", "15"} and all(v > 0 for v in report["c_d"].values())
         assert report["decode_ms"] > 0 and report["floor_ms"] > 0 and report["kernels_per_decode"] is None
         assert report["tau"] == pytest.approx(3.6, abs=0.1)
@@ -36,14 +48,17 @@ def test_gpu_check_runs_on_cpu_with_the_tiny_shapes(tmp_path, capsys):
 
 
 def test_a_size_past_its_budget_leaves_out_its_optional_stages_and_says_which(tmp_path, capsys):
-    """The step costs, the throughput and the exactness counts always run; the loop overhead, the numerics' cost and
-    transformers are left out once the size's budget is spent, named under the table."""
+    """The logits against fp32, the step costs, the throughput and the exactness counts always run; the loop overhead,
+    the numerics' cost and transformers are left out once the size's budget is spent, named under the table.
+    --no-smoke leaves out the smoke stage."""
     args = ["gpu-check", "--device", "cpu", "--sizes", "tiny", "--backend", "graphs", "--peer", "--budget-s", "0.001",
-            "--out", str(tmp_path)]
+            "--no-smoke", "--out", str(tmp_path)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "Left out of tiny (its budget spent): loop overhead, numerics, transformers" in out
+    assert "Smoke (" not in out and not (tmp_path / "smoke.json").exists()
     [report] = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["logits"]["passed"]
     assert report["skipped"] == ["loop overhead", "numerics", "transformers"]
     assert report["overhead_ms"] is None and report["numerics_ms"] == {} and report["tokens_per_s"]["peer-1"] is None
     assert report["decode_ms"] > 0 and report["exact"] == dict.fromkeys(("spec-1", "plain-8", "spec-8"),
@@ -64,12 +79,38 @@ def test_a_size_that_fails_is_said_and_the_others_still_run(tmp_path, capsys, mo
         return run(size, *args, **kwargs)
 
     monkeypatch.setattr(gpu_check, "check_size", flaky)
-    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--out", str(tmp_path)]
+    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny,tiny-hybrid", "--no-smoke", "--out", str(tmp_path)]
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "Failed: tiny: RuntimeError: no kernel image is available" in out and "| tiny-hybrid |" in out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [r["size"] for r in report] == ["tiny-hybrid"] and report[0]["tokens_per_s"]["peer-1"] is None
+
+
+def test_logits_off_the_fp32_reference_are_said_under_the_table_and_the_exit_code_is_1(capsys, monkeypatch):
+    """The CUDA runner's fp32 logits differ from the eager runner's in their last bits: held to a tolerance of 0 they
+    fail, the size's other stages still run."""
+    from blockspec.services.bench import gpu_logits
+
+    monkeypatch.setitem(gpu_logits.LOGITS_TOLERANCE, torch.float32, 0.0)
+    args = ["gpu-check", "--device", "cpu", "--sizes", "tiny", "--backend", "graphs", "--budget-s", "0.001",
+            "--no-smoke"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "Logits off the fp32 reference: tiny (error " in out and " / 0e+00 FAILED, argmax 72/72 |" in out
+    assert "Failed:" not in out and "| tiny | 0.0 | graphs |" in out
+
+
+def test_a_failed_smoke_case_is_said_the_sizes_still_run_and_the_exit_code_is_1(capsys, monkeypatch):
+    from blockspec.services.bench import smoke_cases
+
+    def broken(s, dtype, device):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setitem(smoke_cases.CASES, "broken", broken)
+    assert main(["gpu-check", "--device", "cpu", "--sizes", "tiny", "--budget-s", "0.001"]) == 1
+    out = capsys.readouterr().out
+    assert "| broken | - |" in out and "Smoke failed: broken" in out and "| tiny | 0.0 |" in out
 
 
 def test_the_hybrid_reference_shape_is_qwen3_5_27b():
