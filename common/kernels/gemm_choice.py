@@ -1,6 +1,7 @@
 """Whether torch's own products (cuBLAS) are row-invariant for a model's weight shapes: cuBLAS configured without
 split-K reductions, then the product of the first m rows compared bit for bit with the same rows of a product over
-more rows. Its answer names the GEMM a batch-invariant linear can use: "cublas" where every row matched, else "triton"."""
+more rows. Its answer names the GEMM a batch-invariant linear can use: "cublas" where every row matched, else
+"triton"."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def configure_cublas() -> tuple[str, ...]:
     """Configure this process's cuBLAS as vLLM's batch-invariant mode does on Hopper and Blackwell
     (`enable_batch_invariant_mode` in vllm/model_executor/layers/batch_invariant.py): `CUBLAS_WORKSPACE_CONFIG=:16:8`
     and `CUBLASLT_WORKSPACE_SIZE=1` (KiB), no reduced-precision or split-K reductions in bf16 and fp16 products
-    (`allow_bf16_reduced_precision_reduction = (False, False)`, the tuple form of PyTorch 2.10 on, pytorch/pytorch#164766)
-    and cuBLASLt preferred. torch reads both variables once, at the process's first product: call this before any.
-    Needs a CUDA build of torch. Returns the settings made, as text."""
+    (`allow_bf16_reduced_precision_reduction = (False, False)`, the tuple form of PyTorch 2.10 on,
+    pytorch/pytorch#164766) and cuBLASLt preferred. torch reads both variables once, at the process's first product:
+    call this before any. Needs a CUDA build of torch. Returns the settings made, as text."""
     os.environ.update(CUBLAS_ENV)
     matmul = torch.backends.cuda.matmul
     try:
