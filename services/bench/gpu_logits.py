@@ -48,10 +48,15 @@ def check_logits(size: str, device: str, dtype: torch.dtype, backend: str = "aut
     prompt = torch.randint(0, target.config.vocab_size, (PREFILL,), generator=torch.Generator().manual_seed(2)).tolist()
     got, want = [], []
     tokens = prompt
-    for _ in range(DECODES + 1):
-        got.append(runner.forward([Segment(slots[0], tokens)]).logits[0].float())
-        want.append(reference.forward([Segment(slots[1], tokens)]).logits[0])
-        tokens = [int(want[-1][-1].argmax())]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the reference's convolutions in fp32 (cuDNN's default is TF32)
+    try:
+        for _ in range(DECODES + 1):
+            got.append(runner.forward([Segment(slots[0], tokens)]).logits[0].float())
+            want.append(reference.forward([Segment(slots[1], tokens)]).logits[0])
+            tokens = [int(want[-1][-1].argmax())]
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     got, want = torch.cat(got), torch.cat(want)  # [PREFILL + DECODES, vocab]
     error = float((got - want).abs().max()) / float(want.abs().max())
     agree = int((got.argmax(-1) == want.argmax(-1)).sum())
