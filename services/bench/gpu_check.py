@@ -13,6 +13,7 @@ cost against torch's products, each size within its budget. Then CUDA IPC sharin
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -58,8 +59,9 @@ def check_size(size: str, device: str, dtype: torch.dtype, context: int = 1024, 
 
     if backend == "graphs" and unsupported(parse_config(hf_config(size), Path(size))):  # a shape its kernels refuse
         backend = "auto"
-    logits = check_logits(size, device, dtype, backend)  # its truncated target freed before the whole one is made
-    if device.startswith("cuda"):
+    logits = check_logits(size, device, dtype, backend)
+    if device.startswith("cuda"):  # its truncated targets and graphs given back before the whole target is made
+        gc.collect()
         torch.cuda.empty_cache()
     target = random_target(size, device, dtype)
     context = min(context, 256) if size.startswith("tiny") else context
