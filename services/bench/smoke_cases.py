@@ -19,8 +19,9 @@ MAX_ROWS = 128  # the largest batch a row is compared in
 # products and the convolution round once (their sums stay fp32), the norms, rotary embedding, attention (its
 # probabilities meet V in bf16) and the experts (their activations) two to four times, allowed 5-10x that; the gates
 # and the delta rule compute in fp32 from the same inputs and differ only in the order of their sums and their exp.
-TOLERANCES = {"linear": 1e-2, "cache_attention": 2e-2, "add_rms_norm": 2e-2, "qk_norm_rope": 2e-2,
-              "gated_rms_norm": 2e-2, "gated_delta_rule": 1e-3, "causal_conv": 1e-2, "delta_gates": 1e-3, "moe": 2e-2}
+TOLERANCES = {"linear": 1e-2, "cache_attention": 2e-2, "add_rms_norm": 2e-2, "attention_inputs": 2e-2,
+              "silu_mul": 2e-2, "gated_rms_norm": 2e-2, "gated_delta_rule": 1e-3, "causal_conv": 1e-2,
+              "delta_gates": 1e-3, "moe": 2e-2}
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,13 @@ def _linear(n: int, k: int, dtype: torch.dtype, device: str) -> Case:
     return Case("linear", f"{k} -> {n}", gk.linear, gk.linear_reference, lambda m: (x[:m], w))
 
 
+def _parts(gen: torch.Generator, n: int, k: int, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    """The split partials of a product [MAX_ROWS, 1, k] @ [n, k].T as the step's products leave them (`linear_parts`);
+    m -> those of the first m rows."""
+    parts = gk.linear_parts(_randn(gen, MAX_ROWS, 1, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.05))
+    return lambda m: parts[:, :m].contiguous()
+
+
 def linear_qkv(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     c = s.dense
     return _linear((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size, dtype, device)
@@ -86,89 +94,110 @@ def linear_in_proj(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     return _linear(lin.conv_dim + lin.value_dim + 2 * lin.num_v_heads, s.hybrid.hidden_size, dtype, device)
 
 
-def _attention(c: ModelConfig, context: int, dtype: torch.dtype, device: str) -> Case:
+def _attention(c: ModelConfig, context: int, dtype: torch.dtype, device: str, gated: bool) -> Case:
     gen, (H, KV, D) = _gen(device), (c.num_heads, c.num_kv_heads, c.head_dim)
-    q = _randn(gen, MAX_ROWS, 1, H, D, dtype=dtype)
+    q, gate = (_randn(gen, MAX_ROWS, 1, H, D, dtype=dtype) for _ in range(2))
     k_cache, v_cache = (_randn(gen, MAX_ROWS, KV, context, D, dtype=dtype) for _ in range(2))  # a slot a request
     slots, positions = torch.arange(MAX_ROWS, device=device), _positions(context, device)
     scale, size = gk.attention_scale(D), dtype.itemsize
 
     def bytes_(m: int) -> int:  # q and the output, and each request's keys and values up to its position
-        return (2 * m * H * D + int((positions[:m] + 1).sum()) * 2 * KV * D) * size
+        return ((2 + gated) * m * H * D + int((positions[:m] + 1).sum()) * 2 * KV * D) * size
 
-    return Case("cache_attention", f"{H} heads, {KV} KV, head_dim {D}, context {context}", gk.cache_attention,
-                gk.attention_reference, lambda m: (q[:m], k_cache, v_cache, slots[:m], positions[:m], scale), bytes_)
+    return Case("cache_attention", f"{H} heads, {KV} KV, head_dim {D}, context {context}{', gated' if gated else ''}",
+                gk.cache_attention, gk.attention_reference,
+                lambda m: (q[:m], k_cache, v_cache, slots[:m], positions[:m], scale, gate[:m] if gated else None),
+                bytes_)
 
 
 def cache_attention(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    return _attention(s.dense, s.context, dtype, device)
+    return _attention(s.dense, s.context, dtype, device, False)
 
 
 def cache_attention_hybrid(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    return _attention(s.hybrid, s.context, dtype, device)
+    return _attention(s.hybrid, s.context, dtype, device, True)
+
+
+def _add_rms_norm(c: ModelConfig, dtype: torch.dtype, device: str, zero_centred: bool) -> Case:
+    gen = _gen(device)
+    parts = _parts(gen, c.hidden_size, c.num_heads * c.head_dim, dtype)  # the attention's output product
+    residual = _randn(gen, MAX_ROWS, 1, c.hidden_size, dtype=dtype)
+    weight = (0 if zero_centred else 1) + _randn(gen, c.hidden_size, dtype=dtype, scale=0.1)
+    return Case("add_rms_norm", f"hidden {c.hidden_size}{', zero-centred' if zero_centred else ''}", gk.add_rms_norm,
+                gk.add_rms_norm_reference,
+                lambda m: (parts(m), None, residual[:m], weight, c.rms_norm_eps, zero_centred))
 
 
 def add_rms_norm(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    gen, c = _gen(device), s.dense
-    x, residual = (_randn(gen, MAX_ROWS, c.hidden_size, dtype=dtype) for _ in range(2))
-    weight = 1 + _randn(gen, c.hidden_size, dtype=dtype, scale=0.1)
-    return Case("add_rms_norm", f"hidden {c.hidden_size}", gk.add_rms_norm, gk.add_rms_norm_reference,
-                lambda m: (x[:m], residual[:m], weight, c.rms_norm_eps))
+    return _add_rms_norm(s.dense, dtype, device, False)
 
 
 def add_rms_norm_zero_centred(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    gen, c = _gen(device), s.hybrid
-    x, residual = (_randn(gen, MAX_ROWS, c.hidden_size, dtype=dtype) for _ in range(2))
-    weight = _randn(gen, c.hidden_size, dtype=dtype, scale=0.1)
-    return Case("add_rms_norm", f"hidden {c.hidden_size}, zero-centred", gk.add_rms_norm, gk.add_rms_norm_reference,
-                lambda m: (x[:m], residual[:m], weight, c.rms_norm_eps, True))
+    return _add_rms_norm(s.hybrid, dtype, device, True)
 
 
-def _qk_norm_rope(c: ModelConfig, heads: int, context: int, dtype: torch.dtype, device: str,
-                  zero_centred: bool) -> Case:
+def _attention_inputs(c: ModelConfig, context: int, dtype: torch.dtype, device: str, gated: bool) -> Case:
+    """q/k norm and rotary over a q/k/v product, K and V stored (each request its slot)."""
     gen, (H, KV, D) = _gen(device), (c.num_heads, c.num_kv_heads, c.head_dim)
-    qkv = _randn(gen, MAX_ROWS, 1, heads, D, dtype=dtype)
-    q_w, k_w = ((0 if zero_centred else 1) + _randn(gen, D, dtype=dtype, scale=0.1) for _ in range(2))
+    parts = _parts(gen, H * D * (2 if gated else 1) + 2 * KV * D, c.hidden_size, dtype)
+    q_w, k_w = ((0 if gated else 1) + _randn(gen, D, dtype=dtype, scale=0.1) for _ in range(2))
     cos, sin = (t.to(device, dtype) for t in rope_table(c, context))
     positions = _positions(context, device)
+    slots = torch.arange(MAX_ROWS, device=device)[:, None]
+    k_cache, v_cache = (torch.zeros(MAX_ROWS, KV, context, D, dtype=dtype, device=device) for _ in range(2))
 
-    def bytes_(m: int) -> int:  # the q and k heads read and written, a cos and a sin row each
-        return (2 * m * (H + KV) * D + 2 * m * cos.shape[1]) * dtype.itemsize
+    def bytes_(m: int) -> int:  # the product's partials read, q (and its gate) and k, v written, a cos and a sin row
+        read = parts(m).numel() * parts(m).element_size()
+        return read + ((1 + gated) * m * H * D + 2 * m * KV * D + 2 * m * cos.shape[1]) * dtype.itemsize
 
-    return Case("qk_norm_rope", f"{H} + {KV} heads of {D}, rotary {cos.shape[1]}", gk.qk_norm_rope,
-                gk.qk_norm_rope_reference,
-                lambda m: (qkv[:m], q_w, k_w, cos, sin, positions[:m], H, KV, c.rms_norm_eps, zero_centred), bytes_)
-
-
-def qk_norm_rope(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    c = s.dense  # the dense step's q, k and v heads
-    return _qk_norm_rope(c, c.num_heads + 2 * c.num_kv_heads, s.context, dtype, device, False)
+    return Case("attention_inputs", f"{H} + {KV} heads of {D}, rotary {cos.shape[1]}{', gated' if gated else ''}",
+                gk.attention_inputs, gk.attention_inputs_reference,
+                lambda m: (parts(m), None, q_w, k_w, cos, sin, positions[:m], slots[:m], k_cache, v_cache, H, KV,
+                           c.rms_norm_eps, gated, gated), bytes_)
 
 
-def qk_norm_rope_hybrid(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    c = s.hybrid  # the hybrid step's q and k heads (its gate and v apart)
-    return _qk_norm_rope(c, c.num_heads + c.num_kv_heads, s.context, dtype, device, True)
+def attention_inputs(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
+    return _attention_inputs(s.dense, s.context, dtype, device, False)
+
+
+def attention_inputs_hybrid(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
+    return _attention_inputs(s.hybrid, s.context, dtype, device, True)
+
+
+def silu_mul(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
+    c = s.dense
+    parts = _parts(_gen(device), 2 * c.intermediate_size, c.hidden_size, dtype)
+    return Case("silu_mul", f"intermediate {c.intermediate_size}", gk.silu_mul, gk.silu_mul_reference,
+                lambda m: (parts(m), None, dtype))
+
+
+def _deltanet_parts(s: SmokeShapes, gen: torch.Generator, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    lin = s.hybrid.linear  # the layer's one input product: q/k/v, z, b, a
+    return _parts(gen, lin.conv_dim + lin.value_dim + 2 * lin.num_v_heads, s.hybrid.hidden_size, dtype)
 
 
 def gated_rms_norm(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     gen, lin = _gen(device), s.hybrid.linear
-    x, gate = (_randn(gen, MAX_ROWS, 1, lin.num_v_heads, lin.v_head_dim, dtype=dtype) for _ in range(2))
+    x = _randn(gen, MAX_ROWS, 1, lin.num_v_heads, lin.v_head_dim, dtype=torch.float32)
+    parts = _deltanet_parts(s, gen, dtype)
     weight = 1 + _randn(gen, lin.v_head_dim, dtype=dtype, scale=0.1)
     return Case("gated_rms_norm", f"{lin.num_v_heads} heads of {lin.v_head_dim}", gk.gated_rms_norm,
-                gk.gated_rms_norm_reference, lambda m: (x[:m], gate[:m], weight, s.hybrid.rms_norm_eps))
+                gk.gated_rms_norm_reference,
+                lambda m: (x[:m], parts(m), lin.conv_dim, weight, s.hybrid.rms_norm_eps, dtype))
 
 
 def _delta_rule(s: SmokeShapes, tokens: int, dtype: torch.dtype, device: str) -> Case:
     gen, lin = _gen(device), s.hybrid.linear
     Hk, Hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim
-    state = _randn(gen, MAX_ROWS, Hv, dk, dv, dtype=torch.float32, scale=0.1)
-    q, k = (_randn(gen, MAX_ROWS, tokens, Hk, dk, dtype=dtype) for _ in range(2))
-    v = _randn(gen, MAX_ROWS, tokens, Hv, dv, dtype=dtype)
-    g = -torch.rand((MAX_ROWS, tokens, Hv), generator=gen, device=device)  # log decay
-    beta = torch.rand((MAX_ROWS, tokens, Hv), generator=gen, device=device)
+    rec = _randn(gen, MAX_ROWS, 2, Hv, dk, dv, dtype=torch.float32, scale=0.1)  # [slots, 2 buffers, ...]
+    both = _randn(gen, MAX_ROWS, tokens, 2, lin.conv_dim, dtype=dtype)  # the convolution's inputs and outputs
+    g = -torch.rand((MAX_ROWS, tokens, 1, Hv), generator=gen, device=device)  # log decay
+    beta = torch.rand((MAX_ROWS, tokens, 1, Hv), generator=gen, device=device)
+    gates = torch.cat((g, beta), dim=2)
+    slots, reads = torch.arange(MAX_ROWS, device=device), torch.zeros(MAX_ROWS, dtype=torch.long, device=device)
     return Case("gated_delta_rule", f"{Hk} key, {Hv} value heads of {dk} x {dv}, {tokens} token(s)",
                 gk.gated_delta_rule, gk.gated_delta_rule_reference,
-                lambda m: (state[:m], q[:m], k[:m], v[:m], g[:m], beta[:m], dk ** -0.5))
+                lambda m: (rec, slots[:m], reads[:m], both[:m], gates[:m], Hk, dk ** -0.5))
 
 
 def gated_delta_rule(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
@@ -182,20 +211,24 @@ def gated_delta_rule_block(s: SmokeShapes, dtype: torch.dtype, device: str) -> C
 def causal_conv(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     gen, lin = _gen(device), s.hybrid.linear
     C, K = lin.conv_dim, lin.conv_kernel
-    state = _randn(gen, MAX_ROWS, C, K - 1, dtype=dtype)
-    mixed = _randn(gen, MAX_ROWS, 1, C, dtype=dtype)
+    parts = _deltanet_parts(s, gen, dtype)
+    state = _randn(gen, MAX_ROWS, 2, C, K - 1, dtype=dtype)
     weight = _randn(gen, C, K, dtype=torch.float32, scale=0.5)
+    slots, reads = torch.arange(MAX_ROWS, device=device), torch.zeros(MAX_ROWS, dtype=torch.long, device=device)
+    real = torch.ones((MAX_ROWS, 1), dtype=torch.long, device=device)
     return Case("causal_conv", f"{C} channels, kernel {K}", gk.causal_conv, gk.causal_conv_reference,
-                lambda m: (state[:m], mixed[:m], weight))
+                lambda m: (parts(m), state, slots[:m], reads[:m], real[:m], weight, dtype))
 
 
 def delta_gates(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
-    gen, Hv = _gen(device), s.hybrid.linear.num_v_heads
-    a, b = (_randn(gen, MAX_ROWS, 1, Hv, dtype=dtype) for _ in range(2))
+    gen, lin = _gen(device), s.hybrid.linear
+    Hv = lin.num_v_heads
+    parts = _deltanet_parts(s, gen, dtype)
     a_log, dt_bias = (_randn(gen, Hv, dtype=dtype, scale=0.5) for _ in range(2))
-    real = torch.ones((MAX_ROWS, 1), dtype=torch.bool, device=device)
+    real = torch.ones((MAX_ROWS, 1), dtype=torch.long, device=device)
+    b_col = lin.conv_dim + lin.value_dim
     return Case("delta_gates", f"{Hv} value heads", gk.delta_gates, gk.delta_gates_reference,
-                lambda m: (a[:m], b[:m], a_log, dt_bias, real[:m]))
+                lambda m: (parts(m), b_col, b_col + Hv, a_log, dt_bias, real[:m], dtype))
 
 
 def moe(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
@@ -221,8 +254,9 @@ CASES: dict[str, Callable[[SmokeShapes, torch.dtype, str], Case]] = {
     "gated_delta_rule (16 tokens)": gated_delta_rule_block,
     "add_rms_norm": add_rms_norm,
     "add_rms_norm (zero-centred)": add_rms_norm_zero_centred,
-    "qk_norm_rope": qk_norm_rope,
-    "qk_norm_rope (hybrid)": qk_norm_rope_hybrid,
+    "attention_inputs": attention_inputs,
+    "attention_inputs (hybrid)": attention_inputs_hybrid,
+    "silu_mul": silu_mul,
     "gated_rms_norm": gated_rms_norm,
     "causal_conv": causal_conv,
     "delta_gates": delta_gates,
