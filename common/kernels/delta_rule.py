@@ -1,7 +1,10 @@
-"""The gated delta rule in torch, one token at a time: a hybrid model's linear-attention layers on the CPU, their
-rollback by replay (models/state_cache.py) and the reference of the GPU's recurrence kernel (gpu_kernels.py)."""
+"""The gated delta rule in torch: one token at a time (a hybrid model's linear-attention layers on the CPU, their
+rollback by replay in models/state_cache.py, the reference of the GPU's recurrence kernel in gpu_kernels.py) and in
+chunks (the same recurrence for long prefill blocks, a few matmuls a chunk)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,3 +35,57 @@ def delta_rule_steps(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         if keep is not None:
             keep[:, t] = state
     return out, state
+
+
+
+
+def _chunks(x: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """[B, T, H, ...] -> [n * B * H, chunk, ...] (chunk-major), the tail padded with zeros (where g = beta = 0: tokens
+    that change nothing)."""
+    pad = n * chunk - x.shape[1]
+    if pad:
+        x = torch.cat((x, x.new_zeros(x.shape[0], pad, *x.shape[2:])), dim=1)
+    x = x.reshape(x.shape[0], n, chunk, *x.shape[2:]).movedim((1, 3), (0, 2))  # [n, B, H, chunk, ...]
+    return x.reshape(-1, chunk, *x.shape[4:])
+
+
+def delta_rule_chunked(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       q: torch.Tensor | None = None, chunk: int = 32
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`delta_rule_steps` (same shapes, fp32, no kept states) over chunks of `chunk` tokens, equal to it within
+    rounding. Within a chunk, with G_t the cumulative log decay and S the chunk's initial state, token t writes
+    d_t = beta_t (v_t - e^G_t S^T k_t - sum_{i<t} e^(G_t - G_i) (k_t . k_i) d_i): a unit lower-triangular system
+    (I + A) D = beta V - beta e^G K S, so D = U - W S with U, W solved for every chunk at once. The loop over chunks
+    then costs four matmuls each: D, the outputs e^G_t S^T q_t + sum_{i<=t} e^(G_t - G_i) (q_t . k_i) d_i, and the
+    next state e^G_last S + sum_i e^(G_last - G_i) k_i d_i^T. Every exponent is a difference G_t - G_i <= 0 (masked
+    to -inf above the diagonal before exp)."""
+    B, T, H, dk = k.shape
+    dv, rows, n = v.shape[-1], B * H, -(-T // chunk)
+    k, v, g, beta = (_chunks(t, n, chunk) for t in (k, v, g, beta))  # [n * rows, C, ...], chunk c at c * rows
+    G = g.cumsum(-1)  # [n * rows, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    decay = (G[:, :, None] - G[:, None, :]).masked_fill(~causal, -math.inf).exp()  # [n * rows, C, C]: e^(G_t - G_i)
+    a = (torch.bmm(k, k.mT) * decay * beta[:, :, None]).tril(-1)  # A[t, i], i < t
+    inverse = torch.linalg.solve_triangular(a, torch.eye(chunk, device=k.device), upper=False, unitriangular=True)
+    u = torch.bmm(inverse * beta[:, None, :], v).view(n, rows, chunk, dv)  # (I + A)^-1 diag(beta) V
+    w = torch.bmm(inverse * (beta * G.exp())[:, None, :], k).view(n, rows, chunk, dk)
+    last = G[:, -1:]  # [n * rows, 1]
+    to_end = (last - G).exp().view(n, rows, chunk, 1)  # e^(G_last - G_i)
+    chunk_decay = last.exp().view(n, rows, 1, 1)
+    k_t = k.mT.view(n, rows, dk, chunk)
+    state = state.reshape(rows, dk, dv)
+    if q is not None:
+        q = _chunks(q, n, chunk)
+        q_scores = (torch.bmm(q, k.mT) * decay).view(n, rows, chunk, chunk)
+        q_decayed = (q * G.exp()[..., None]).view(n, rows, chunk, dk)
+        out = torch.empty(n, rows, chunk, dv, dtype=torch.float32, device=v.device)
+    for c in range(n):
+        d = torch.baddbmm(u[c], w[c], state, alpha=-1)  # [rows, C, dv]
+        if q is not None:
+            torch.bmm(q_decayed[c], state, out=out[c]).baddbmm_(q_scores[c], d)
+        state = (state * chunk_decay[c]).baddbmm_(k_t[c], d * to_end[c])
+    state = state.view(B, H, dk, dv)
+    if q is None:
+        return None, state
+    out = out.view(n, B, H, chunk, dv).movedim((0, 2), (1, 3)).reshape(B, n * chunk, H, dv)
+    return out[:, :T].contiguous(), state
