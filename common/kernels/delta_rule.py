@@ -1,6 +1,6 @@
-"""The gated delta rule in torch: one token at a time (a hybrid model's linear-attention layers on the CPU, their
+"""The gated delta rule in torch: one token at a time (a hybrid model's decode and verify blocks on the CPU, their
 rollback by replay in models/state_cache.py, the reference of the GPU's recurrence kernel in gpu_kernels.py) and in
-chunks (the same recurrence for long prefill blocks, a few matmuls a chunk)."""
+chunks (its long prefill blocks: a few matmuls a chunk)."""
 
 from __future__ import annotations
 
@@ -53,12 +53,15 @@ def delta_rule_chunked(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                        q: torch.Tensor | None = None, chunk: int = 32
                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`delta_rule_steps` (same shapes, fp32, no kept states) over chunks of `chunk` tokens, equal to it within
-    rounding. Within a chunk, with G_t the cumulative log decay and S the chunk's initial state, token t writes
-    d_t = beta_t (v_t - e^G_t S^T k_t - sum_{i<t} e^(G_t - G_i) (k_t . k_i) d_i): a unit lower-triangular system
-    (I + A) D = beta V - beta e^G K S, so D = U - W S with U, W solved for every chunk at once. The loop over chunks
-    then costs four matmuls each: D, the outputs e^G_t S^T q_t + sum_{i<=t} e^(G_t - G_i) (q_t . k_i) d_i, and the
-    next state e^G_last S + sum_i e^(G_last - G_i) k_i d_i^T. Every exponent is a difference G_t - G_i <= 0 (masked
-    to -inf above the diagonal before exp)."""
+    rounding (errors of about 1e-6 of the result's max abs). Within a chunk, with G_t the cumulative log decay and S
+    the chunk's initial state, token t writes d_t = beta_t (v_t - e^G_t S^T k_t - sum_{i<t} e^(G_t - G_i) (k_t . k_i)
+    d_i): a unit lower-triangular system (I + A) D = beta V - beta e^G K S, so D = U - W S with U, W solved for every
+    chunk at once. The loop over chunks then costs four matmuls each: D, the outputs e^G_t S^T q_t + sum_{i<=t}
+    e^(G_t - G_i) (q_t . k_i) d_i, and the next state e^G_last S + sum_i e^(G_last - G_i) k_i d_i^T. Every exponent
+    is a difference G_t - G_i <= 0 (masked to -inf above the diagonal before exp). A token with g = beta = 0 writes
+    d = 0 and changes nothing, so a row's padding leaves its state as its own tokens left it. The work per token
+    within chunks grows with the chunk, the loop's does not: the default 32 keeps the first small while the loop's
+    matmuls stay large."""
     B, T, H, dk = k.shape
     dv, rows, n = v.shape[-1], B * H, -(-T // chunk)
     k, v, g, beta = (_chunks(t, n, chunk) for t in (k, v, g, beta))  # [n * rows, C, ...], chunk c at c * rows
