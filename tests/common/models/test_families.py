@@ -153,6 +153,35 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_state_of_one_pass(hybrids, hybr
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
 
 
+
+@pytest.mark.parametrize("target", ["qwen3_5-text", "qwen3_next-text"])
+def test_long_prompts_prefilled_by_the_chunked_rule_decode_as_the_recurrence(targets, tokenizer, target, monkeypatch):
+    """Prompts of 200, 90 and 120 tokens, prefilled in two forwards (the 200 alone, then the 90 padded beside the
+    120), plain and n-gram decoding: the same greedy tokens as with every block run token by token (CHUNKED_FROM out
+    of reach)."""
+    import sysconfig
+    from pathlib import Path
+
+    from blockspec.common.models import hybrid
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)
+    prompts = [ids[1000:1200], ids[3000:3090], ids[5000:5120]]
+
+    def generate(method: str, k: int | None) -> list[list[int]]:
+        engine = Engine(targets[target], None, method, max_batch=3, threads=1)
+        return [list(d.token_ids) for d in engine.complete([engine.request(str(i), p, 24, k)
+                                                            for i, p in enumerate(prompts)])]
+
+    calls = []
+    chunked = hybrid.delta_rule_chunked
+    monkeypatch.setattr(hybrid, "delta_rule_chunked", lambda *a, **kw: calls.append(a[1].shape) or chunked(*a, **kw))
+    got = {method: generate(method, k) for method, k in (("none", None), ("ngram", 5))}
+    assert {shape[:2] for shape in calls} == {(1, 200), (2, 120)}  # the prefill forwards only
+    monkeypatch.setattr(hybrid, "CHUNKED_FROM", 10**9)
+    want = generate("none", None)
+    assert got["none"] == want and got["ngram"] == want
+
 def test_a_rollback_outside_the_last_forward_is_refused(hybrids, hybrid_prompts):
     runner = Runner(load_checkpoint(hybrids["text"]), num_slots=1, max_len=256)
     slot = runner.cache.allocate()
