@@ -92,3 +92,49 @@ def delta_rule_chunked(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         return None, state
     out = out.view(n, B, H, chunk, dv).movedim((0, 2), (1, 3)).reshape(B, n * chunk, H, dv)
     return out[:, :T].contiguous(), state
+
+
+PREFILL_BLOCK = 32  # a prompt's whole blocks of this many positions from position 0 run the chunked form
+
+
+def prefill_blocks(starts: list[int], counts: list[int], block: int = PREFILL_BLOCK) -> list[int]:
+    """Per row of a forward, how many of its leading tokens run the chunked form: its whole blocks of `block`
+    positions where it starts on a block boundary (a prompt is split into forwards on block boundaries only,
+    `Verifier.prefill`), none where it does not. The rest run token by token. A token's arithmetic then depends on its
+    position alone, not on how its prompt was split into forwards or batched: the same in plain and speculative
+    decoding whatever else is running."""
+    return [n // block * block if start % block == 0 else 0 for start, n in zip(starts, counts)]
+
+
+def delta_rule_prefill(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       q: torch.Tensor, chunked: list[int], block: int = PREFILL_BLOCK
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule_steps` (same shapes) with each row's first chunked[b] tokens (whole blocks, `prefill_blocks`) run
+    by `delta_rule_chunked` in chunks of `block`, and its tokens after them token by token. A row's tokens past its
+    count, and its padding, enter as g = beta = 0 (no change to its state)."""
+    B, T = k.shape[:2]
+    top = max(chunked)
+    if top == 0:
+        return delta_rule_steps(state, k, v, g, beta, q)
+    device = k.device
+    lead = (torch.arange(top, device=device)[None, :] < torch.tensor(chunked, device=device)[:, None]).float()
+    out_lead, state = delta_rule_chunked(state, k[:, :top], v[:, :top], g[:, :top] * lead[..., None],
+                                         beta[:, :top] * lead[..., None], q[:, :top], block)
+    width = T - min(chunked)  # the tokens after each row's chunked ones, gathered to the front
+    if width == 0:
+        return out_lead, state
+    index = torch.tensor(chunked, device=device)[:, None] + torch.arange(width, device=device)  # [B, width]
+    inside = index < T
+    index = index.clamp(max=T - 1)
+
+    def rest(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, index.view(B, width, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+
+    live = inside.float()[..., None]
+    out_rest, state = delta_rule_steps(state, rest(k), rest(v), rest(g) * live, rest(beta) * live, rest(q))
+    out = torch.empty(B, T + 1, *v.shape[2:], dtype=torch.float32, device=device)  # column T: a sink
+    out[:, :top] = out_lead
+    sink = torch.where(inside, index, T)
+    out.scatter_(1, sink.view(B, width, 1, 1).expand(-1, -1, *out.shape[2:]), out_rest)
+    return out[:, :T], state
+

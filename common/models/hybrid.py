@@ -15,15 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.kernels.cpu_kernels import Linear, cached_attention
-from blockspec.common.kernels.delta_rule import delta_rule_chunked, delta_rule_steps, l2_normalise
+from blockspec.common.kernels.delta_rule import delta_rule_prefill, delta_rule_steps, l2_normalise
 from blockspec.common.models.decoder import AttentionBatch, Decoder, final_norm, mlp_of
 from blockspec.common.models.model_config import ModelConfig
 from blockspec.common.models.state_cache import StateStep
-
-# Blocks of this many tokens or more, with no per-token states to keep, run the chunked delta rule: prefill chunks
-# only, a verify block holding at most 17 tokens (16 drafts and the anchor), so the tokens after the prompt run the
-# same token-by-token recurrence in speculative and plain decoding.
-CHUNKED_FROM = 64
 
 
 def zero_centred_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,8 +138,8 @@ class GatedDeltaNet(nn.Module):
             beta, g = beta * real[..., None], g * real[..., None]
         keep = (torch.empty(B, T, lin.num_v_heads, lin.k_head_dim, lin.v_head_dim, device=x.device)
                 if step.keep else None)
-        if keep is None and T >= CHUNKED_FROM:
-            out, state = delta_rule_chunked(step.recurrent_state(self.state_layer), k, v, g, beta, q)
+        if any(step.chunked):  # a prompt's whole blocks (never a verify block: at most 17 tokens)
+            out, state = delta_rule_prefill(step.recurrent_state(self.state_layer), k, v, g, beta, q, step.chunked)
         else:
             out, state = delta_rule_steps(step.recurrent_state(self.state_layer), k, v, g, beta, q, keep)
         step.store(self.state_layer, conv_state, state, mixed, (keep,) if keep is not None else (k, v, g, beta))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.common.kernels.delta_rule import delta_rule_steps
+from blockspec.common.kernels.delta_rule import delta_rule_steps, prefill_blocks
 from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
 
@@ -108,7 +108,7 @@ class SlotStates:
         """A forward of n tokens at `start` wrote the slot's other buffers: swap, and keep what a rollback within it
         replays (per layer its conv inputs [n, conv_dim] and recurrence inputs [n, ...]; nothing past max_block)."""
         self.current[slot] = 1 - self.current[slot]
-        if n > self.max_block:  # a long prefill chunk: nothing kept (no step rolls one back)
+        if n > self.max_block or not conv_in:  # a prefill chunk: nothing kept (no step rolls one back)
             self._blocks[slot] = _Block(start + n, 0, start + n, [], [])
         else:
             self._blocks[slot] = _Block(start, n, start + n, conv_in, recurrence)
@@ -184,7 +184,10 @@ class StateStep:
         read = [states.current[s] for s in slots]
         self.read = torch.tensor(read, dtype=torch.long, device=device)
         self.write = 1 - self.read
-        self.keep = states.rollback == "states" and max(lengths) <= states.max_block
+        # per row, its leading tokens that are a prompt's whole blocks: the chunked delta rule runs them, and the
+        # forward keeps nothing for a rollback (`delta_rule.prefill_blocks`)
+        self.chunked = prefill_blocks(starts, lengths)
+        self.keep = states.rollback == "states" and max(lengths) <= states.max_block and not any(self.chunked)
         self._conv_in: list[torch.Tensor] = []
         self._recurrence: list[tuple[torch.Tensor, ...]] = []
 
@@ -204,9 +207,10 @@ class StateStep:
         self._recurrence.append(recurrence)
 
     def finish(self) -> None:
+        kept = not any(self.chunked)
         for b, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.lengths)):
-            self.states.keep(slot, start, n, [c[b, :n] for c in self._conv_in],
-                             [tuple(t[b, :n] for t in rec) for rec in self._recurrence])
+            self.states.keep(slot, start, n, [c[b, :n] for c in self._conv_in] if kept else [],
+                             [tuple(t[b, :n] for t in rec) for rec in self._recurrence] if kept else [])
 
 
 class HybridKVCache(SlotKVCache):

@@ -11,6 +11,7 @@ import torch
 
 from blockspec.common.contracts import Draft, DraftTree, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.kernels import cpu_kernels
+from blockspec.common.kernels.delta_rule import PREFILL_BLOCK
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.runtime.backends import make_runner
 from blockspec.common.runtime.distributions import DraftDist, LogProbRows, process
@@ -85,6 +86,9 @@ class Verifier:
         # On the CPU a prefill forward of at most MAX_ROWS padded rows (prompts x the longest) runs as one C++ call
         # (`cpu_kernels.decoder_rows`): several forwards that each fit are faster than fewer, wider ones that do not.
         self.prefill_rows = cpu_kernels.MAX_ROWS if self.runner.device.type == "cpu" else None
+        # A hybrid's prompt is split into forwards on the chunked delta rule's block boundaries only, so that each of
+        # its tokens runs the same arithmetic however it was split (`delta_rule.prefill_blocks`).
+        self.prefill_align = PREFILL_BLOCK if checkpoint.config.hybrid else 1
         self._requests: dict[str, _State] = {}
 
     @staticmethod
@@ -184,7 +188,7 @@ class Verifier:
         of every request whose prompt is now complete."""
         self._poll_threads()
         remaining = math.inf if budget is None else budget
-        pending, results = list(request_ids), []
+        pending, results, spent = list(request_ids), [], 0
         while pending and remaining > 0:
             room, segments, ends = min(self.max_prefill_tokens, remaining), [], []
             for rid in pending:
@@ -193,6 +197,11 @@ class Verifier:
                 state = self._requests[rid]
                 done = self.runner.cache.lengths[state.slot]  # prompt tokens already in the cache
                 n = min(len(state.token_ids) - done, room)
+                if n < len(state.token_ids) - done:  # the prompt goes on later: it stops on a block boundary
+                    aligned = (done + n) // self.prefill_align * self.prefill_align - done
+                    if aligned <= 0 and (segments or spent):
+                        break  # a later forward or call takes it
+                    n = aligned if aligned > 0 else n  # a call with less room than a block: unaligned, not stuck
                 width = max([n, *(len(s.token_ids) for s in segments)])
                 if segments and self.prefill_rows and (len(segments) + 1) * width > self.prefill_rows:
                     break  # the next forward takes it
@@ -200,6 +209,9 @@ class Verifier:
                 ends.append((rid, done + n))
                 room -= n
                 remaining -= n
+                spent += n
+            if not segments:
+                break
             out = self._forward(segments)
             segments_of = {rid: i for i, (rid, _) in enumerate(ends)}
             for (rid, end), logits in zip(ends, out.logits):

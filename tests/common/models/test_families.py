@@ -157,8 +157,8 @@ def test_a_prompt_prefilled_in_chunks_leaves_the_state_of_one_pass(hybrids, hybr
 @pytest.mark.parametrize("target", ["qwen3_5-text", "qwen3_next-text"])
 def test_long_prompts_prefilled_by_the_chunked_rule_decode_as_the_recurrence(targets, tokenizer, target, monkeypatch):
     """Prompts of 200, 90 and 120 tokens, prefilled in two forwards (the 200 alone, then the 90 padded beside the
-    120), plain and n-gram decoding: the same greedy tokens as with every block run token by token (CHUNKED_FROM out
-    of reach)."""
+    120), plain and n-gram decoding: the same greedy tokens as with every token run by the recurrence
+    (`prefill_blocks` choosing none)."""
     import sysconfig
     from pathlib import Path
 
@@ -174,13 +174,51 @@ def test_long_prompts_prefilled_by_the_chunked_rule_decode_as_the_recurrence(tar
                                                             for i, p in enumerate(prompts)])]
 
     calls = []
-    chunked = hybrid.delta_rule_chunked
-    monkeypatch.setattr(hybrid, "delta_rule_chunked", lambda *a, **kw: calls.append(a[1].shape) or chunked(*a, **kw))
+    prefill = hybrid.delta_rule_prefill
+    monkeypatch.setattr(hybrid, "delta_rule_prefill", lambda *a: calls.append((a[1].shape[:2], a[-1])) or prefill(*a))
     got = {method: generate(method, k) for method, k in (("none", None), ("ngram", 5))}
-    assert {shape[:2] for shape in calls} == {(1, 200), (2, 120)}  # the prefill forwards only
-    monkeypatch.setattr(hybrid, "CHUNKED_FROM", 10**9)
+    # the prefill forwards only, each prompt's whole blocks of 32
+    assert set((shape, tuple(c)) for shape, c in calls) == {((1, 200), (192,)), ((2, 120), (64, 96))}
+    from blockspec.common.models import state_cache
+
+    monkeypatch.setattr(state_cache, "prefill_blocks", lambda starts, counts: [0] * len(starts))
     want = generate("none", None)
     assert got["none"] == want and got["ngram"] == want
+
+
+def test_a_prompt_split_on_block_boundaries_or_batched_prefills_the_same_bits(hybrids, tokenizer):
+    """A 150-token prompt in one forward, in forwards split on the chunked rule's block boundaries (as
+    `Verifier.prefill` splits a hybrid's prompt), and beside another prompt: the same states and last logits, bit for
+    bit - its tokens run the same arithmetic (blocks chunked, the rest token by token) however it arrives."""
+    ck = load_checkpoint(hybrids["text"])
+    prompt = [(37 * i + 11) % 300 + 2 for i in range(150)]
+    other = [(53 * i + 5) % 300 + 2 for i in range(70)]
+    results = []
+    for cuts, beside in (((0, 150), False), ((0, 64, 150), False), ((0, 32, 96, 128, 150), False), ((0, 150), True)):
+        runner = Runner(ck, num_slots=2, max_len=256)
+        slot, second = runner.cache.allocate(), runner.cache.allocate()
+        for a, b in zip(cuts, cuts[1:]):
+            segments = [Segment(slot, prompt[a:b], last_only=True)]
+            if beside:
+                segments.append(Segment(second, other, last_only=True))
+            out = runner.forward(segments)
+        results.append((_states(runner, slot), out.logits[0]))
+    for states, logits in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(states, results[0][0])) and torch.equal(logits, results[0][1])
+
+
+def test_the_verifier_splits_a_hybrids_prompt_on_block_boundaries(hybrids):
+    from blockspec.services.verifier.verifier import Verifier
+
+    verifier = Verifier(load_checkpoint(hybrids["text"]), num_slots=2, max_len=256, max_prefill_tokens=100)
+    verifier.add("a", [(37 * i + 11) % 300 + 2 for i in range(150)])
+    forwards = []
+    forward = verifier.runner.forward
+    verifier.runner.forward = lambda segments, taps: forwards.append([len(s.token_ids) for s in segments]) or forward(
+        segments, taps)
+    verifier.prefill(["a"], budget=90)
+    verifier.prefill(["a"])
+    assert forwards == [[64], [86]]  # 90 tokens of room: the first forward stops at 64, a block boundary
 
 def test_a_rollback_outside_the_last_forward_is_refused(hybrids, hybrid_prompts):
     runner = Runner(load_checkpoint(hybrids["text"]), num_slots=1, max_len=256)
