@@ -22,11 +22,13 @@ a rollback within it replays).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 
 import torch
 
+from blockspec.common.kernels import gpu_kernels as gk
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
@@ -39,6 +41,30 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 WIDTHS = (1, 2, 4, 8, 16)  # a decode, and verifies of k + 1 tokens up to the DFlash block
 NUMERICS = ("invariant", "fast")
+GEMMS = ("auto", "triton", "cublas")
+PREFILL_ROWS = (17, 100, 333, 512)  # prefill chunks' row counts the GEMM probe adds to the buckets'
+
+
+def choose_gemm(step, gemm: str, device: torch.device, batches: Sequence[int]) -> str:
+    """The products of the invariant numerics, set for this process (`gpu_kernels.use_cublas`): "triton" (the Triton
+    GEMM, row-invariant by construction), "cublas" (torch's products, cuBLAS without split-K), or "auto": cuBLAS
+    where a probe on the device finds it bitwise row-invariant for the step's weight shapes at every bucket's row
+    count and some prefill chunks' (`gemm_choice.choose_gemm`), else Triton. Off CUDA: "triton" (the references)."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm {gemm!r}: choose from {', '.join(GEMMS)}")
+    if gemm == "auto":
+        if device.type != "cuda":
+            return "triton"
+        from blockspec.common.kernels import gemm_choice
+
+        shapes = sorted({tuple(t.shape) for t in step.weights() if t.dim() == 2})
+        rows = sorted({b * w for b in batches for w in WIDTHS} | set(PREFILL_ROWS))
+        choice = gemm_choice.choose_gemm(shapes, device, rows=rows)
+        log.info("products: %s (%d weight shapes at %d row counts probed in %.1f s%s)", choice.chosen, len(shapes),
+                 len(rows), choice.seconds, f"; {choice.mismatch}" if choice.mismatch else "")
+        gemm = choice.chosen
+    gk.use_cublas(gemm == "cublas")
+    return gemm
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int | None:
@@ -150,7 +176,7 @@ class CudaRunner:
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None,
                  tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cuda", numerics: str = "invariant", capture: bool | None = None,
-                 warm_up: bool | None = None) -> None:
+                 warm_up: bool | None = None, gemm: str | None = None) -> None:
         cfg = checkpoint.config
         reason = unsupported(cfg)
         if reason:
@@ -179,6 +205,9 @@ class CudaRunner:
             self.model, checkpoint, self.cache, self.tap_layers, self.tap_buffer, numerics, self.max_len)
         self.graphs = Graphs(self.device, self.device.type == "cuda" if capture is None else capture)
         self.batch_sizes = batch_sizes(num_slots)
+        # the products of the invariant numerics, chosen before any capture (BLOCKSPEC_GEMM: auto, triton, cublas)
+        self.gemm = (choose_gemm(self.step, gemm or os.environ.get("BLOCKSPEC_GEMM", "auto"), self.device,
+                                 self.batch_sizes) if numerics == "invariant" else "torch")
         self.spare = num_slots
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         if self.graphs.capture if warm_up is None else warm_up:

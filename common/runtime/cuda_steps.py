@@ -33,6 +33,9 @@ class StaticStep(nn.Module):
     """One forward of a dense decoder written for capture: static shapes, no host value read, every index on the
     device. The q/k/v and gate/up weights are merged at build (the decoder's own parameters become views of them)."""
 
+    def weights(self) -> list[torch.Tensor]:
+        return step_weights(self)
+
     def __init__(self, model: Decoder, checkpoint: Checkpoint, cache: SlotKVCache, tap_layers: tuple[int, ...],
                  tap_dest: torch.Tensor | None, numerics: str, max_len: int) -> None:
         super().__init__()
@@ -89,6 +92,23 @@ class StaticStep(nn.Module):
         if taps and self.tap_dest is not None:
             self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
         return greedy_head(self, h, tokens, real.bool(), last)
+
+
+def step_weights(step) -> list[torch.Tensor]:
+    """Every tensor a step's layers and LM head hold (their weights among them)."""
+    found = [step.lm_head]
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, nn.Module):
+            found.extend(x.parameters())
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+
+    walk(step.layers)
+    return found
 
 
 def products(numerics: str):
@@ -196,6 +216,9 @@ def run_mlp(step, h: torch.Tensor, spec: tuple) -> tuple[torch.Tensor, torch.Ten
 
 
 class HybridStaticStep(nn.Module):
+    def weights(self) -> list[torch.Tensor]:
+        return step_weights(self)
+
     def __init__(self, model: HybridDecoder, checkpoint: Checkpoint, cache: HybridKVCache,
                  tap_layers: tuple[int, ...], tap_dest: torch.Tensor | None, numerics: str, max_len: int) -> None:
         super().__init__()

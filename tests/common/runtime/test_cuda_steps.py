@@ -169,3 +169,33 @@ def test_the_recurrence_is_one_launch_for_any_width(counting):
     slots = reads = torch.zeros(1, dtype=torch.long)
     launches = counting(lambda: gk.gated_delta_rule(rec, slots, reads, both, gates, HK, 0.25))
     assert launches.current == Counter({"delta_rule": 1})
+
+
+def test_the_products_are_chosen_by_a_row_invariance_probe(dense_dir, monkeypatch):
+    """gemm "auto" on CUDA probes torch's products at the step's weight shapes and every bucket's row count: cuBLAS
+    where they are row-invariant, else the Triton GEMM (the probe itself: tests/common/kernels/test_gemm_choice.py).
+    Off CUDA the references run; a GEMM named is taken; another name is refused."""
+    from blockspec.common.kernels import gemm_choice
+    from blockspec.common.runtime import cuda_runner
+
+    runner = CudaRunner(load_checkpoint(dense_dir), 4, 64, (), torch.float32, "cpu", warm_up=False)
+    assert runner.gemm == "triton" and not gk.GEMM.cublas
+    probed = {}
+
+    def probe(shapes, device, rows):
+        probed.update(shapes=shapes, rows=rows)
+        return gemm_choice.GemmChoice(answer, tuple(shapes), tuple(rows), None, 0.0)
+
+    monkeypatch.setattr(gemm_choice, "choose_gemm", probe)
+    try:
+        for answer in ("cublas", "triton"):
+            assert cuda_runner.choose_gemm(runner.step, "auto", torch.device("cuda"), (1, 2, 4)) == answer
+            assert gk.GEMM.cublas == (answer == "cublas")
+        cfg = runner.config
+        assert (cfg.intermediate_size * 2, cfg.hidden_size) in probed["shapes"]  # the merged gate/up weight
+        assert (cfg.vocab_size, cfg.hidden_size) in probed["shapes"] and {1, 64, 512} <= set(probed["rows"])
+        assert cuda_runner.choose_gemm(runner.step, "cublas", torch.device("cuda"), (1,)) == "cublas"
+        with pytest.raises(ValueError, match="gemm 'fastest': choose from auto, triton, cublas"):
+            cuda_runner.choose_gemm(runner.step, "fastest", torch.device("cuda"), (1,))
+    finally:
+        gk.use_cublas(False)
