@@ -120,7 +120,7 @@ def _deltanet() -> SimpleNamespace:
         # advanced by its first `count` kept tokens (the recurrence of `delta_rule`; the convolution state the last K1
         # inputs of [state, kept inputs]), and BC channels of the convolution state.
         lr, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        layer, r = lr // R, lr % R
+        layer, r = (lr // R).to(tl.int64), lr % R  # layer x its stride passes 2^31 with many slots
         slot = tl.load(slots + r)
         cur = tl.load(current + r)
         n = tl.load(counts + r)

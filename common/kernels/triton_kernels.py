@@ -120,7 +120,7 @@ def _attention() -> SimpleNamespace:
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
             n0 += 1
-        o = (row * H + heads) * n_chunks + c
+        o = ((row * H + heads) * n_chunks + c).to(tl.int64)  # x D passes 2^31 at long contexts
         tl.store(m_out + o, m, mask=g < G)
         tl.store(l_out + o, s_sum, mask=g < G)
         tl.store(acc_out + o[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
@@ -135,7 +135,7 @@ def _attention() -> SimpleNamespace:
         live = c < n_chunks
         m = tl.load(m_in + rh * n_chunks + c, mask=live, other=float("-inf"))
         l_part = tl.load(l_in + rh * n_chunks + c, mask=live, other=0.0)
-        a = tl.load(acc_in + (rh * n_chunks + c)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        a = tl.load(acc_in + (rh * n_chunks + c).to(tl.int64)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
         top = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
         total = tl.sum(l_part * w, 0)
