@@ -80,14 +80,22 @@ class SlotStates:
     def begin(self, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> StateStep:
         return StateStep(self, slots, starts, lengths, device)
 
-    def set_length(self, slot: int, length: int) -> None:
-        """Make the slot's state the state after its first `length` tokens (within its last forward)."""
+    def _moved(self, slot: int, length: int) -> _Block | None:
+        """The slot's last forward where `length` moves its state within it (None: nothing to do); a length outside it
+        is refused."""
         block = self._blocks.get(slot)
         if block is None or length == block.at:
-            return
+            return None
         if not block.start <= length <= block.start + block.n:
             raise ValueError(f"slot {slot}: the linear-attention state holds positions {block.start}.."
                              f"{block.start + block.n} of its last forward, not {length}")
+        return block
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Make the slot's state the state after its first `length` tokens (within its last forward)."""
+        block = self._moved(slot, length)
+        if block is None:
+            return
         j, cur = length - block.start, self.current[slot]
         prev, k1 = 1 - cur, self.cfg.linear.conv_kernel - 1
         for layer, (conv_in, rec) in enumerate(zip(block.conv_in, block.recurrence)):
@@ -147,12 +155,9 @@ class StepStates(SlotStates):
         self._blocks[slot] = _Block(start if within else start + n, n if within else 0, start + n, [], [])
 
     def set_length(self, slot: int, length: int) -> None:
-        block = self._blocks.get(slot)
-        if block is None or length == block.at:
+        block = self._moved(slot, length)
+        if block is None:
             return
-        if not block.start <= length <= block.start + block.n:
-            raise ValueError(f"slot {slot}: the linear-attention state holds positions {block.start}.."
-                             f"{block.start + block.n} of its last forward, not {length}")
         if length == block.start + block.n:
             self._pending.pop(slot, None)  # the buffers the forward wrote
         else:
