@@ -10,8 +10,8 @@ Torch custom operators, so that a captured or compiled step sees each as one opa
 * `blockspec::attention_inputs`: q/k RMS norm and rotary over a q/k/v product, storing K and V in the cache;
   `blockspec::cache_attention(q, k_cache, v_cache, slots, positions, scale, gate)`: each query row attends to keys
   [0, position] of its slot, read in place from the static cache [slots, kv_heads, max_len, head_dim] (no gather, no
-  mask tensor). Keys are split into fixed chunks of CHUNK positions (flash-decoding with a split fixed per position,
-  not per batch), each chunk's partial softmax combined in chunk order.
+  mask tensor). Keys are split into fixed chunks (`triton_kernels.attention_chunk`: flash-decoding with a split
+  fixed by the cache, not the batch), each chunk's partial softmax combined in chunk order.
 * `add_rms_norm`, `silu_mul`, `gated_rms_norm`: per-row kernels over a product's partials.
 * A Gated DeltaNet layer: `causal_conv` (and the next convolution state), `delta_gates`, `gated_delta_rule` (the
   recurrence, the slot states read and written in place) and `rollback_states` (every layer of every slot rolled

@@ -72,7 +72,10 @@ def _deltanet() -> SimpleNamespace:
         keep = tl.load(real + bt).to(tl.float32)
         av = _summed(parts, plane, bt * NCOL + col_a + h, live, S, DT)
         av = av + tl.load(dt_bias + h, mask=live, other=0.0).to(tl.float32)
-        softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
+        # softplus = max(a, 0) + log1p(exp(-|a|)), log1p by Kahan's correction (torch: log1p(exp(a)), a itself past 20)
+        u = tl.exp(-tl.abs(av))
+        w = 1.0 + u
+        softplus = tl.where(av > 20.0, av, tl.maximum(av, 0.0) + tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0)))
         decay = -tl.exp(tl.load(a_log + h, mask=live, other=0.0).to(tl.float32)) * softplus
         bv = _summed(parts, plane, bt * NCOL + col_b + h, live, S, DT)
         tl.store(out + bt * 2 * HV + h, decay * keep, mask=live)
@@ -184,8 +187,10 @@ def triton_gated_delta_rule(rec: torch.Tensor, slots: torch.Tensor, reads: torch
     HV, DK, DV = rec.shape[2:]
     out = torch.empty((B, T, HV, DV), dtype=torch.float32, device=both.device)
     block_v = min(64, DV)
+    # no fused multiply-adds here or in the rollback: both compile `_token` to the same operations, so a state rolled
+    # back equals the one the step wrote for those tokens, bit for bit
     kn.delta_rule[(B, HV, DV // block_v)](rec, rec.stride(0), rec.stride(1), slots, reads, both, gates, out, scale, T,
-                                          HV, key_heads, C, DK=DK, DV=DV, BV=block_v)
+                                          HV, key_heads, C, DK=DK, DV=DV, BV=block_v, enable_fp_fusion=False)
     return out
 
 
@@ -201,4 +206,4 @@ def triton_rollback(rec: torch.Tensor, conv: torch.Tensor, kept: torch.Tensor, k
     kn.rollback[(L * R, HV, nvb)](rec, rec.stride(0), rec.stride(1), rec.stride(2), conv, conv.stride(0),
                                   conv.stride(1), conv.stride(2), kept, kept.stride(0), kept.stride(1), kept_gates,
                                   kept_gates.stride(0), kept_gates.stride(1), slots, current, counts, R, HV, key_heads,
-                                  C, K1, nvb, DK=DK, DV=DV, BV=block_v, BC=block_c)
+                                  C, K1, nvb, DK=DK, DV=DV, BV=block_v, BC=block_c, enable_fp_fusion=False)

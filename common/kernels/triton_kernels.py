@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-CHUNK = 256  # keys per attention split: positions [c * CHUNK, (c + 1) * CHUNK) are one partial softmax
+CHUNK = 256  # keys per attention split at least: positions [c * chunk, (c + 1) * chunk) are one partial softmax
+MAX_SPLITS = 32  # key splits at most: longer caches take longer chunks (`attention_chunk`)
 BLOCK_M = 64  # GEMM rows per tile, whatever the row count (a decode's 1 row is a padded tile)
 ATTN_BLOCK_N = 64  # keys per attention tile
 
@@ -231,7 +232,8 @@ def _rows() -> SimpleNamespace:
             c = tl.load(cos + pos * ROT + d, mask=rotating, other=1.0).to(tl.float32)
             s = tl.load(sin + pos * ROT + d, mask=rotating, other=0.0).to(tl.float32)
             rotated = tl.where(d < half, -partner, partner)
-            y = (x * c + rotated * s).to(dt)
+            # each product rounded to the model dtype, then their sum: torch's arithmetic in bf16
+            y = ((x * c).to(dt).to(tl.float32) + (rotated * s).to(dt).to(tl.float32)).to(dt)
             if is_q:
                 tl.store(q_out + (row * H + head) * D + d, y)
                 if GATE:
@@ -344,7 +346,8 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
         raise ValueError("cache_attention needs the caches alike and the last dimension of q and the caches dense")
     G = H // KV
-    n_chunks = -(-L // CHUNK)
+    chunk = attention_chunk(L)
+    n_chunks = -(-L // chunk)
     rows = B * T
     m = torch.empty((rows, H, n_chunks), dtype=torch.float32, device=q.device)
     s = torch.empty_like(m)
@@ -353,11 +356,18 @@ def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kn.attend[(rows, KV, n_chunks)](
         q, k_cache, v_cache, slots, positions, m, s, acc, scale, T, H, KV, L, n_chunks,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        G=G, GP=max(16, kn.triton.next_power_of_2(G)), D=D, CH=CHUNK, BN=ATTN_BLOCK_N)
+        G=G, GP=max(16, kn.triton.next_power_of_2(G)), D=D, CH=chunk, BN=ATTN_BLOCK_N)
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
     kn.combine[(rows * H,)](m, s, acc, out if gate is None else gate, out, n_chunks,
                             CP=max(2, kn.triton.next_power_of_2(n_chunks)), D=D, GATE=gate is not None)
     return out
+
+
+def attention_chunk(max_len: int) -> int:
+    """Keys per attention split for a cache of max_len positions: CHUNK, or longer (in whole key blocks) where that
+    would make more than MAX_SPLITS splits. A function of the cache alone, never of the batch: a row's keys are split
+    and combined in the same order in any batch. The fp32 partials take rows x heads x splits x (head_dim + 2)."""
+    return max(CHUNK, -(-max_len // (MAX_SPLITS * ATTN_BLOCK_N)) * ATTN_BLOCK_N)
 
 
 def triton_add_rms_norm(parts: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,

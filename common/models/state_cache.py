@@ -147,20 +147,21 @@ class StepStates(SlotStates):
         super().reset(slot)
         self._pending.pop(slot, None)
 
-    def keep(self, slot: int, start: int, n: int, conv_in=None, recurrence=None) -> None:
-        """A forward of n tokens at `start` wrote the slot's other buffers (and, within the width, its kept tokens)."""
+    def keep(self, slot: int, start: int, n: int, width: int) -> None:
+        """A forward of n tokens at `start`, `width` wide (its longest row), wrote the slot's other buffers and, where
+        the width is within the kept width, its kept tokens."""
         self.current[slot] = 1 - self.current[slot]
         self._pending.pop(slot, None)
-        within = n <= self.max_block
+        within = width <= self.max_block
         self._blocks[slot] = _Block(start if within else start + n, n if within else 0, start + n, [], [])
 
     def set_length(self, slot: int, length: int) -> None:
         block = self._moved(slot, length)
         if block is None:
             return
-        if length == block.start + block.n:
-            self._pending.pop(slot, None)  # the buffers the forward wrote
-        else:
+        if length == block.start + block.n and slot in self._pending:
+            del self._pending[slot]  # not rolled back yet: the buffers hold what the forward wrote
+        else:  # (after a flush the buffers hold the state rolled back: the forward's tokens are replayed)
             self._pending[slot] = length - block.start
         block.at = length
 

@@ -293,7 +293,7 @@ class CudaRunner:
             host = decided.to("cpu", non_blocking=True)
         if states is not None:  # the other buffers are current now
             for seg, start, n in zip(segments, starts, lengths):
-                states.keep(seg.slot, start, n)
+                states.keep(seg.slot, start, n, max(lengths))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step's one wait: its decisions are on the host
         rows = host.tolist()

@@ -88,7 +88,7 @@ class Verifier:
         self.prefill_rows = cpu_kernels.MAX_ROWS if self.runner.device.type == "cpu" else None
         # A hybrid's prompt is split into forwards on the chunked delta rule's block boundaries only, so that each of
         # its tokens runs the same arithmetic however it was split (`delta_rule.prefill_blocks`).
-        self.prefill_align = PREFILL_BLOCK if checkpoint.config.hybrid else 1
+        self.prefill_align = PREFILL_BLOCK if checkpoint.config.hybrid and max_prefill_tokens >= PREFILL_BLOCK else 1
         self._requests: dict[str, _State] = {}
 
     @staticmethod

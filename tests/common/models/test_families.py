@@ -219,6 +219,9 @@ def test_the_verifier_splits_a_hybrids_prompt_on_block_boundaries(hybrids):
     verifier.prefill(["a"], budget=90)
     verifier.prefill(["a"])
     assert forwards == [[64], [86]]  # 90 tokens of room: the first forward stops at 64, a block boundary
+    small = Verifier(load_checkpoint(hybrids["text"]), num_slots=1, max_len=256, max_prefill_tokens=20)
+    small.add("b", list(range(2, 62)))
+    assert len(small.prefill(["b"])) == 1  # forwards narrower than a block: unaligned, the prompt still completes
 
 def test_a_rollback_outside_the_last_forward_is_refused(hybrids, hybrid_prompts):
     runner = Runner(load_checkpoint(hybrids["text"]), num_slots=1, max_len=256)

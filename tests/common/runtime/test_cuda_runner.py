@@ -407,6 +407,30 @@ def test_a_rollback_reads_what_its_slot_owns_not_a_replays_outputs(tmp_path, tok
     assert outs[0][0] == outs[1][0] and all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
 
 
+def test_a_length_set_back_after_a_rollback_ran_replays_the_whole_forward(tmp_path, tokenizer):
+    """A verify of 5 rolled back to 2, the rollback run by another slot's forward, then the length set back to all 5:
+    the slot decodes as if it had never been rolled back. A forward wider than the kept width keeps nothing, whatever
+    its own segment's length: a rollback into it is refused."""
+    path = build_tiny_family(tmp_path / "hybrid", "qwen3_5", tokenizer=tokenizer)
+    ck = load_checkpoint(path)
+    outs = []
+    for roll in (False, True):
+        runner = CudaRunner(ck, 2, 128, (), torch.float32, "cpu")
+        a, b = runner.cache.allocate(), runner.cache.allocate()
+        runner.forward([Segment(s, list(range(5 + s, 30 + s)), last_only=True) for s in (a, b)])
+        runner.forward([Segment(a, [40, 41, 42, 43, 44])])
+        if roll:
+            runner.cache.set_length(a, 25 + 2)
+            runner.forward([Segment(b, [9])])  # runs the rollback
+            runner.cache.set_length(a, 25 + 5)
+            runner.cache.set_length(b, 25)
+        outs.append(runner.forward([Segment(a, [7])]).logits[0].clone())
+    assert torch.equal(outs[0], outs[1])
+    runner.forward([Segment(a, [50, 51]), Segment(b, list(range(60, 90)))])  # eager: 30 tokens wide
+    with pytest.raises(ValueError, match="holds positions 33..33 of its last forward, not 32"):
+        runner.cache.set_length(a, 32)
+
+
 def test_warm_up_captures_every_bucket_and_touches_no_slot(variant_dirs):
     """Every bucket run once; the requests' slots of the KV cache and the tap buffer keep what they held."""
     runner = CudaRunner(load_checkpoint(variant_dirs[2]), 3, 64, (0, 1), torch.float32, "cpu", warm_up=False)
