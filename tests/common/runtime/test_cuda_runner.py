@@ -193,6 +193,12 @@ KERNEL_CHECK = textwrap.dedent("""
         alone = tk.triton_attention(q[1:, 1:2].contiguous(), kc, vc, slots[1:], pos[1:, 1:2].contiguous(), 0.25,
                                     None if z is None else z[1:, 1:2].contiguous())
         assert torch.equal(alone[0, 0], o[1, 1]), "attention rows"
+    # a long cache: fewer, longer key splits (28 of 320 keys), the same softmax
+    kc, vc = torch.randn(2, 2, 8704, 16), torch.randn(2, 2, 8704, 16)
+    assert tk.attention_chunk(8704) == 320 and tk.attention_chunk(512) == tk.CHUNK
+    pos = torch.tensor([[8000, 8703], [100, 5000]])
+    o = tk.triton_attention(q[:, :2].contiguous(), kc, vc, torch.tensor([1, 0]), pos, 0.25)
+    assert close(o, gk.attention_reference(q[:, :2], kc, vc, torch.tensor([1, 0]), pos, 0.25)), "long attention"
     # add + RMSNorm of a product's partials (plain and zero-centred, with and without a bias)
     h, w48 = torch.randn(3, 4, 64), torch.randn(48, 64)
     parts, r, w = tk.triton_linear_parts(h, w48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
