@@ -216,8 +216,8 @@ class ModelSection(_Section):
         "the drafter's checkpoint directory (a DFlash drafter or a small causal LM); unset: ngram"))
     spec_decode: SpecDecodeConfig = Field(SpecDecodeConfig(), description="how the drafter drafts")
     tensor_parallel_size: int = Field(1, ge=1, le=8, description=(
-        "ranks the target is split over (dense Llama / Qwen2 / Qwen3 targets; docs/operations.md#tensor-parallelism): "
-        "on CUDA one GPU each, cuda:0 to cuda:N-1; on the CPU processes"))
+        "ranks the target is split over (dense, hybrid and MoE targets; docs/operations.md#tensor-parallelism): "
+        "on CUDA one GPU each, from the device's index on; on the CPU processes"))
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
         "share of each GPU's memory the roles may hold, split between verifier and drafter and checked at start"))
     max_model_len: int | None = Field(None, ge=MIN_MODEL_LEN, description=(

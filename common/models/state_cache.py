@@ -238,5 +238,9 @@ class HybridKVCache(SlotKVCache):
         return slot
 
     def set_length(self, slot: int, length: int) -> None:
+        """Length 0 is no token at all: zero states (a tensor-parallel follower starts a slot's new request so)."""
         super().set_length(slot, length)
-        self.states.set_length(slot, length)
+        if length == 0:
+            self.states.reset(slot)
+        else:
+            self.states.set_length(slot, length)

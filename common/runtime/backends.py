@@ -40,7 +40,7 @@ def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = No
         why = tp.unsupported(checkpoint.config, tensor_parallel_size)
         if why is not None or backend == "graphs":
             raise InvalidArgument("tensor_parallel_size", f"{tensor_parallel_size}: {why or 'the CUDA runner runs one device'}")
-        dev = torch.device(device)
+        dev = tp.rank_device(device, 0)
         max_len = min(max_len or checkpoint.config.max_position_embeddings, checkpoint.config.max_position_embeddings)
         address = tp_ranks.start_followers(tensor_parallel_size, str(checkpoint.path), num_slots, max_len, query_width,
                                      dtype, dev)

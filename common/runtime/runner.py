@@ -152,8 +152,8 @@ class Runner:
         self.model = self.model.to(self.device)
         if self.device.type == "cpu":
             cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
-        if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones
-            self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device)
+        if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones (this rank's heads)
+            self.cache = HybridKVCache(self.model.cfg, num_slots, self.max_len, dtype, self.device)
         else:
             self.cache = SlotKVCache(cfg.num_layers, num_slots, self.model.cfg.num_kv_heads, self.max_len, cfg.head_dim,
                                      dtype, self.device)

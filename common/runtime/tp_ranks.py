@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from blockspec.common.runtime.runner import ForwardResult, Runner, Segment
-from blockspec.common.runtime.tensor_parallel import exit_on_lost_rank, free_port, init
+from blockspec.common.runtime.tensor_parallel import exit_on_lost_rank, free_port, init, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def run_follower(rank: int, world: int, address: str, target: str, num_slots: in
 
     threading.Thread(target=watch, name="lead-watch", daemon=True).start()
     torch.set_num_threads(threads)
-    dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    dev = rank_device(device, rank)  # the lead's device, as it named it: this rank's GPU follows its index
     init(rank, world, address, dev)
     runner = Runner(load_checkpoint(target), num_slots, max_len, query_width, (), getattr(torch, dtype), dev,
                     tp=(rank, world))
@@ -87,7 +87,7 @@ def start_followers(world: int, target: str, num_slots: int, max_len: int, query
     threads = max(1, torch.get_num_threads() // world)
     for rank in range(1, world):
         args = [rank, world, address, target, num_slots, max_len, query_width, str(dtype).split(".")[-1],
-                device.type, threads, os.getpid()]
+                str(device), threads, os.getpid()]
         _followers.append(subprocess.Popen([sys.executable, "-m", "blockspec.common.runtime.tp_ranks", json.dumps(args)]))
     if len(_followers) == world - 1:
         atexit.register(_stop_followers)

@@ -19,6 +19,7 @@ import torch
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.tensor_parallel import shard_config, unsupported
 from blockspec.protos import api_pb2
+from blockspec.services.training.tiny import build_tiny_family
 from tests.helpers import CONFIG, spawn_serve, stop_serve, wait_for
 
 NEW = 24
@@ -27,11 +28,11 @@ SCRIPT = """
 import json, sys
 from blockspec.services.engine.engine import Engine
 target, drafter, method, world, prompts = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
-device = sys.argv[6]
+device, ks = sys.argv[6], [int(k) for k in sys.argv[7].split(",")]
 e = Engine(target, drafter, method, max_batch=4, tensor_parallel_size=world, device=device,
            threads=1 if device == "cpu" else None)
 out = {}
-for k in (0, 3):
+for k in ks:
     alone = list(e.complete([e.request(f"a{k}", prompts[0], NEW, k)])[0].token_ids)
     batched = [list(f.token_ids) for f in e.complete([e.request(f"b{i}-{k}", p, NEW, k) for i, p in enumerate(prompts)])]
     out[k] = {"alone": alone, "batched": batched}
@@ -39,10 +40,12 @@ print(json.dumps(out))
 """.replace("NEW", str(NEW))
 
 
-def run(target, drafter, method: str, world: int, prompts, device: str = "cpu") -> dict:
+def run(target, drafter, method: str, world: int, prompts, device: str = "cpu", ks=(0, 3)) -> dict:
+    """Greedy streams of `prompts` (each alone and all batched) at each k of ks, in a process that leads `world`
+    ranks."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(target), str(drafter or ""), method, str(world),
-                           json.dumps(prompts), device], capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           json.dumps(prompts), device, ",".join(map(str, ks))], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {int(k): v for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
 
@@ -58,6 +61,52 @@ def test_two_ranks_speculative_equals_plain_at_the_same_size(tiny_models, dflash
     one = run(tiny_models[family]["target"], None, "ngram", 1, chosen)[0]["batched"]
     same = sum(a == b for x, y in zip(out[0]["batched"], one) for a, b in zip(x, y))
     print(f"{family}: tensor_parallel_size 2 agrees with 1 on {same} of {sum(map(len, one))} tokens")
+
+
+@pytest.fixture(scope="module")
+def split_families(tmp_path_factory, tokenizer) -> dict:
+    root = tmp_path_factory.mktemp("tp-families")
+    return {name: build_tiny_family(root / name, *name.split("-"), tokenizer=tokenizer)
+            for name in ("qwen3_5-text", "qwen3_5-multimodal", "qwen3_5_moe-text", "qwen3_moe-text")}
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-text", "qwen3_5-multimodal", "qwen3_5_moe-text", "qwen3_moe-text"])
+def test_two_ranks_of_a_hybrid_or_moe_target_speculative_equals_plain(split_families, prompts, name):
+    """A Qwen3.5 hybrid (its Gated DeltaNet layers split by heads, their states per rank; both layouts), a Qwen3.5-MoE
+    and a Qwen3-MoE (each expert and the shared expert split by width, the router whole): at 2 ranks n-gram speculation
+    at k 1, 5 and 15 equals plain decoding, each prompt alone and batched; agreement with 1 rank printed."""
+    chosen = [p[:40] for p in prompts[:3]]
+    out = run(split_families[name], None, "ngram", 2, chosen, ks=(0, 1, 5, 15))
+    for k in (1, 5, 15):
+        assert out[k]["batched"] == out[0]["batched"] and out[k]["alone"] == out[0]["alone"], k
+    assert out[0]["alone"] == out[0]["batched"][0]
+    if name == "qwen3_5-text":
+        one = run(split_families[name], None, "ngram", 1, chosen, ks=(0,))[0]["batched"]
+        same = sum(a == b for x, y in zip(out[0]["batched"], one) for a, b in zip(x, y))
+        print(f"{name}: tensor_parallel_size 2 agrees with 1 on {same} of {sum(map(len, one))} tokens")
+
+
+def test_each_rank_takes_its_own_gpu(monkeypatch):
+    """The CUDA start-up without a GPU: rank r of a lead on cuda (or cuda:0) takes GPU r, of a lead on cuda:2 GPU
+    2 + r; joining names an indexed device (torch's set_device refuses a bare "cuda"); a follower is told the lead's
+    device as it was named."""
+    from blockspec.common.runtime import tensor_parallel as tp
+    from blockspec.common.runtime import tp_ranks
+
+    assert [tp.rank_device("cuda", r) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert tp.rank_device("cuda:2", 1) == torch.device("cuda", 3) and tp.rank_device("cpu", 1) == torch.device("cpu")
+    made, joined = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    monkeypatch.setattr(tp.dist, "init_process_group", lambda backend, **kw: joined.append((backend, kw["rank"])))
+    tp.init(1, 2, "127.0.0.1:1", tp.rank_device("cuda", 1))
+    assert made == [torch.device("cuda", 1)] and joined == [("nccl", 1)]
+    with pytest.raises(ValueError, match="rank 0: cuda names no GPU index"):
+        tp.init(0, 2, "127.0.0.1:1", torch.device("cuda"))
+    started = []
+    monkeypatch.setattr(tp_ranks.subprocess, "Popen", lambda argv: started.append(json.loads(argv[-1])))
+    monkeypatch.setattr(tp_ranks, "_followers", [])
+    tp_ranks.start_followers(3, "target", 2, 64, None, torch.bfloat16, torch.device("cuda", 2))
+    assert [(a[0], a[8]) for a in started] == [(1, "cuda:2"), (2, "cuda:2")]  # rank_device(cuda:2, r) on each
 
 
 @pytest.mark.gpu
@@ -87,12 +136,19 @@ def test_on_ray_a_replica_takes_a_gpu_per_rank_and_stays_exact(tiny_models, dfla
         stop_serve(info)
 
 
-def test_what_does_not_split_is_named(tiny_models, tmp_path):
+def test_what_does_not_split_is_named(tiny_models, split_families, tmp_path):
     cfg = load_checkpoint(tiny_models["qwen3"]["target"], with_weights=False).config
     assert unsupported(cfg, 1) is None and unsupported(cfg, 2) is None
     assert "num_attention_heads 4 does not divide by 3" in unsupported(cfg, 3)
     part = shard_config(cfg, 2)
     assert (part.num_heads, part.num_kv_heads, part.intermediate_size) == (2, 1, cfg.intermediate_size // 2)
+    hybrid = load_checkpoint(split_families["qwen3_5_moe-text"], with_weights=False).config
+    assert unsupported(hybrid, 2) is None
+    part = shard_config(hybrid, 2)
+    assert (part.linear.num_k_heads, part.linear.num_v_heads) == (hybrid.linear.num_k_heads // 2,
+                                                                  hybrid.linear.num_v_heads // 2)
+    assert part.experts.intermediate_size == hybrid.experts.intermediate_size // 2
+    assert "does not divide by 5" in unsupported(hybrid, 5)
     bad = tmp_path / "tp3.yaml"
     bad.write_text(CONFIG.format(target=tiny_models["qwen3"]["target"], drafter=tiny_models["qwen3"]["other"])
                    .replace("tensor_parallel_size: 1", "tensor_parallel_size: 3"))
