@@ -69,12 +69,19 @@ def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int,
     """What a verifier holds once built: its weights' bytes, and per slot the KV cache, states and tap features;
     graphs (the CUDA runner): also its spare slot and what its captured steps keep. The start-up check
     (`Verifier.static_bytes`) and `blockspec plan` both count with this. world > 1 (model.tensor_parallel_size): the
-    lead rank's part - a world-th of the layers' weights and of the KV cache, and the embedding and LM head
-    (`vocab_bytes`) whole, which the drafter reads in place (the other ranks hold a world-th of those too)."""
+    lead rank's part - a world-th of the layers' weights, of the KV cache and of a hybrid's states, and the embedding
+    and LM head (`vocab_bytes`) and the tap features whole, which the drafter reads in place (the other ranks hold a
+    world-th of the first two, and no taps)."""
     from blockspec.common.runtime.cuda_runner import CudaRunner
 
     slots = slot_bytes(cfg, max_len, dtype, n_taps)
-    per_slot = sum(slots.values()) - slots["kv"] + slots["kv"] // world
+    if world > 1:  # a rank's heads: its part of the KV cache (a KV head each where there are fewer than ranks) and of
+        # a hybrid's states and their rollback inputs; the tap features (whole hidden states) stay whole on rank 0
+        taps = max_len * n_taps * cfg.hidden_size * dtype.itemsize
+        kv_heads = max(1, cfg.num_kv_heads // world)
+        slots = {"kv": slots["kv"] * kv_heads // cfg.num_kv_heads, "conv": slots["conv"] // world,
+                 "recurrent": slots["recurrent"] // world, "speculative": (slots["speculative"] - taps) // world + taps}
+    per_slot = sum(slots.values())
     weights = (weights - vocab_bytes) // world + vocab_bytes
     if not graphs:
         return weights + num_slots * per_slot

@@ -163,7 +163,7 @@ def plan_capacity(cfg: BlockspecConfig, memory_bytes: int, replicas: int = 1, de
     target = load_checkpoint(m.target_model_path, with_weights=False).config
     max_len = serving_len(target.max_position_embeddings, m.max_model_len)
     slots = cfg.server.max_batch
-    graphs = uses_cuda_runner(target, torch.device(device), m.runner)
+    graphs = uses_cuda_runner(target, torch.device(device), m.runner) and m.tensor_parallel_size == 1  # ranks: eager
     dflash_cfg, drafter_weights, drafter_shape = None, 0, None
     if p.method == "dflash":
         from blockspec.services.drafter.dflash.config import DFlashConfig
@@ -186,8 +186,11 @@ def plan_capacity(cfg: BlockspecConfig, memory_bytes: int, replicas: int = 1, de
     def verifier_need(s: int, n: int) -> int:
         return verifier_bytes(target, weights, s, n, len(taps), dtype, graphs, world, vocab)
 
-    per_slot = sum(slot_bytes(target, max_len, dtype, len(taps)).values())
-    roles = [_role("verifier", weights, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,
+    per_slot, held, name = sum(slot_bytes(target, max_len, dtype, len(taps)).values()), weights, "verifier"
+    if world > 1:  # the lead rank's part, on the GPU it shares with the drafter
+        name = f"verifier (rank 0 of {world})"
+        held, per_slot = verifier_need(0, max_len), verifier_need(1, max_len) - verifier_need(0, max_len)
+    roles = [_role(name, held, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,
                    int(memory_bytes * verifier_fraction), verifier_fraction)]
     if drafter_shape is not None:
         captured = p.method == "dflash" and device == "cuda"  # on a GPU its proposals are captured: a spare slot

@@ -149,3 +149,20 @@ def test_a_gpu_config_without_a_gpu_must_name_the_card(reference_pairs, tmp_path
         pytest.skip("this machine has a GPU: plan reads its memory")
     assert main(["plan", "--config", str(write_config(tmp_path, *reference_pairs["27b"]))]) == 2
     assert "--gpu-memory: this machine has no GPU" in capsys.readouterr().err
+
+
+def test_two_ranks_on_40_gb_cards_plan_rank_0s_part(reference_pairs, tmp_path, capsys):
+    """model.tensor_parallel_size 2 on 40 GB cards: the verifier's row is rank 0's part - half the layers' weights
+    with the embedding and LM head whole, half of each slot's KV cache or states with the tap features whole - and
+    what it names to lower is rank 0's."""
+    for size in ("27b", "27b-hybrid"):
+        target, drafter = reference_pairs[size]
+        one = plan_capacity(load_config(write_config(tmp_path, target, drafter)), 80 * 10**9).roles[0]
+        cfg = load_config(write_config(tmp_path, target, drafter, tensor_parallel_size=2))
+        two = plan_capacity(cfg, 40 * 10**9).roles[0]
+        assert two.role == "verifier (rank 0 of 2)" and one.weights / 2 < two.weights < one.weights * 0.6
+        assert one.per_slot / 2 < two.per_slot < one.per_slot * 0.6  # the taps stay whole on rank 0
+        assert not two.fits and two.share < two.need
+    assert main(["plan", "--config", str(write_config(tmp_path, *reference_pairs["27b"], tensor_parallel_size=2)),
+                 "--gpu-memory", "40GB"]) == 1
+    assert "| verifier (rank 0 of 2) | 26.34 |" in capsys.readouterr().out
