@@ -38,15 +38,19 @@ def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = No
         from blockspec.common.runtime import tp_ranks
 
         why = tp.unsupported(checkpoint.config, tensor_parallel_size)
-        if why is not None or backend == "graphs":
-            raise InvalidArgument("tensor_parallel_size", f"{tensor_parallel_size}: {why or 'the CUDA runner runs one device'}")
+        if why is not None:
+            raise InvalidArgument("tensor_parallel_size", f"{tensor_parallel_size}: {why}")
         dev = tp.rank_device(device, 0)
         max_len = min(max_len or checkpoint.config.max_position_embeddings, checkpoint.config.max_position_embeddings)
+        graphs = uses_cuda_runner(checkpoint.config, dev, backend)
         address = tp_ranks.start_followers(tensor_parallel_size, str(checkpoint.path), num_slots, max_len, query_width,
-                                     dtype, dev)
+                                           dtype, dev, graphs)
         tp.init(0, tensor_parallel_size, address, dev)
+        if graphs:
+            return tp_ranks.CudaLeadRunner(checkpoint, num_slots, max_len, tap_layers, dtype, dev,
+                                           tp=(0, tensor_parallel_size))
         return tp_ranks.LeadRunner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, dev,
-                             tp=(0, tensor_parallel_size))
+                                   tp=(0, tensor_parallel_size))
     reason = unsupported(checkpoint.config)
     if uses_cuda_runner(checkpoint.config, torch.device(device), backend):
         if query_width:

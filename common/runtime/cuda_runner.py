@@ -21,6 +21,7 @@ a rollback within it replays).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -34,7 +35,7 @@ from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
 from blockspec.common.models.state_cache import HybridKVCache
 from blockspec.common.runtime.cuda_steps import HybridStaticStep, StaticStep
-from blockspec.common.runtime.runner import ForwardResult, Segment, build_decoder
+from blockspec.common.runtime.runner import ForwardResult, Segment, build_decoder, segment_starts
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,9 @@ class CudaRunner:
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None,
                  tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cuda", numerics: str = "invariant", capture: bool | None = None,
-                 warm_up: bool | None = None, gemm: str | None = None) -> None:
+                 warm_up: bool | None = None, gemm: str | None = None, tp: tuple[int, int] = (0, 1)) -> None:
+        """tp: (rank, world size) of a target split over ranks (common/runtime/tensor_parallel.py): this rank's shard,
+        its heads' part of the caches, and the step's sums over the ranks inside it."""
         cfg = checkpoint.config
         reason = unsupported(cfg)
         if reason:
@@ -191,12 +194,20 @@ class CudaRunner:
         if bad:
             raise ValueError(f"tap layers {bad} outside 0..{cfg.num_layers}: the target's layers and {cfg.num_layers}, "
                              "its final norm's output")
-        self.model = build_decoder(checkpoint, dtype).to(self.device)
+        self.model = build_decoder(checkpoint, dtype)
+        if tp[1] > 1:
+            from blockspec.common.runtime.tensor_parallel import shard
+
+            self.model = shard(self.model, *tp)
+            # the step merges the shard's projections: the checkpoint's own tensors stay whole
+            checkpoint = dataclasses.replace(checkpoint, weights=dict(checkpoint.weights))
+        self.model = self.model.to(self.device)
+        part = self.model.cfg  # this rank's heads
         if cfg.hybrid:
-            self.cache = HybridKVCache(cfg, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots,
+            self.cache = HybridKVCache(part, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots,
                                        step_width=max(WIDTHS))
         else:
-            self.cache = SlotKVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, self.max_len, cfg.head_dim, dtype,
+            self.cache = SlotKVCache(cfg.num_layers, num_slots, part.num_kv_heads, self.max_len, cfg.head_dim, dtype,
                                      self.device, spare_slots=self.spare_slots)
         width = len(self.tap_layers) * cfg.hidden_size
         self.tap_buffer = (torch.zeros(num_slots + self.spare_slots, self.max_len, width, dtype=dtype,
@@ -212,6 +223,9 @@ class CudaRunner:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         if self.graphs.capture if warm_up is None else warm_up:
             self.warm_up()
+
+    def starts(self, segments: Sequence[Segment]) -> list[int]:
+        return segment_starts(self.cache, self.max_len, segments)
 
     @staticmethod
     def graph_bytes(cfg: ModelConfig, num_slots: int) -> int:
@@ -265,10 +279,7 @@ class CudaRunner:
             raise ValueError("the CUDA runner verifies sequences: a token tree (Segment.parents) runs on the eager "
                              "runner (backend eager)")
         lengths = [len(s.token_ids) for s in segments]
-        starts = [self.cache.lengths[s.slot] for s in segments]
-        for seg, start, n in zip(segments, starts, lengths):
-            if n < 1 or start + n > self.max_len:
-                raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {self.max_len}")
+        starts = self.starts(segments)
         key = self.bucket_of(len(segments), max(lengths))
         firsts = [n - 1 if s.last_only else 0 for s, n in zip(segments, lengths)]
         ends = list(lengths)

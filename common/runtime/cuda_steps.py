@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +28,7 @@ from blockspec.common.models.decoder import Decoder, rope_table
 from blockspec.common.models.hybrid import HybridDecoder
 from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.state_cache import HybridKVCache
+from blockspec.common.runtime.tensor_parallel import Summed, VocabEmbedding, gathered_logits
 
 
 class StaticStep(nn.Module):
@@ -41,6 +43,7 @@ class StaticStep(nn.Module):
         super().__init__()
         cfg = self.cfg = model.cfg
         self.cache, self.tap_layers, self.tap_dest = cache, tap_layers, tap_dest
+        self.world, self.vocab = ranks(model), model.embed_tokens
         self.linear, self.linear_parts = products(numerics)
         self.scale = gk.attention_scale(cfg.head_dim)
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
@@ -54,8 +57,8 @@ class StaticStep(nn.Module):
             empty = self.embed.new_empty(0)
             self.layers.append((layer.input_layernorm.weight, qkv, bias,
                                 att.q_norm.weight if cfg.qk_norm else empty, att.k_norm.weight if cfg.qk_norm else empty,
-                                att.o_proj, layer.post_attention_layernorm.weight,
-                                mlp_spec(checkpoint, model, i, layer.mlp)))
+                                whole(att.o_proj), layer.post_attention_layernorm.weight,
+                                mlp_spec(checkpoint, model, i, whole(layer.mlp))))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, write_slots: torch.Tensor,
@@ -73,7 +76,7 @@ class StaticStep(nn.Module):
         H, KV = cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         slots = slots.contiguous()
-        x = F.embedding(tokens, self.embed)  # [B, T, hidden]
+        x = embed(self, tokens)  # [B, T, hidden]
         h, residual = gk.add_rms_norm(x[None], None, torch.zeros_like(x), self.layers[0][0], eps)
         taps = []
         n = len(self.layers)
@@ -81,9 +84,9 @@ class StaticStep(nn.Module):
             q, _ = gk.attention_inputs(self.linear_parts(h, qkv_w), qkv_b, q_norm, k_norm, self.cos, self.sin,
                                        positions, write_slots, self.cache.k[i], self.cache.v[i], H, KV, eps)
             att = gk.cache_attention(q, self.cache.k[i], self.cache.v[i], slots, positions, self.scale)
-            h, residual = gk.add_rms_norm(self.linear_parts(att.flatten(2), o_proj.weight), o_proj.bias, residual,
-                                          post_norm, eps)
-            h, residual = gk.add_rms_norm(*run_mlp(self, h, mlp), residual,
+            h, residual = gk.add_rms_norm(*row_sum(self, self.linear_parts(att.flatten(2), o_proj.weight),
+                                                   o_proj.bias), residual, post_norm, eps)
+            h, residual = gk.add_rms_norm(*row_sum(self, *run_mlp(self, h, mlp)), residual,
                                           self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps)
             if i in self.tap_layers:
                 taps.append(residual)  # the layer's output
@@ -92,6 +95,31 @@ class StaticStep(nn.Module):
         if taps and self.tap_dest is not None:
             self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
         return greedy_head(self, h, tokens, real.bool(), last)
+
+
+def ranks(model: nn.Module) -> int:
+    """The ranks a model is split over (`tensor_parallel.shard`): 1 for a whole one."""
+    return dist.get_world_size() if isinstance(model.embed_tokens, VocabEmbedding) else 1
+
+
+def whole(module: nn.Module) -> nn.Module:
+    """A row-parallel module's own projection (`tensor_parallel.Summed` wraps it in a shard)."""
+    return module.inner if isinstance(module, Summed) else module
+
+
+def embed(step, tokens: torch.Tensor) -> torch.Tensor:
+    """The tokens' embeddings; split over ranks: each rank's vocabulary range, summed (`VocabEmbedding`)."""
+    return F.embedding(tokens, step.embed) if step.world == 1 else step.vocab(tokens)
+
+
+def row_sum(step, parts: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row-parallel product's output as `add_rms_norm` takes it: its partials and bias; split over ranks, summed
+    over them first (the bias is rank 0's alone: added once), inside the step."""
+    if step.world == 1:
+        return parts, bias
+    x = gk.sum_parts(parts, step.embed.dtype, bias)
+    dist.all_reduce(x)
+    return x[None], None
 
 
 def step_weights(step) -> list[torch.Tensor]:
@@ -225,6 +253,7 @@ class HybridStaticStep(nn.Module):
         cfg = self.cfg = model.cfg
         self.cache, self.states = cache, cache.states
         self.tap_layers, self.tap_dest = tap_layers, tap_dest
+        self.world, self.vocab = ranks(model), model.embed_tokens
         self.linear, self.linear_parts = products(numerics)
         self.scale = gk.attention_scale(cfg.head_dim)
         self.embed = model.embed_tokens.weight
@@ -235,14 +264,14 @@ class HybridStaticStep(nn.Module):
                 la = layer.linear_attn
                 proj = merge(checkpoint, model, i, la, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
                 mixer = ("linear", cfg.linear_layers.index(i), proj, la.conv1d.weight[:, 0].float().contiguous(),
-                         la.A_log, la.dt_bias, la.norm.weight, la.out_proj.weight)
+                         la.A_log, la.dt_bias, la.norm.weight, whole(la.out_proj).weight)
             else:
                 att = layer.self_attn
                 mixer = ("attention", cfg.attention_layers.index(i),
                          merge(checkpoint, model, i, att, ("q_proj", "k_proj", "v_proj")), att.q_norm.weight,
-                         att.k_norm.weight, att.o_proj.weight)
+                         att.k_norm.weight, whole(att.o_proj).weight)
             self.layers.append((layer.input_layernorm.weight, mixer, layer.post_attention_layernorm.weight,
-                                mlp_spec(checkpoint, model, i, layer.mlp)))
+                                mlp_spec(checkpoint, model, i, whole(layer.mlp))))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
     def _attention(self, h, mixer, positions, slots, write_slots):
@@ -280,7 +309,7 @@ class HybridStaticStep(nn.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         slots, reads = slots.contiguous(), reads.contiguous()
-        x = F.embedding(tokens, self.embed)
+        x = embed(self, tokens)
         h, residual = gk.add_rms_norm(x[None], None, torch.zeros_like(x), self.layers[0][0], eps, True)
         taps = []
         n = len(self.layers)
@@ -289,8 +318,8 @@ class HybridStaticStep(nn.Module):
                 out = self._linear_attention(h, mixer, slots, real, reads)
             else:
                 out = self._attention(h, mixer, positions, slots, write_slots)
-            h, residual = gk.add_rms_norm(out, None, residual, post_norm, eps, True)
-            h, residual = gk.add_rms_norm(*run_mlp(self, h, mlp), residual,
+            h, residual = gk.add_rms_norm(*row_sum(self, out, None), residual, post_norm, eps, True)
+            h, residual = gk.add_rms_norm(*row_sum(self, *run_mlp(self, h, mlp)), residual,
                                           self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps, True)
             if i in self.tap_layers:
                 taps.append(residual)
@@ -307,7 +336,10 @@ def greedy_head(step, h: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
     B = h.shape[0]
     if last is not None:
         h = h[torch.arange(B, device=h.device), last].unsqueeze(1)  # [B, 1, hidden]
-    logits = step.linear(h, step.lm_head).float()  # [B, T', vocab]
+    if step.world == 1:
+        logits = step.linear(h, step.lm_head).float()  # [B, T', vocab]
+    else:  # each rank's vocabulary range, gathered into whole rows
+        logits = gathered_logits(step.linear(h, step.vocab.rows(step.lm_head)).float(), step.vocab)
     top = logits.argmax(dim=-1)  # [B, T']
     if last is None:  # greedy verify of [anchor, d1..]: drafts accepted while equal to the target's argmax
         agree = (top[:, :-1] == tokens[:, 1:]) & real[:, 1:]

@@ -112,6 +112,16 @@ def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) ->
     return model.eval().requires_grad_(False)
 
 
+def segment_starts(cache, max_len: int, segments: Sequence[Segment]) -> list[int]:
+    """Each segment's first position (its slot's length); ValueError where its tokens do not fit."""
+    starts = [cache.lengths[s.slot] for s in segments]
+    for seg, start in zip(segments, starts):
+        n = len(seg.token_ids)
+        if n < 1 or start + n > max_len:
+            raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {max_len}")
+    return starts
+
+
 class Runner:
     """A decoder plus its slot KV cache.
 
@@ -195,13 +205,7 @@ class Runner:
         return index[:B], index[2 * B :] != 0, index[B : 2 * B], torch.tensor(host_slots, dtype=torch.long)
 
     def starts(self, segments: Sequence[Segment]) -> list[int]:
-        """Each segment's first position (its slot's length); ValueError where its tokens do not fit."""
-        starts = [self.cache.lengths[s.slot] for s in segments]
-        for seg, start in zip(segments, starts):
-            n = len(seg.token_ids)
-            if n < 1 or start + n > self.max_len:
-                raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {self.max_len}")
-        return starts
+        return segment_starts(self.cache, self.max_len, segments)
 
     def _tree(self, segments: Sequence[Segment], starts: list[int], positions: torch.Tensor,
               key_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -104,10 +104,10 @@ class VocabEmbedding(nn.Module):
     `start` is id lo. Rank 0 keeps the whole table (start = lo): the drafter reads it in place; the other ranks hold
     their range only (start 0)."""
 
-    def __init__(self, weight: torch.Tensor, lo: int, hi: int, start: int, span: int) -> None:
+    def __init__(self, weight: torch.Tensor, lo: int, hi: int, start: int, span: int, vocabulary: int) -> None:
         super().__init__()
         self.weight = _param(weight)
-        self.lo, self.hi, self.start, self.span = lo, hi, start, span
+        self.lo, self.hi, self.start, self.span, self.vocabulary = lo, hi, start, span, vocabulary
 
     def rows(self, weight: torch.Tensor) -> torch.Tensor:
         return weight[self.start : self.start + self.hi - self.lo]
@@ -128,12 +128,15 @@ class ShardedDecoder(Decoder):
         return None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        emb = self.embed_tokens
-        local = F.linear(hidden, emb.rows(self.lm_head.weight)).float()
-        local = F.pad(local, (0, emb.span - local.shape[-1])).contiguous()  # the last range: as long as the others
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+        return gathered_logits(F.linear(hidden, self.embed_tokens.rows(self.lm_head.weight)).float(), self.embed_tokens)
+
+
+def gathered_logits(local: torch.Tensor, vocab: VocabEmbedding) -> torch.Tensor:
+    """Each rank's logits of its vocabulary range [..., hi - lo] gathered into whole rows [..., vocabulary]."""
+    local = F.pad(local, (0, vocab.span - local.shape[-1])).contiguous()  # the last range: as long as the others
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=-1)[..., : vocab.vocabulary]
 
 
 def _split_rows(module: nn.Module, rank: int, world: int) -> None:
@@ -223,7 +226,7 @@ def shard(model: Decoder, rank: int, world: int) -> ShardedDecoder:
     emb, head = model.embed_tokens.weight, model.lm_head.weight
     if rank:
         emb, head = emb[lo:hi].clone(), (None if tied else head[lo:hi].clone())
-    model.embed_tokens = VocabEmbedding(emb, lo, hi, 0 if rank else lo, span)
+    model.embed_tokens = VocabEmbedding(emb, lo, hi, 0 if rank else lo, span, cfg.vocab_size)
     model.lm_head.weight = model.embed_tokens.weight if tied else _param(head)
     model.__class__ = ShardedHybridDecoder if cfg.hybrid else ShardedDecoder
     model.vocab_size = cfg.vocab_size

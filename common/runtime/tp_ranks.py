@@ -17,18 +17,19 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from blockspec.common.runtime.runner import ForwardResult, Runner, Segment
+from blockspec.common.runtime.cuda_runner import CudaRunner
+from blockspec.common.runtime.runner import ForwardResult, Runner, Segment, segment_starts
 from blockspec.common.runtime.tensor_parallel import exit_on_lost_rank, free_port, init, rank_device
 
 log = logging.getLogger(__name__)
 
 
-class LeadRunner(Runner):
+class Leads:
     """Rank 0's runner: before each forward it sends the step - each segment and its slot's length - to the other
     ranks, which run the same forward on their shards (`follow`)."""
 
     def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
-        starts = self.starts(segments)  # a step that does not fit is refused before the others see it
+        starts = segment_starts(self.cache, self.max_len, segments)  # refused before the others see it
         try:
             dist.broadcast_object_list([[(s.slot, tuple(s.token_ids), s.last_only, start)
                                          for s, start in zip(segments, starts)]], src=0)
@@ -38,7 +39,15 @@ class LeadRunner(Runner):
             raise
 
 
-def follow(runner: Runner) -> None:
+class LeadRunner(Leads, Runner):
+    """Rank 0 of the eager runner."""
+
+
+class CudaLeadRunner(Leads, CudaRunner):
+    """Rank 0 of the CUDA runner: each rank replays its captured steps, the sums over the ranks inside them."""
+
+
+def follow(runner: Runner | CudaRunner) -> None:
     """A rank other than 0: run each step the lead sends; a lead that is gone (its process ended: the next collective
     fails, or the parent watch sees it) ends this process."""
     while True:
@@ -57,7 +66,7 @@ def follow(runner: Runner) -> None:
 
 
 def run_follower(rank: int, world: int, address: str, target: str, num_slots: int, max_len: int,
-                 query_width: int | None, dtype: str, device: str, threads: int, lead: int) -> None:
+                 query_width: int | None, dtype: str, device: str, threads: int, lead: int, graphs: bool) -> None:
     """A follower process's whole life: load, join, follow; it ends with its lead (pid `lead`) however that ends."""
     from blockspec.common.models.checkpoint import load_checkpoint
 
@@ -70,8 +79,11 @@ def run_follower(rank: int, world: int, address: str, target: str, num_slots: in
     torch.set_num_threads(threads)
     dev = rank_device(device, rank)  # the lead's device, as it named it: this rank's GPU follows its index
     init(rank, world, address, dev)
-    runner = Runner(load_checkpoint(target), num_slots, max_len, query_width, (), getattr(torch, dtype), dev,
-                    tp=(rank, world))
+    checkpoint = load_checkpoint(target)
+    if graphs:
+        runner = CudaRunner(checkpoint, num_slots, max_len, (), getattr(torch, dtype), dev, tp=(rank, world))
+    else:
+        runner = Runner(checkpoint, num_slots, max_len, query_width, (), getattr(torch, dtype), dev, tp=(rank, world))
     follow(runner)
     dist.destroy_process_group()
 
@@ -80,14 +92,15 @@ _followers: list[subprocess.Popen] = []
 
 
 def start_followers(world: int, target: str, num_slots: int, max_len: int, query_width: int | None,
-                    dtype: torch.dtype, device: torch.device) -> str:
+                    dtype: torch.dtype, device: torch.device, graphs: bool = False) -> str:
     """Ranks 1..world-1 as child processes of this one (`python -m blockspec.common.runtime.tp_ranks`; each ends with
-    this process); the process group's address, for this process to join as rank 0."""
+    this process), each with the lead's runner (graphs: the CUDA runner's); the process group's address, for this
+    process to join as rank 0."""
     address = f"127.0.0.1:{free_port()}"
     threads = max(1, torch.get_num_threads() // world)
     for rank in range(1, world):
         args = [rank, world, address, target, num_slots, max_len, query_width, str(dtype).split(".")[-1],
-                str(device), threads, os.getpid()]
+                str(device), threads, os.getpid(), graphs]
         _followers.append(subprocess.Popen([sys.executable, "-m", "blockspec.common.runtime.tp_ranks", json.dumps(args)]))
     if len(_followers) == world - 1:
         atexit.register(_stop_followers)

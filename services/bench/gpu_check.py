@@ -291,6 +291,42 @@ def loop_overhead(verifier, proposer, prompt: list[int], repeats: int, device: s
     return overhead
 
 
+def tensor_parallel_line(device: str) -> str:
+    """The check's line on tensor parallelism: run on CUDA; on the CPU its tests run it (a process group lasts the
+    process, and the CPU check runs many times in one)."""
+    if not device.startswith("cuda"):
+        return "on GPUs only here (on the CPU: tests/common/runtime/test_tensor_parallel.py, over gloo)"
+    return check_tensor_parallel(device)
+
+
+def check_tensor_parallel(device: str) -> str:
+    """Two ranks (two GPUs, or two CPU processes over gloo) of a small Qwen3-shaped target, the device's runner on
+    each: plain and speculative decoding with the fixed-acceptance drafter against plain decoding at the same
+    tensor_parallel_size, one request and 8 together (`throughput`). Said skipped, with why, on a machine of one GPU.
+    Last of the check: its process group stays for the rest of the process."""
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return f"skipped: it needs two GPUs, this machine has {torch.cuda.device_count()}"
+    import tempfile
+
+    from blockspec.common.models.checkpoint import load_checkpoint
+    from blockspec.services.training.tiny import build_tiny_checkpoint, tiny_tokenizer
+    from blockspec.services.verifier.verifier import Verifier
+
+    with tempfile.TemporaryDirectory() as root:
+        path = build_tiny_checkpoint(Path(root) / "target", "qwen3", hidden_size=256, num_layers=4,
+                                     tokenizer=tiny_tokenizer())
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        verifier = Verifier(load_checkpoint(path), num_slots=8, max_len=512, dtype=dtype, device=device,
+                            tensor_parallel_size=2)
+        prompt = torch.randint(0, verifier.runner.config.vocab_size - 1, (256,),
+                               generator=torch.Generator().manual_seed(1)).tolist()
+        tau, tps, exact = throughput(verifier, prompt, device)
+    total = 8 * THROUGHPUT_TOKENS
+    return (f"2 ranks ({type(verifier.runner).__name__}), tau {tau:.2f}: equal to plain decoding alone at 2 ranks on "
+            f"spec c=1 {exact['spec-1']}/{total}, plain c=8 {exact['plain-8']}/{total}, spec c=8 "
+            f"{exact['spec-8']}/{total} tokens; speedup c=1 {tps['spec-1'] / tps['plain-1']:.2f}")
+
+
 def check_ipc(device: str) -> str:
     """Export a tensor from this process and map it in a child: same bytes, no copy (CUDA IPC / shm)."""
     import multiprocessing as mp
@@ -356,7 +392,8 @@ def main(sizes: list[str], device: str, out: Path | None, backend: str = "auto",
         print(f"{size}: {outcome} in {time.perf_counter() - started:.0f} s", flush=True)
         write(out, f"{head}{table(reports)}\n{notes(failures, reports, report)}", reports, report)
     text = (f"{head}{table(reports)}\n{notes(failures, reports, report)}\n"
-            f"Sharing between processes: {check_ipc(device)}\n")
+            f"Sharing between processes: {check_ipc(device)}\n"
+            f"Tensor parallelism: {tensor_parallel_line(device)}\n")
     print(text)
     write(out, text, reports, report)
     wrong = (any(r.logits is not None and not r.logits.passed for r in reports)

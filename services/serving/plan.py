@@ -163,7 +163,7 @@ def plan_capacity(cfg: BlockspecConfig, memory_bytes: int, replicas: int = 1, de
     target = load_checkpoint(m.target_model_path, with_weights=False).config
     max_len = serving_len(target.max_position_embeddings, m.max_model_len)
     slots = cfg.server.max_batch
-    graphs = uses_cuda_runner(target, torch.device(device), m.runner) and m.tensor_parallel_size == 1  # ranks: eager
+    graphs = uses_cuda_runner(target, torch.device(device), m.runner)
     dflash_cfg, drafter_weights, drafter_shape = None, 0, None
     if p.method == "dflash":
         from blockspec.services.drafter.dflash.config import DFlashConfig
@@ -189,7 +189,9 @@ def plan_capacity(cfg: BlockspecConfig, memory_bytes: int, replicas: int = 1, de
     per_slot, held, name = sum(slot_bytes(target, max_len, dtype, len(taps)).values()), weights, "verifier"
     if world > 1:  # the lead rank's part, on the GPU it shares with the drafter
         name = f"verifier (rank 0 of {world})"
-        held, per_slot = verifier_need(0, max_len), verifier_need(1, max_len) - verifier_need(0, max_len)
+        held = (weights - vocab) // world + vocab
+        per_slot = (verifier_bytes(target, weights, 1, max_len, len(taps), dtype, False, world, vocab)
+                    - verifier_bytes(target, weights, 0, max_len, len(taps), dtype, False, world, vocab))
     roles = [_role(name, held, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,
                    int(memory_bytes * verifier_fraction), verifier_fraction)]
     if drafter_shape is not None:

@@ -28,9 +28,10 @@ SCRIPT = """
 import json, sys
 from blockspec.services.engine.engine import Engine
 target, drafter, method, world, prompts = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
-device, ks = sys.argv[6], [int(k) for k in sys.argv[7].split(",")]
+device, ks, backend = sys.argv[6], [int(k) for k in sys.argv[7].split(",")], sys.argv[8]
 e = Engine(target, drafter, method, max_batch=4, tensor_parallel_size=world, device=device,
-           threads=1 if device == "cpu" else None)
+           threads=1 if device == "cpu" else None, backend=backend)
+print(type(e.verifier.runner).__name__, file=sys.stderr)
 out = {}
 for k in ks:
     alone = list(e.complete([e.request(f"a{k}", prompts[0], NEW, k)])[0].token_ids)
@@ -40,13 +41,16 @@ print(json.dumps(out))
 """.replace("NEW", str(NEW))
 
 
-def run(target, drafter, method: str, world: int, prompts, device: str = "cpu", ks=(0, 3)) -> dict:
+def run(target, drafter, method: str, world: int, prompts, device: str = "cpu", ks=(0, 3), backend: str = "auto"
+        ) -> dict:
     """Greedy streams of `prompts` (each alone and all batched) at each k of ks, in a process that leads `world`
-    ranks."""
+    ranks (backend "graphs": the CUDA runner's step on every rank, uncaptured on the CPU)."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(target), str(drafter or ""), method, str(world),
-                           json.dumps(prompts), device, ",".join(map(str, ks))], capture_output=True, text=True,
-                          timeout=300, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           json.dumps(prompts), device, ",".join(map(str, ks)), backend], capture_output=True,
+                          text=True, timeout=300, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if backend == "graphs" and world > 1:
+        assert "CudaLeadRunner" in proc.stderr
     return {int(k): v for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
 
 
@@ -86,6 +90,20 @@ def test_two_ranks_of_a_hybrid_or_moe_target_speculative_equals_plain(split_fami
         print(f"{name}: tensor_parallel_size 2 agrees with 1 on {same} of {sum(map(len, one))} tokens")
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5-text", "qwen3_5_moe-text"])
+def test_the_cuda_runners_step_split_over_two_ranks_stays_exact(split_families, tiny_models, prompts, name):
+    """The CUDA runner under tensor parallelism, its step run uncaptured on the CPU over gloo: each rank's shard
+    merged into the step, the sums over the ranks inside it (after the attention's and the Gated DeltaNet's output
+    products and the MLP or the experts), the embedding and LM head over vocabulary ranges. n-gram speculation at k 1
+    and 5 equals plain decoding at 2 ranks, each prompt alone and batched."""
+    target = tiny_models["qwen3"]["target"] if name == "qwen3" else split_families[name]
+    chosen = [p[:40] for p in prompts[:3]]
+    out = run(target, None, "ngram", 2, chosen, ks=(0, 1, 5), backend="graphs")
+    for k in (1, 5):
+        assert out[k]["batched"] == out[0]["batched"] and out[k]["alone"] == out[0]["alone"], k
+    assert out[0]["alone"] == out[0]["batched"][0]
+
+
 def test_each_rank_takes_its_own_gpu(monkeypatch):
     """The CUDA start-up without a GPU: rank r of a lead on cuda (or cuda:0) takes GPU r, of a lead on cuda:2 GPU
     2 + r; joining names an indexed device (torch's set_device refuses a bare "cuda"); a follower is told the lead's
@@ -105,8 +123,8 @@ def test_each_rank_takes_its_own_gpu(monkeypatch):
     started = []
     monkeypatch.setattr(tp_ranks.subprocess, "Popen", lambda argv: started.append(json.loads(argv[-1])))
     monkeypatch.setattr(tp_ranks, "_followers", [])
-    tp_ranks.start_followers(3, "target", 2, 64, None, torch.bfloat16, torch.device("cuda", 2))
-    assert [(a[0], a[8]) for a in started] == [(1, "cuda:2"), (2, "cuda:2")]  # rank_device(cuda:2, r) on each
+    tp_ranks.start_followers(3, "target", 2, 64, None, torch.bfloat16, torch.device("cuda", 2), graphs=True)
+    assert [(a[0], a[8], a[11]) for a in started] == [(1, "cuda:2", True), (2, "cuda:2", True)]  # rank_device(cuda:2, r)
 
 
 @pytest.mark.gpu

@@ -185,3 +185,17 @@ def test_sizes_whose_weights_pass_the_free_memory_are_refused_before_anything_is
 def test_gpu_check_on_cuda_small(capsys):
     assert main(["gpu-check", "--device", "cuda", "--sizes", "tiny,1b"]) == 0
     assert "cuda_ipc: child read sum" in capsys.readouterr().out
+
+
+def test_the_tensor_parallel_step_runs_two_ranks_and_says_a_single_gpu(monkeypatch):
+    """The check's last step: two ranks over gloo here (two GPUs on a GPU machine), every stream equal to plain
+    decoding alone at 2 ranks; a machine of one GPU is told it was skipped and why."""
+    from blockspec.services.bench import gpu_check
+
+    line = subprocess.run([sys.executable, "-c", "from blockspec.services.bench.gpu_check import check_tensor_parallel;"
+                           " print(check_tensor_parallel('cpu'))"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True).stdout.strip().splitlines()[-1]
+    total = 8 * gpu_check.THROUGHPUT_TOKENS
+    assert line.startswith("2 ranks (LeadRunner), tau 3.") and line.count(f"{total}/{total}") == 3, line
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert gpu_check.check_tensor_parallel("cuda") == "skipped: it needs two GPUs, this machine has 1"
