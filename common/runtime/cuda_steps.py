@@ -68,7 +68,7 @@ class StaticStep(nn.Module):
         decision [B, T + 1] (int64: column 0 the drafts a greedy verify of [anchor, d1..] accepts, then the argmax of
         every row). K/V and tap features are stored at (write_slots, positions).
 
-        A layer is nine launches on CUDA: the q/k/v product, q/k norm + rotary with the K/V stores, attention and its
+        A layer is ten launches on CUDA: the q/k/v product, q/k norm + rotary with the K/V stores, attention and its
         combine, the output product, add + norm, the gate/up product, SiLU x up, the down product, add + norm. Each
         product leaves its split partials, which the next launch adds (`gpu_kernels.linear_parts`)."""
         cfg = self.cfg
@@ -302,10 +302,10 @@ class HybridStaticStep(nn.Module):
         return self.linear_parts(out.reshape(B, T, lin.value_dim), out_w)
 
     def forward(self, tokens, positions, slots, write_slots, real, reads, last=None):
-        """As `StaticStep.forward`, with reads [B] (each row's current state buffer). A Gated DeltaNet layer is ten to
-        twelve launches on CUDA: its input product, the convolution (which also writes the next convolution state),
-        the gates, the recurrence (state read and written in place), the gated norm, the output product, add + norm,
-        the MLP's three and add + norm, and within a verify's width the two stores of what a rollback replays."""
+        """As `StaticStep.forward`, with reads [B] (each row's current state buffer). A Gated DeltaNet layer is eleven
+        launches on CUDA: its input product, the convolution (which also writes the next convolution state), the gates,
+        the recurrence (state read and written in place), the gated norm, the output product, add + norm, the MLP's
+        three and add + norm; thirteen within a verify's width, with the two stores of what a rollback replays."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         slots, reads = slots.contiguous(), reads.contiguous()
