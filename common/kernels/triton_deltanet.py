@@ -1,7 +1,7 @@
 """The Triton kernels of a Gated DeltaNet layer behind `gpu_kernels`' operators on CUDA, and their launchers: the causal
 convolution (which also writes each slot's next convolution state), the gates, the delta-rule recurrence (reading and
 writing each slot's state buffers in place, one launch for any number of tokens) and the rollback of every slot and
-layer in one launch. They read the layer's input product as its split partials (`triton_kernels._rows().summed`).
+layer in one launch. They read the layer's input product as its split partials (`triton_rows._summed`).
 Triton is imported on first use; `TRITON_INTERPRET=1` runs them on CPU tensors
 (tests/common/runtime/test_cuda_runner.py)."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from blockspec.common.kernels import triton_kernels as tk
+from blockspec.common.kernels import triton_rows as tr
 
 
 @functools.cache
@@ -22,7 +22,7 @@ def _deltanet() -> SimpleNamespace:
     import triton.language as tl
 
     global _summed, _token  # module names: the interpreter resolves a kernel's helpers among its globals only
-    _summed = tk._rows().summed
+    _summed = tr._rows().summed
 
     @triton.jit
     def conv(parts, plane, NCOL, state, ss_slot, ss_buf, slots, reads, real, w, both, T, C, K1, BC: tl.constexpr,
@@ -163,7 +163,7 @@ def triton_causal_conv(parts: torch.Tensor, state: torch.Tensor, slots: torch.Te
     _, B, T, ncol = parts.shape
     C, K = weight.shape
     both = torch.empty((B, T, 2, C), dtype=dtype, device=parts.device)
-    kn.conv[(B, T + K - 1, kn.triton.cdiv(C, 128))](parts, tk._plane(parts), ncol, state, state.stride(0),
+    kn.conv[(B, T + K - 1, kn.triton.cdiv(C, 128))](parts, tr._plane(parts), ncol, state, state.stride(0),
                                                   state.stride(1), slots, reads, real, weight, both, T, C, K - 1,
                                                   BC=128, K=K, S=parts.shape[0])
     return both
@@ -175,8 +175,8 @@ def triton_delta_gates(parts: torch.Tensor, col_b: int, col_a: int, a_log: torch
     _, B, T, ncol = parts.shape
     HV = a_log.shape[0]
     out = torch.empty((B, T, 2, HV), dtype=torch.float32, device=parts.device)
-    kn.gates[(B * T,)](parts, tk._plane(parts), ncol, col_b, col_a, a_log, dt_bias, real, out, HV,
-                       BH=kn.triton.next_power_of_2(HV), S=parts.shape[0], DT=tk.triton_dtype(dtype))
+    kn.gates[(B * T,)](parts, tr._plane(parts), ncol, col_b, col_a, a_log, dt_bias, real, out, HV,
+                       BH=kn.triton.next_power_of_2(HV), S=parts.shape[0], DT=tr.triton_dtype(dtype))
     return out
 
 

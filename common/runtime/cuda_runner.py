@@ -35,7 +35,7 @@ from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
 from blockspec.common.models.state_cache import HybridKVCache
 from blockspec.common.runtime.cuda_steps import HybridStaticStep, StaticStep
-from blockspec.common.runtime.runner import ForwardResult, Segment, build_decoder, segment_starts
+from blockspec.common.runtime.runner import ForwardResult, Segment, segment_starts, target_decoder
 
 log = logging.getLogger(__name__)
 
@@ -190,18 +190,9 @@ class CudaRunner:
         self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.query_width = None
         self.tap_layers = tuple(tap_layers)
-        bad = [layer for layer in self.tap_layers if not 0 <= layer <= cfg.num_layers]
-        if bad:
-            raise ValueError(f"tap layers {bad} outside 0..{cfg.num_layers}: the target's layers and {cfg.num_layers}, "
-                             "its final norm's output")
-        self.model = build_decoder(checkpoint, dtype)
-        if tp[1] > 1:
-            from blockspec.common.runtime.tensor_parallel import shard
-
-            self.model = shard(self.model, *tp)
-            # the step merges the shard's projections: the checkpoint's own tensors stay whole
+        self.model = target_decoder(checkpoint, dtype, self.device, self.tap_layers, tp)
+        if tp[1] > 1:  # the step merges the shard's projections: the checkpoint's own tensors stay whole
             checkpoint = dataclasses.replace(checkpoint, weights=dict(checkpoint.weights))
-        self.model = self.model.to(self.device)
         part = self.model.cfg  # this rank's heads
         if cfg.hybrid:
             self.cache = HybridKVCache(part, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.common.kernels import gpu_kernels as gk
+from blockspec.common.kernels import references as kr
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.decoder import Decoder, rope_table
 from blockspec.common.models.hybrid import HybridDecoder
@@ -117,7 +118,7 @@ def row_sum(step, parts: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch
     over them first (the bias is rank 0's alone: added once), inside the step."""
     if step.world == 1:
         return parts, bias
-    x = gk.sum_parts(parts, step.embed.dtype, bias)
+    x = kr.sum_parts(parts, step.embed.dtype, bias)
     dist.all_reduce(x)
     return x[None], None
 

@@ -112,6 +112,21 @@ def build_decoder(checkpoint: Checkpoint, dtype: torch.dtype = torch.float32) ->
     return model.eval().requires_grad_(False)
 
 
+def target_decoder(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, tap_layers: tuple[int, ...],
+                   tp: tuple[int, int] = (0, 1)) -> Decoder:
+    """A runner's decoder on its device: rank tp[0]'s shard where the target is split over tp[1] ranks. Tap layers
+    outside 0..num_layers (the layers, and the final norm's output) are refused."""
+    cfg = checkpoint.config
+    bad = [layer for layer in tap_layers if not 0 <= layer <= cfg.num_layers]
+    if bad:
+        raise ValueError(f"tap layers {bad} outside 0..{cfg.num_layers}: the target's layers and {cfg.num_layers}, "
+                         "its final norm's output")
+    model = build_decoder(checkpoint, dtype)
+    if tp[1] > 1:
+        model = shard(model, *tp)
+    return model.to(device)
+
+
 def segment_starts(cache, max_len: int, segments: Sequence[Segment]) -> list[int]:
     """Each segment's first position (its slot's length); ValueError where its tokens do not fit."""
     starts = [cache.lengths[s.slot] for s in segments]
@@ -152,14 +167,7 @@ class Runner:
         # the kernel's tile (measured: 4 rows); a remainder row takes another code path.
         self.query_width = -(-query_width // ROW_TILE) * ROW_TILE if query_width else None
         self.tap_layers = tuple(tap_layers)
-        bad = [layer for layer in self.tap_layers if not 0 <= layer <= cfg.num_layers]
-        if bad:
-            raise ValueError(f"tap layers {bad} outside 0..{cfg.num_layers}: the target's layers and {cfg.num_layers}, "
-                             "its final norm's output")
-        self.model = build_decoder(checkpoint, dtype)
-        if tp[1] > 1:
-            self.model = shard(self.model, *tp)
-        self.model = self.model.to(self.device)
+        self.model = target_decoder(checkpoint, dtype, self.device, self.tap_layers, tp)
         if self.device.type == "cpu":
             cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
         if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones (this rank's heads)

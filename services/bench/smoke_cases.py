@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common.kernels import gpu_kernels as gk
+from blockspec.common.kernels import references as kr
 from blockspec.common.models.decoder import rope_table
 from blockspec.common.models.model_config import ModelConfig
 
@@ -66,7 +67,7 @@ def _positions(context: int, device: str) -> torch.Tensor:
 def _linear(n: int, k: int, dtype: torch.dtype, device: str) -> Case:
     gen = _gen(device)
     x, w = _randn(gen, MAX_ROWS, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=0.02)
-    return Case("linear", f"{k} -> {n}", gk.linear, gk.linear_reference, lambda m: (x[:m], w))
+    return Case("linear", f"{k} -> {n}", gk.linear, kr.linear_reference, lambda m: (x[:m], w))
 
 
 def _parts(gen: torch.Generator, n: int, k: int, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
@@ -105,7 +106,7 @@ def _attention(c: ModelConfig, context: int, dtype: torch.dtype, device: str, ga
         return ((2 + gated) * m * H * D + int((positions[:m] + 1).sum()) * 2 * KV * D) * size
 
     return Case("cache_attention", f"{H} heads, {KV} KV, head_dim {D}, context {context}{', gated' if gated else ''}",
-                gk.cache_attention, gk.attention_reference,
+                gk.cache_attention, kr.attention_reference,
                 lambda m: (q[:m], k_cache, v_cache, slots[:m], positions[:m], scale, gate[:m] if gated else None),
                 bytes_)
 
@@ -124,7 +125,7 @@ def _add_rms_norm(c: ModelConfig, dtype: torch.dtype, device: str, zero_centred:
     residual = _randn(gen, MAX_ROWS, 1, c.hidden_size, dtype=dtype)
     weight = (0 if zero_centred else 1) + _randn(gen, c.hidden_size, dtype=dtype, scale=0.1)
     return Case("add_rms_norm", f"hidden {c.hidden_size}{', zero-centred' if zero_centred else ''}", gk.add_rms_norm,
-                gk.add_rms_norm_reference,
+                kr.add_rms_norm_reference,
                 lambda m: (parts(m), None, residual[:m], weight, c.rms_norm_eps, zero_centred))
 
 
@@ -151,7 +152,7 @@ def _attention_inputs(c: ModelConfig, context: int, dtype: torch.dtype, device: 
         return read + ((1 + gated) * m * H * D + 2 * m * KV * D + 2 * m * cos.shape[1]) * dtype.itemsize
 
     return Case("attention_inputs", f"{H} + {KV} heads of {D}, rotary {cos.shape[1]}{', gated' if gated else ''}",
-                gk.attention_inputs, gk.attention_inputs_reference,
+                gk.attention_inputs, kr.attention_inputs_reference,
                 lambda m: (parts(m), None, q_w, k_w, cos, sin, positions[:m], slots[:m], k_cache, v_cache, H, KV,
                            c.rms_norm_eps, gated, gated), bytes_)
 
@@ -167,7 +168,7 @@ def attention_inputs_hybrid(s: SmokeShapes, dtype: torch.dtype, device: str) -> 
 def silu_mul(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     c = s.dense
     parts = _parts(_gen(device), 2 * c.intermediate_size, c.hidden_size, dtype)
-    return Case("silu_mul", f"intermediate {c.intermediate_size}", gk.silu_mul, gk.silu_mul_reference,
+    return Case("silu_mul", f"intermediate {c.intermediate_size}", gk.silu_mul, kr.silu_mul_reference,
                 lambda m: (parts(m), None, dtype))
 
 
@@ -182,7 +183,7 @@ def gated_rms_norm(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     parts = _deltanet_parts(s, gen, dtype)
     weight = 1 + _randn(gen, lin.v_head_dim, dtype=dtype, scale=0.1)
     return Case("gated_rms_norm", f"{lin.num_v_heads} heads of {lin.v_head_dim}", gk.gated_rms_norm,
-                gk.gated_rms_norm_reference,
+                kr.gated_rms_norm_reference,
                 lambda m: (x[:m], parts(m), lin.conv_dim, weight, s.hybrid.rms_norm_eps, dtype))
 
 
@@ -196,7 +197,7 @@ def _delta_rule(s: SmokeShapes, tokens: int, dtype: torch.dtype, device: str) ->
     gates = torch.cat((g, beta), dim=2)
     slots, reads = torch.arange(MAX_ROWS, device=device), torch.zeros(MAX_ROWS, dtype=torch.long, device=device)
     return Case("gated_delta_rule", f"{Hk} key, {Hv} value heads of {dk} x {dv}, {tokens} token(s)",
-                gk.gated_delta_rule, gk.gated_delta_rule_reference,
+                gk.gated_delta_rule, kr.gated_delta_rule_reference,
                 lambda m: (rec, slots[:m], reads[:m], both[:m], gates[:m], Hk, dk ** -0.5))
 
 
@@ -216,7 +217,7 @@ def causal_conv(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     weight = _randn(gen, C, K, dtype=torch.float32, scale=0.5)
     slots, reads = torch.arange(MAX_ROWS, device=device), torch.zeros(MAX_ROWS, dtype=torch.long, device=device)
     real = torch.ones((MAX_ROWS, 1), dtype=torch.long, device=device)
-    return Case("causal_conv", f"{C} channels, kernel {K}", gk.causal_conv, gk.causal_conv_reference,
+    return Case("causal_conv", f"{C} channels, kernel {K}", gk.causal_conv, kr.causal_conv_reference,
                 lambda m: (parts(m), state, slots[:m], reads[:m], real[:m], weight, dtype))
 
 
@@ -227,7 +228,7 @@ def delta_gates(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     a_log, dt_bias = (_randn(gen, Hv, dtype=dtype, scale=0.5) for _ in range(2))
     real = torch.ones((MAX_ROWS, 1), dtype=torch.long, device=device)
     b_col = lin.conv_dim + lin.value_dim
-    return Case("delta_gates", f"{Hv} value heads", gk.delta_gates, gk.delta_gates_reference,
+    return Case("delta_gates", f"{Hv} value heads", gk.delta_gates, kr.delta_gates_reference,
                 lambda m: (parts(m), b_col, b_col + Hv, a_log, dt_bias, real[:m], dtype))
 
 
@@ -242,7 +243,7 @@ def moe(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
     def bytes_(m: int) -> int:  # the experts the m tokens reach, their inputs and outputs
         return (len(ids[:m].unique()) * 3 * I * H + 2 * m * H) * dtype.itemsize
 
-    return Case("moe", f"{E} experts, top {e.top_k}, hidden {H}, intermediate {I}", gk.moe, gk.moe_reference,
+    return Case("moe", f"{E} experts, top {e.top_k}, hidden {H}, intermediate {I}", gk.moe, kr.moe_reference,
                 lambda m: (x[:m], weights[:m], ids[:m], gate_up, down), bytes_)
 
 

@@ -18,6 +18,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from blockspec.common.kernels import triton_deltanet as td  # noqa: E402
 from blockspec.common.kernels import triton_kernels as tk  # noqa: E402
+from blockspec.common.kernels import triton_rows as tr  # noqa: E402
 
 BF16 = torch.bfloat16
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32",
@@ -45,12 +46,12 @@ def launches_at_published_shapes(rows: int) -> list[tuple[JITFunction, tuple, di
             parts = tk.triton_linear_parts(h, torch.empty(cols, hidden, dtype=BF16))
             cache = torch.empty(3, kv, 4096, d, dtype=BF16)
             cos = torch.empty(4096, rot, dtype=BF16)
-            q, gate = tk.triton_attention_inputs(parts, None, torch.empty(d, dtype=BF16), torch.empty(d, dtype=BF16),
+            q, gate = tr.triton_attention_inputs(parts, None, torch.empty(d, dtype=BF16), torch.empty(d, dtype=BF16),
                                                  cos, cos, pos, pos, cache, cache, heads, kv, 1e-6, zc, gated)
             tk.triton_attention(q, cache, cache, slots, pos, 0.1, gate if gated else None)
-            tk.triton_add_rms_norm(tk.triton_linear_parts(q.flatten(2), torch.empty(hidden, heads * d, dtype=BF16)),
+            tr.triton_add_rms_norm(tk.triton_linear_parts(q.flatten(2), torch.empty(hidden, heads * d, dtype=BF16)),
                                    None, h, torch.empty(hidden, dtype=BF16), 1e-6, zc)
-        tk.triton_silu_mul(tk.triton_linear_parts(h, torch.empty(2 * 17408, hidden, dtype=BF16)), None, BF16)
+        tr.triton_silu_mul(tk.triton_linear_parts(h, torch.empty(2 * 17408, hidden, dtype=BF16)), None, BF16)
         hk, hv, dk = 16, 48, 128
         C = 2 * hk * dk + hv * dk
         parts = tk.triton_linear_parts(h, torch.empty(C + hv * dk + 2 * hv, hidden, dtype=BF16))
@@ -61,7 +62,7 @@ def launches_at_published_shapes(rows: int) -> list[tuple[JITFunction, tuple, di
                                       BF16)
         rec = torch.empty(3, 2, hv, dk, dk)
         out = td.triton_gated_delta_rule(rec, slots, slots, both, gates, hk, dk ** -0.5)
-        tk.triton_gated_rms_norm(out, parts, C, torch.empty(dk), 1e-6, BF16)
+        tr.triton_gated_rms_norm(out, parts, C, torch.empty(dk), 1e-6, BF16)
         td.triton_rollback(torch.empty(2, 3, 2, hv, dk, dk), torch.empty(2, 3, 2, C, 3, dtype=BF16),
                            torch.empty(2, 3, 16, 2, C, dtype=BF16), torch.empty(2, 3, 16, 2, hv), slots, slots, slots,
                            hk)

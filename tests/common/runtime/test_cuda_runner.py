@@ -171,8 +171,10 @@ def test_the_expert_layout_reads_nothing_back():
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from blockspec.common.kernels import gpu_kernels as gk
+    from blockspec.common.kernels import references as kr
     from blockspec.common.kernels import triton_deltanet as td
     from blockspec.common.kernels import triton_kernels as tk
+    from blockspec.common.kernels import triton_rows as tr
 
     torch.manual_seed(0)
     close = lambda a, b, tol=1e-5: (a - b).abs().max() < tol
@@ -180,16 +182,16 @@ KERNEL_CHECK = textwrap.dedent("""
     for n, k, splits in ((96, 256, 2), (64, 1024, 8)):
         x, w = torch.randn(13, k), torch.randn(n, k)
         parts = tk.triton_linear_parts(x, w)
-        assert parts.shape == (splits, 13, n) and close(gk.sum_parts(parts, x.dtype), x @ w.T, 1e-3), "gemm"
+        assert parts.shape == (splits, 13, n) and close(kr.sum_parts(parts, x.dtype), x @ w.T, 1e-3), "gemm"
         assert torch.equal(tk.triton_linear_parts(x[5:6], w)[:, 0], parts[:, 5]), "gemm rows"
-        assert torch.equal(tk.triton_linear(x, w), gk.sum_parts(parts, x.dtype)), "gemm sum"
+        assert torch.equal(tk.triton_linear(x, w), kr.sum_parts(parts, x.dtype)), "gemm sum"
     # attention over two slots of a cache, queries at ragged positions across chunks, with and without the output gate
     kc, vc = torch.randn(3, 2, 512, 16), torch.randn(3, 2, 512, 16)
     q, gate = torch.randn(2, 3, 6, 16), torch.randn(2, 3, 6, 16)
     slots, pos = torch.tensor([2, 0]), torch.tensor([[5, 6, 7], [300, 301, 302]])
     for z in (None, gate):
         o = tk.triton_attention(q, kc, vc, slots, pos, 0.25, z)
-        assert close(o, gk.attention_reference(q, kc, vc, slots, pos, 0.25, z)), "attention"
+        assert close(o, kr.attention_reference(q, kc, vc, slots, pos, 0.25, z)), "attention"
         alone = tk.triton_attention(q[1:, 1:2].contiguous(), kc, vc, slots[1:], pos[1:, 1:2].contiguous(), 0.25,
                                     None if z is None else z[1:, 1:2].contiguous())
         assert torch.equal(alone[0, 0], o[1, 1]), "attention rows"
@@ -198,15 +200,15 @@ KERNEL_CHECK = textwrap.dedent("""
     assert tk.attention_chunk(8704) == 320 and tk.attention_chunk(512) == tk.CHUNK
     pos = torch.tensor([[8000, 8703], [100, 5000]])
     o = tk.triton_attention(q[:, :2].contiguous(), kc, vc, torch.tensor([1, 0]), pos, 0.25)
-    assert close(o, gk.attention_reference(q[:, :2], kc, vc, torch.tensor([1, 0]), pos, 0.25)), "long attention"
+    assert close(o, kr.attention_reference(q[:, :2], kc, vc, torch.tensor([1, 0]), pos, 0.25)), "long attention"
     # add + RMSNorm of a product's partials (plain and zero-centred, with and without a bias)
     h, w48 = torch.randn(3, 4, 64), torch.randn(48, 64)
     parts, r, w = tk.triton_linear_parts(h, w48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
     assert parts.shape[0] > 1
     for zc in (False, True):
         for bias in (None, torch.randn(48)):
-            y, s = tk.triton_add_rms_norm(parts, bias, r, w, 1e-6, zc)
-            y0, s0 = gk.add_rms_norm_reference(parts, bias, r, w, 1e-6, zc)
+            y, s = tr.triton_add_rms_norm(parts, bias, r, w, 1e-6, zc)
+            y0, s0 = kr.add_rms_norm_reference(parts, bias, r, w, 1e-6, zc)
             assert close(y, y0) and torch.equal(s, s0), "norm"
     # q/k norm + rotary with the K/V stores: plain and gated q heads, full and partial rotary, with and without norms
     B, T, H, KV, D = 2, 3, 4, 2, 16
@@ -220,20 +222,20 @@ KERNEL_CHECK = textwrap.dedent("""
                                      (torch.randn(D), torch.randn(D), True, None),
                                      (torch.empty(0), torch.empty(0), False, None)):
                 caches = [torch.zeros(4, KV, 64, D) for _ in range(4)]
-                qa, ga = tk.triton_attention_inputs(parts, bias, qw, kw, cos, sin, pos, ws, caches[0], caches[1], H, KV,
+                qa, ga = tr.triton_attention_inputs(parts, bias, qw, kw, cos, sin, pos, ws, caches[0], caches[1], H, KV,
                                                     1e-6, zc, gated)
-                qb, gb = gk.attention_inputs_reference(parts, bias, qw, kw, cos, sin, pos, ws, caches[2], caches[3], H,
+                qb, gb = kr.attention_inputs_reference(parts, bias, qw, kw, cos, sin, pos, ws, caches[2], caches[3], H,
                                                        KV, 1e-6, zc, gated)
                 assert close(qa, qb) and close(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), "qk"
                 assert ga.shape == gb.shape and (not gated or torch.equal(ga, gb)), "gate"
     # SiLU x up and a Gated DeltaNet's output norm (its gate z the product's columns from 8), from partials
     parts = tk.triton_linear_parts(torch.randn(2, 3, 64), torch.randn(96, 64))
     bias = torch.randn(96)
-    silu = tk.triton_silu_mul(parts, bias, torch.float32)
-    assert close(silu, gk.silu_mul_reference(parts, bias, torch.float32)), "silu"
+    silu = tr.triton_silu_mul(parts, bias, torch.float32)
+    assert close(silu, kr.silu_mul_reference(parts, bias, torch.float32)), "silu"
     x = torch.randn(2, 3, 4, 16)
-    assert close(tk.triton_gated_rms_norm(x, parts, 8, w[:16], 1e-6, torch.float32),
-                 gk.gated_rms_norm_reference(x, parts, 8, w[:16], 1e-6, torch.float32)), "gated norm"
+    assert close(tr.triton_gated_rms_norm(x, parts, 8, w[:16], 1e-6, torch.float32),
+                 kr.gated_rms_norm_reference(x, parts, 8, w[:16], 1e-6, torch.float32)), "gated norm"
     # a Gated DeltaNet layer over 21 tokens (row 1 padded after 17): conv (and its next state), gates, the recurrence
     B, T, HK, HV, DK, DV, K = 2, 21, 2, 4, 16, 32, 4  # two key heads, each serving two value heads
     C = 2 * HK * DK + HV * DV
@@ -245,16 +247,16 @@ KERNEL_CHECK = textwrap.dedent("""
     state = [torch.randn(5, 2, C, K - 1)] * 2
     state = [state[0].clone(), state[0].clone()]
     both = td.triton_causal_conv(parts, state[0], slots, reads, real, conv_w, torch.float32)
-    both0 = gk.causal_conv_reference(parts, state[1], slots, reads, real, conv_w, torch.float32)
+    both0 = kr.causal_conv_reference(parts, state[1], slots, reads, real, conv_w, torch.float32)
     assert close(both, both0) and torch.equal(state[0], state[1]), "conv"
     b_col = C + HV * DV
     gates = td.triton_delta_gates(parts, b_col, b_col + HV, a_log, dt_bias, real, torch.float32)
-    assert close(gates, gk.delta_gates_reference(parts, b_col, b_col + HV, a_log, dt_bias, real, torch.float32))
+    assert close(gates, kr.delta_gates_reference(parts, b_col, b_col + HV, a_log, dt_bias, real, torch.float32))
     assert not gates[1, 17:].any(), "gates"
     rec = torch.randn(5, 2, HV, DK, DV)
     recs = [rec.clone(), rec.clone()]
     o = td.triton_gated_delta_rule(recs[0], slots, reads, both, gates, HK, 0.25)
-    o0 = gk.gated_delta_rule_reference(recs[1], slots, reads, both, gates, HK, 0.25)
+    o0 = kr.gated_delta_rule_reference(recs[1], slots, reads, both, gates, HK, 0.25)
     assert close(o, o0, 1e-4) and close(recs[0], recs[1], 1e-4), "delta rule"
     alone = rec.clone()
     o1 = td.triton_gated_delta_rule(alone, slots[1:], reads[1:], both[1:, :5].contiguous(), gates[1:, :5].contiguous(),
@@ -268,7 +270,7 @@ KERNEL_CHECK = textwrap.dedent("""
     slots, current, counts = torch.tensor([4, 0]), torch.tensor([0, 1]), torch.tensor([5, 0])
     got, want = (rec.clone(), conv.clone()), (rec.clone(), conv.clone())
     td.triton_rollback(*got, kept, kept_gates, slots, current, counts, HK)
-    gk.rollback_reference(*want, kept, kept_gates, slots, current, counts, HK)
+    kr.rollback_reference(*want, kept, kept_gates, slots, current, counts, HK)
     assert close(got[0], want[0], 1e-4) and torch.equal(got[1], want[1]), "rollback"
     assert torch.equal(got[0][:, 0, 1], rec[:, 0, 0]) and torch.equal(got[1][:, 0, 1], conv[:, 0, 0]), "rollback of 0"
     for layer in range(L):
@@ -280,7 +282,7 @@ KERNEL_CHECK = textwrap.dedent("""
     x, gate_up, down = torch.randn(5, 64), torch.randn(8, 64, 64) * 0.1, torch.randn(8, 64, 32) * 0.1
     ids, weights = torch.stack([torch.randperm(8)[:2] for _ in range(5)]), torch.rand(5, 2)
     y = tk.triton_moe(x, weights, ids, gate_up, down)
-    assert close(y, gk.moe_reference(x, weights, ids, gate_up, down)), "moe"
+    assert close(y, kr.moe_reference(x, weights, ids, gate_up, down)), "moe"
     assert torch.equal(tk.triton_moe(x[2:3], weights[2:3], ids[2:3], gate_up, down)[0], y[2]), "moe rows"
     print("ok")
 """)

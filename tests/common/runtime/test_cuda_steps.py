@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from blockspec.common.kernels import gpu_kernels as gk
 from blockspec.common.kernels import triton_deltanet as td
 from blockspec.common.kernels import triton_kernels as tk
+from blockspec.common.kernels import triton_rows as tr
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.cuda_runner import CudaRunner
 from blockspec.common.runtime.runner import Segment
@@ -23,8 +24,8 @@ from blockspec.services.training.tiny import build_tiny_checkpoint, build_tiny_f
 # each operator's CUDA launcher, called with the operator's own arguments
 LAUNCHERS = {
     "linear": tk.triton_linear, "linear_parts": tk.triton_linear_parts, "cache_attention": tk.triton_attention,
-    "add_rms_norm": tk.triton_add_rms_norm, "attention_inputs": tk.triton_attention_inputs,
-    "silu_mul": tk.triton_silu_mul, "gated_rms_norm": tk.triton_gated_rms_norm, "causal_conv": td.triton_causal_conv,
+    "add_rms_norm": tr.triton_add_rms_norm, "attention_inputs": tr.triton_attention_inputs,
+    "silu_mul": tr.triton_silu_mul, "gated_rms_norm": tr.triton_gated_rms_norm, "causal_conv": td.triton_causal_conv,
     "delta_gates": td.triton_delta_gates, "gated_delta_rule": td.triton_gated_delta_rule,
     "rollback_states": td.triton_rollback, "moe": tk.triton_moe,
 }
@@ -73,14 +74,14 @@ def counting(monkeypatch):
     """Triton's kernels replaced by counters; yields a function that runs fn under a `Launches` mode."""
     active: list[Launches] = [None]
     fake_triton = SimpleNamespace(cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << (n - 1).bit_length())
-    names = {tk: {"_products": ("gemm", "sum_splits", "grouped_gemm"), "_attention": ("attend", "combine"),
-                  "_rows": ("add_norm", "norm_rope", "silu_mul", "gated_norm")},
+    names = {tk: {"_products": ("gemm", "sum_splits", "grouped_gemm"), "_attention": ("attend", "combine")},
+             tr: {"_rows": ("add_norm", "norm_rope", "silu_mul", "gated_norm")},
              td: {"_deltanet": ("conv", "gates", "delta_rule", "rollback")}}
     for module, groups in names.items():
         for group, kernels in groups.items():
             space = SimpleNamespace(triton=fake_triton, **{k: _Kernel(active, k) for k in kernels})
             monkeypatch.setattr(module, group, lambda space=space: space)
-    monkeypatch.setattr(tk, "triton_dtype", lambda dtype: None)
+    monkeypatch.setattr(tr, "triton_dtype", lambda dtype: None)
 
     def run(fn, marks=None) -> Launches:
         active[0] = Launches(marks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.common.kernels import gpu_kernels as gk
+from blockspec.common.kernels import references as kr
 from blockspec.services.bench import gpu_smoke
 from blockspec.services.bench.smoke_cases import CASES, TOLERANCES, Case, SmokeShapes
 
@@ -43,12 +43,12 @@ def planted(op) -> dict:
     """A case of the operator `op` over x [MAX_ROWS, 8], with linear's tolerance and reference."""
     def make(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
         x, w = torch.randn(128, 8, dtype=dtype), torch.randn(4, 8, dtype=dtype)
-        return Case("linear", "8 -> 4", op, gk.linear_reference, lambda m: (x[:m], w))
+        return Case("linear", "8 -> 4", op, kr.linear_reference, lambda m: (x[:m], w))
     return make
 
 
 def row_by_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.stack([gk.linear_reference(row, w) for row in x])
+    return torch.stack([kr.linear_reference(row, w) for row in x])
 
 
 def test_a_planted_failure_shows_as_failed(capsys):
