@@ -158,8 +158,15 @@ class VerifierRole(Protocol):
 
     num_slots: int
     free_slots: int
+    paged: bool  # a paged KV cache: admission and preemption by its blocks
+    num_blocks: int
+    block_size: int
+    free_blocks: int  # blocks requests can take now (free, or cached and evictable)
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None: ...
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, salt: str = "",
+            prompt_len: int | None = None) -> object: ...
+
+    def blocks_needed(self, request_id: str, tokens: int) -> int: ...
 
     def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]: ...
 

@@ -35,19 +35,22 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// Attention of short query blocks over the slot KV cache, read in place (no gathered copy, no mask):
-// q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [slots, KV, max_len, hd] contiguous,
-// slots [B], pos [B, T]: query (b, t) sees keys 0..pos[b, t] of slot slots[b]; head h reads KV head
+// Attention of short query blocks over a paged KV cache, read in place (no gathered copy, no mask):
+// q [B, H, T, hd] (hd contiguous), kc / vc one layer's cache [blocks, KV, block_len, hd] contiguous, tables [B, nb]:
+// row b's key j lies in block tables[b, j >> shift] at j & (2^shift - 1) (a slot cache is one block per slot:
+// tables [B, 1], shift past any position); pos [B, T]: query (b, t) sees keys 0..pos[b, t]; head h reads KV head
 // h / (H / KV). -> [B, T, H * hd]. Tasks: chunks of a KV head's group x T queries (attend_head).
-torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
-                               torch::Tensor pos, double scale) {
+torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables,
+                               torch::Tensor pos, double scale, int64_t shift) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3);
-  const int64_t KV = kc.size(1), L = kc.size(2), group = H / KV, nq = group * T;
+  const int64_t KV = kc.size(1), BL = kc.size(2), group = H / KV, nq = group * T, nb = tables.size(1);
+  const int64_t L = std::min(nb << shift, shift >= 40 ? BL : nb * BL), mask = (int64_t(1) << shift) - 1;
   const int64_t chunks = (nq + ATTEND_CHUNK - 1) / ATTEND_CHUNK;
-  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0, "cached_attention: unsupported layout");
+  TORCH_CHECK(q.stride(3) == 1 && kc.is_contiguous() && vc.is_contiguous() && H % KV == 0 && tables.is_contiguous() &&
+              tables.size(0) == B && (shift >= 40 || (int64_t(1) << shift) == BL), "cached_attention: unsupported layout");
   auto out = torch::empty({B, T, H * hd}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-  const int64_t *sp = slots.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  const int64_t *tp = tables.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), row = L + 16;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -55,13 +58,15 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
     int64_t n[ATTEND_CHUNK];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KV * chunks), g = task / chunks % KV, first = task % chunks * ATTEND_CHUNK;
-      const int64_t count = std::min(ATTEND_CHUNK, nq - first), head = (sp[b] * KV + g) * L * hd;
+      const int64_t count = std::min(ATTEND_CHUNK, nq - first);
+      const int64_t* table = tp + b * nb;
       // Query first + i of the KV head: head g * group + (first + i) / T, position index (first + i) % T.
       for (int64_t i = 0; i < count; ++i) n[i] = std::min(pp[b * T + (first + i) % T] + 1, L);
       auto query = [&](int64_t i) { return qp + b * qs0 + (g * group + (first + i) / T) * qs1 + (first + i) % T * qs2; };
       auto output = [&](int64_t i) { return op + (b * T + (first + i) % T) * H * hd + (g * group + (first + i) / T) * hd; };
-      auto key = [&](int64_t j) { return kp + head + j * hd; };
-      auto value = [&](int64_t j) { return vp + head + j * hd; };
+      auto at = [&](int64_t j) { return ((table[j >> shift] * KV + g) * BL + (j & mask)) * hd; };
+      auto key = [&](int64_t j) { return kp + at(j); };
+      auto value = [&](int64_t j) { return vp + at(j); };
       attend_head_hd(hd, query, key, value, output, n, count, scores.data(), row, (float)scale);
     }
   });
@@ -174,38 +179,50 @@ static torch::Tensor embed_rows(const torch::Tensor& tokens, const torch::Tensor
 }
 
 // Each row's real tokens' K (the k heads of qk [B, heads + kv_heads, T, hd]) and V (of qkv [B, T, heads + 2 kv_heads,
-// hd]) into one layer's cache kc / vc [slots, kv_heads, max_len, hd] at [starts[b], starts[b] + lengths[b]) of slot
-// host_slots[b]: plain copies (ATen's views and copies cost more than the copying at a decode's sizes).
+// hd]) into one layer's cache kc / vc [blocks, kv_heads, block_len, hd] at positions [starts[b], starts[b] + lengths[b])
+// of row b's blocks (tables, shift: as cached_attention reads them): plain copies, a run of positions within a block
+// at a time (ATen's views and copies cost more than the copying at a decode's sizes).
 static void store_kv(const torch::Tensor& qk, const torch::Tensor& qkv, torch::Tensor& kc, torch::Tensor& vc,
-                     const std::vector<int64_t>& host_slots, const std::vector<int64_t>& starts,
+                     const torch::Tensor& tables, int64_t shift, const std::vector<int64_t>& starts,
                      const std::vector<int64_t>& lengths, int64_t heads, int64_t kv_heads) {
-  const int64_t T = qkv.size(1), hd = qkv.size(3), L = kc.size(2);
+  const int64_t T = qkv.size(1), hd = qkv.size(3), BL = kc.size(2), nb = tables.size(1);
+  const int64_t mask = (int64_t(1) << shift) - 1;
   TORCH_CHECK(qk.is_contiguous() && qkv.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(),
               "decoder_rows: unsupported K/V layout");
   const float *qkp = qk.data_ptr<float>(), *vp = qkv.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
   float *kp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
-  for (size_t b = 0; b < host_slots.size(); ++b)
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      const int64_t at = ((host_slots[b] * kv_heads + g) * L + starts[b]) * hd, n = lengths[b];
-      std::memcpy(kp + at, qkp + (b * (heads + kv_heads) + heads + g) * T * hd, n * hd * sizeof(float));
-      for (int64_t t = 0; t < n; ++t)  // V: head heads + kv_heads + g of token t's qkv row
-        std::memcpy(vcp + at + t * hd, vp + ((b * T + t) * (heads + 2 * kv_heads) + heads + kv_heads + g) * hd,
-                    hd * sizeof(float));
+  for (size_t b = 0; b < starts.size(); ++b)
+    for (int64_t t = 0; t < lengths[b];) {
+      const int64_t p = starts[b] + t, run = std::min(lengths[b] - t, shift >= 40 ? lengths[b] - t : BL - (p & mask));
+      const int64_t block = tp[b * nb + (p >> shift)];
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t at = ((block * kv_heads + g) * BL + (p & mask)) * hd;
+        std::memcpy(kp + at, qkp + ((b * (heads + kv_heads) + heads + g) * T + t) * hd, run * hd * sizeof(float));
+        for (int64_t r = 0; r < run; ++r)  // V: head heads + kv_heads + g of token t + r's qkv row
+          std::memcpy(vcp + at + r * hd, vp + ((b * T + t + r) * (heads + 2 * kv_heads) + heads + kv_heads + g) * hd,
+                      hd * sizeof(float));
+      }
+      t += run;
     }
 }
 
-// The real tokens' rows of x [B, T, D] into tap_dest [slots, max_len, n_taps * D] at their slot and position (as
-// their K/V), columns [tap * D, (tap + 1) * D): where a forward's caller keeps the tap features, without a
-// concatenation and an indexed copy on the way there.
-static void store_tap(const torch::Tensor& x, torch::Tensor& tap_dest, int64_t tap,
-                      const std::vector<int64_t>& host_slots, const std::vector<int64_t>& starts,
-                      const std::vector<int64_t>& lengths) {
-  const int64_t T = x.size(1), D = x.size(2), L = tap_dest.size(1), W = tap_dest.size(2);
+// The real tokens' rows of x [B, T, D] into tap_dest [blocks, block_len, n_taps * D] at their positions (through the
+// rows' block tables, as their K/V), columns [tap * D, (tap + 1) * D): where a forward's caller keeps the tap
+// features, without a concatenation and an indexed copy on the way there.
+static void store_tap(const torch::Tensor& x, torch::Tensor& tap_dest, int64_t tap, const torch::Tensor& tables,
+                      int64_t shift, const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths) {
+  const int64_t T = x.size(1), D = x.size(2), BL = tap_dest.size(1), W = tap_dest.size(2), nb = tables.size(1);
+  const int64_t mask = (int64_t(1) << shift) - 1;
   const float* xp = x.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
   float* dp = tap_dest.data_ptr<float>();
-  for (size_t b = 0; b < host_slots.size(); ++b)
-    for (int64_t t = 0; t < lengths[b]; ++t)
-      std::memcpy(dp + (host_slots[b] * L + starts[b] + t) * W + tap * D, xp + (b * T + t) * D, D * sizeof(float));
+  for (size_t b = 0; b < starts.size(); ++b)
+    for (int64_t t = 0; t < lengths[b]; ++t) {
+      const int64_t p = starts[b] + t;
+      std::memcpy(dp + (tp[b * nb + (p >> shift)] * BL + (p & mask)) * W + tap * D, xp + (b * T + t) * D,
+                  D * sizeof(float));
+    }
 }
 
 // x + y for y [N, D] fresh from small_linear, into y (the sum ATen's add computes, without its allocation and
@@ -220,30 +237,38 @@ static torch::Tensor add_residual(const torch::Tensor& x, torch::Tensor y) {
 
 // A decoder's layers over rows of real tokens (tokens [B, T]; row b's first lengths[b] are real, the rest padding)
 // in one call: per layer the norms, the packed linear products, q/k norm with RoPE, each row's real K/V stored at
-// [starts[b], starts[b] + lengths[b]) of its slot host_slots[b], attention over the cache and the MLP, with the same
+// [starts[b], starts[b] + lengths[b]) of its blocks (tables [B, nb], shift: as cached_attention), attention over the cache and the MLP, with the same
 // kernels and arithmetic as the module path (common/models/decoder.py), so the result is bitwise the module's.
 // w: 8 tensors a layer (input norm, q|k|v panels, q norm, k norm, o panels, post-attention norm, gate|up panels,
 // down panels). Returns [final-normed hidden [B, T, D], the outputs of the layers in `taps` (ascending; tap L is the
-// final-normed hidden itself)]; with a tap_dest ([slots, max_len, n_taps * D] fp32, contiguous; empty: none) the taps'
-// real rows go there instead.
+// final-normed hidden itself)]; with a tap_dest ([blocks, block_len, n_taps * D] fp32, contiguous, the K/V's blocks;
+// empty: none) the taps' real rows go there instead.
 std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb, std::vector<torch::Tensor> w,
                                         torch::Tensor final_w, torch::Tensor k_cache, torch::Tensor v_cache,
                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
-                                        torch::Tensor slots, std::vector<int64_t> host_slots,
+                                        torch::Tensor tables, int64_t shift,
                                         std::vector<int64_t> starts, std::vector<int64_t> lengths,
                                         std::vector<int64_t> taps, torch::Tensor tap_dest, int64_t heads,
                                         int64_t kv_heads, int64_t hd, double eps) {
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, D = emb.size(1), L = k_cache.size(0);
-  TORCH_CHECK((int64_t)w.size() == 8 * L && (int64_t)host_slots.size() == B && (int64_t)starts.size() == B &&
-              (int64_t)lengths.size() == B, "decoder_rows: unsupported input");
+  TORCH_CHECK((int64_t)w.size() == 8 * L && tables.dim() == 2 && tables.size(0) == B && tables.is_contiguous() &&
+              (int64_t)starts.size() == B && (int64_t)lengths.size() == B, "decoder_rows: unsupported input");
+  const int64_t blocks = k_cache.size(1), BL = k_cache.size(3), nb = tables.size(1);
+  const int64_t reach = shift >= 40 ? BL : nb * BL;  // positions a row's table covers
   const bool to_dest = tap_dest.numel() > 0;
   TORCH_CHECK(!to_dest || (tap_dest.is_contiguous() && tap_dest.scalar_type() == at::kFloat && tap_dest.dim() == 3 &&
-                           tap_dest.size(2) == (int64_t)taps.size() * D && tap_dest.size(1) >= k_cache.size(3)),
+                           tap_dest.size(2) == (int64_t)taps.size() * D && tap_dest.size(1) == BL &&
+                           tap_dest.size(0) >= blocks),
               "decoder_rows: unsupported tap_dest");
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(0 < lengths[b] && lengths[b] <= T && 0 <= starts[b] && starts[b] + lengths[b] <= k_cache.size(3) &&
-                0 <= host_slots[b] && host_slots[b] < k_cache.size(1) && (!to_dest || host_slots[b] < tap_dest.size(0)),
-                "decoder_rows: row ", b, " does not fit its slot");
+  TORCH_CHECK(shift >= 40 || (int64_t(1) << shift) == BL, "decoder_rows: block length ", BL, " is not 2^", shift);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 < lengths[b] && lengths[b] <= T && 0 <= starts[b] && starts[b] + lengths[b] <= reach,
+                "decoder_rows: row ", b, " does not fit its blocks");
+    for (int64_t j = 0; j <= (shift >= 40 ? 0 : (starts[b] + lengths[b] - 1) >> shift); ++j)
+      TORCH_CHECK(0 <= tp[b * nb + j] && tp[b * nb + j] < blocks, "decoder_rows: row ", b, " names block ",
+                  tp[b * nb + j], " of ", blocks);
+  }
   auto x = embed_rows(tokens, emb);
   auto pos = positions.contiguous();
   std::vector<torch::Tensor> out{torch::Tensor()};
@@ -253,20 +278,20 @@ std::vector<torch::Tensor> decoder_rows(torch::Tensor tokens, torch::Tensor emb,
     torch::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
     auto qkv = small_linear(rms_norm_rows(x, p[0], eps).reshape({N, D}), p[1]).view({B, T, heads + 2 * kv_heads, hd});
     auto qk = qk_norm_rope(qkv, p[2], p[3], cos, sin, pos, heads, kv_heads, eps);  // [B, heads + kv_heads, T, hd]
-    store_kv(qk, qkv, kc, vc, host_slots, starts, lengths, heads, kv_heads);  // padding is computed, never stored
-    auto att = cached_attention(qk.narrow(1, 0, heads), kc, vc, slots, pos, 1.0 / std::sqrt((double)hd));
+    store_kv(qk, qkv, kc, vc, tables, shift, starts, lengths, heads, kv_heads);  // padding: computed, never stored
+    auto att = cached_attention(qk.narrow(1, 0, heads), kc, vc, tables, pos, 1.0 / std::sqrt((double)hd), shift);
     x = add_residual(x, small_linear(att.reshape({N, heads * hd}), p[4]));
     auto act = silu_mul(small_linear(rms_norm_rows(x, p[5], eps).reshape({N, D}), p[6]));
     x = add_residual(x, small_linear(act, p[7]));
     if (tap < taps.size() && taps[tap] == l) {
-      if (to_dest) store_tap(x, tap_dest, (int64_t)tap, host_slots, starts, lengths);
+      if (to_dest) store_tap(x, tap_dest, (int64_t)tap, tables, shift, starts, lengths);
       else out.push_back(x);
       ++tap;
     }
   }
   out[0] = rms_norm_rows(x, final_w, eps);
   if (tap < taps.size() && taps[tap] == L) {
-    if (to_dest) store_tap(out[0], tap_dest, (int64_t)tap, host_slots, starts, lengths);
+    if (to_dest) store_tap(out[0], tap_dest, (int64_t)tap, tables, shift, starts, lengths);
     else out.push_back(out[0]);
   }
   return out;

@@ -267,15 +267,16 @@ def attends_in_place(cache: torch.Tensor, queries: int) -> bool:
             and queries <= ATTENTION_MAX_QUERIES and not torch.is_grad_enabled() and enabled())
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     positions: torch.Tensor, shift: int) -> torch.Tensor:
     """Causal attention over one layer's cache, read in place: q [B, heads, T, hd], k_cache / v_cache
-    [slots, kv_heads, max_len, hd], slots [B], positions [B, T] (query (b, t) sees keys 0..positions[b, t]
-    of slot slots[b]; grouped heads share a KV head) -> [B, T, heads * hd], scale 1 / sqrt(hd). What SDPA
-    with the causal mask computes, within fp32 rounding (a degree-7 exp; every query on its own, so a
-    row's result does not depend on its batch). Call where `attends_in_place` holds."""
+    [blocks, kv_heads, block_len, hd], tables [B, nb] (row b's position p lies in block tables[b, p >> shift] at
+    p & (2^shift - 1); `kv_cache` caches give both), positions [B, T] (query (b, t) sees keys 0..positions[b, t];
+    grouped heads share a KV head) -> [B, T, heads * hd], scale 1 / sqrt(hd). What SDPA with the causal mask computes,
+    within fp32 rounding (a degree-7 exp; every query on its own, so a row's result does not depend on its batch or
+    on where its blocks lie). Call where `attends_in_place` holds."""
     q = q if q.stride(-1) == 1 else q.contiguous()
-    return _kernels.module.cached_attention(q, k_cache, v_cache, slots, positions, q.shape[-1] ** -0.5)
+    return _kernels.module.cached_attention(q, k_cache, v_cache, tables, positions, q.shape[-1] ** -0.5, shift)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -322,18 +323,19 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: tor
 
 
 def decoder_rows(tokens: torch.Tensor, embedding: torch.Tensor, weights: list[torch.Tensor], final_norm: torch.Tensor,
-                 cache, cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
-                 spans: tuple[list[int], list[int], list[int]], taps: list[int], heads: int, kv_heads: int,
+                 cache, cos_sin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, tables: torch.Tensor,
+                 spans: tuple[list[int], list[int]], taps: list[int], heads: int, kv_heads: int,
                  eps: float, tap_dest: torch.Tensor | None = None) -> list[torch.Tensor]:
     """A decoder's layers over rows of real tokens (tokens [B, T], T <= ATTENTION_MAX_QUERIES, B * T <= MAX_ROWS) in one
     C++ call: [final-normed hidden [B, T, H], the outputs of the layers in `taps` (ascending; tap id len(layers): the
-    final-normed hidden)]. spans = (slots, starts, lengths)
+    final-normed hidden)]. spans = (starts, lengths)
     on the host: row b's first lengths[b] tokens are real (the rest padding, computed and never stored) and their
-    K/V go to slot slots[b] from position starts[b]. With `tap_dest` (`stores_taps`), the taps' real rows go there
-    at the same slot and positions instead, and the list is [hidden]. The same kernels and arithmetic as the
+    K/V go to positions from starts[b] through its block table (tables [B, nb], `cache.block_shift`). With `tap_dest`
+    (`stores_taps`: laid out in the cache's blocks), the taps' real rows go there at the same blocks and positions
+    instead, and the list is [hidden]. The same kernels and arithmetic as the
     module path, bitwise (`Decoder.forward` decides where it applies)."""
     return _kernels.module.decoder_rows(tokens, embedding, weights, final_norm, cache.k, cache.v, cos_sin[0],
-                                        cos_sin[1], positions, slots, *spans, taps,
+                                        cos_sin[1], positions, tables, cache.block_shift, *spans, taps,
                                         NO_WEIGHT if tap_dest is None else tap_dest, heads, kv_heads,
                                         cache.k.shape[-1], eps)
 

@@ -103,8 +103,8 @@ class Attention(nn.Module):
             qk = apply_rope(qk.transpose(1, 2), batch.cos, batch.sin)  # [B, heads + kv_heads, T, hd]
         batch.write(layer, qk[:, H:], v.transpose(1, 2))
         if batch.in_place:  # short queries on the CPU: one C++ call over the cache as it lies
-            return self.o_proj(cached_attention(qk[:, :H], batch.cache.k[layer], batch.cache.v[layer], batch.slots,
-                                                batch.positions))
+            return self.o_proj(cached_attention(qk[:, :H], batch.cache.k[layer], batch.cache.v[layer], batch.tables,
+                                                batch.positions, batch.cache.block_shift))
         keys, values = batch.read(layer)
         # out: [B, heads, T, hd]
         out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=batch.mask, enable_gqa=True)
@@ -155,12 +155,15 @@ class AttentionBatch:
             positions = tree[0]
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.real = real
+        # each row's block table [B, nb] over keys [0, key_len) (a slot cache's: [slot])
+        self.tables = cache.tables(host_slots, key_len).to(positions.device, non_blocking=True)
         self.states = None  # a hybrid model's linear layers: the forward's `state_cache.StateStep`
-        self.slot0 = host_slots[0] if len(host_slots) == 1 else None  # one row: its keys are a view, no gather
-        # One row of real tokens: what `store` puts (K/V, tap features) is one slice of its slot.
+        # one row of a slot cache: its keys are a view, no gather
+        self.slot0 = host_slots[0] if len(host_slots) == 1 and not cache.paged else None
+        # One row of real tokens in a slot cache: what `store` puts (K/V, tap features) is one slice of its slot.
         all_real = min(host_lengths) == positions.shape[1]
-        self.span0 = (host_slots[0], host_starts[0]) if len(host_slots) == 1 and all_real else None
-        self.spans = (host_slots, host_starts, host_lengths)  # `cpu_kernels.decoder_rows` stores the K/V by them
+        self.span0 = (host_slots[0], host_starts[0]) if self.slot0 is not None and all_real else None
+        self.spans = (host_starts, host_lengths)  # `cpu_kernels.decoder_rows` stores the K/V by them
         self.cos_sin = cos_sin  # the tables [max_len, hd]; `cos` and `sin` gather them where torch's RoPE runs
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
         # gathered keys with a mask.
@@ -169,19 +172,20 @@ class AttentionBatch:
         if not self.in_place and tree is None:
             keys = torch.arange(key_len, device=positions.device)
             self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        # Where the real tokens' K/V go, worked out once for every layer (store_slots / store_pos when first asked:
+        # Where the real tokens' K/V go, worked out once for every layer (`_stored` when first asked:
         # one row of real tokens, a decode's, never asks).
         self.all_real = all_real
         self.rows = None if self.all_real else real.nonzero(as_tuple=True)  # (b, t) of each real token
 
     @functools.cached_property
-    def store_slots(self) -> torch.Tensor:  # [N]
-        store_slots = self.slots[:, None].expand_as(self.store_positions)
-        return store_slots.reshape(-1) if self.all_real else store_slots[self.rows]
-
-    @functools.cached_property
-    def store_pos(self) -> torch.Tensor:  # [N]
-        return self.store_positions.reshape(-1) if self.all_real else self.store_positions[self.rows]
+    def _stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The real tokens' (block, offset in it) [N] each, in the order of `real_rows`."""
+        B, T = self.store_positions.shape
+        if self.all_real:
+            rows, positions = torch.arange(B, device=self.tables.device).repeat_interleave(T), self.store_positions.reshape(-1)
+        else:
+            rows, positions = self.rows[0], self.store_positions[self.rows]
+        return self.cache.blocks_of(self.tables, rows, positions)
 
     @functools.cached_property
     def cos(self) -> torch.Tensor:  # [B, 1, T, hd]
@@ -192,20 +196,20 @@ class AttentionBatch:
         return self.cos_sin[1][self.positions].unsqueeze(1)
 
     def real_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, ...] -> the real tokens' rows [N, ...], in the order of store_slots / store_pos."""
+        """x [B, T, ...] -> the real tokens' rows [N, ...], in the order `_stored` places them."""
         return x.reshape(-1, *x.shape[2:]) if self.all_real else x[self.rows]
 
     def store(self, dest: torch.Tensor, rows: torch.Tensor) -> None:
-        """The real tokens' rows [N, ...] into dest [slots, positions, ...] at their (slot, position): one
-        slice of the slot for a single row of real tokens, else one scatter."""
+        """The real tokens' rows [N, ...] into dest [blocks, block_len, ...] (laid out as the cache's blocks) at their
+        positions: one slice of the slot for a single row of real tokens in a slot cache, else one scatter."""
         if self.span0 is not None:
             slot, start = self.span0
             dest[slot, start : start + rows.shape[0]] = rows
         else:
-            dest[self.store_slots, self.store_pos] = rows
+            dest[self._stored] = rows
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache ([slots, kv_heads, positions, hd]:
+        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache ([blocks, kv_heads, block_len, hd]:
         `store` with the layout's own indexing, which saves four view ops a layer on the hot path)."""
         if self.span0 is not None:
             slot, start = self.span0
@@ -213,11 +217,14 @@ class AttentionBatch:
             self.cache.k[layer][slot, :, start:end] = k[0]
             self.cache.v[layer][slot, :, start:end] = v[0]
             return
+        blocks, offsets = self._stored
         for cache, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
-            cache[self.store_slots, :, self.store_pos] = self.real_rows(new.transpose(1, 2))  # [N, kv_heads, hd]
+            cache[blocks, :, offsets] = self.real_rows(new.transpose(1, 2))  # [N, kv_heads, hd]
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values [B, kv_heads, key_len, hd] of each row's slot."""
+        """The keys and values [B, kv_heads, key_len, hd] of each row."""
+        if self.cache.paged:
+            return self.cache.gather(layer, self.tables, self.key_len)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if self.slot0 is not None:
             s = self.slot0
@@ -260,7 +267,7 @@ class Decoder(nn.Module):
             dest = tap_dest if tap_layers and cpu_kernels.stores_taps(tap_dest) else None
             hidden, *taps = cpu_kernels.decoder_rows(
                 tokens, self.embed_tokens.weight, weights, self.norm.weight, batch.cache, batch.cos_sin, batch.positions,
-                batch.slots, batch.spans, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
+                batch.tables, batch.spans, sorted(tap_layers), self.cfg.num_heads, self.cfg.num_kv_heads,
                 self.cfg.rms_norm_eps, dest)
             return hidden, None if dest is not None else taps
         x = self.embed_tokens(tokens)  # [B, T, H]

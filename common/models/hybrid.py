@@ -82,7 +82,8 @@ class GatedAttention(nn.Module):
         k = apply_partial_rope(self.k_norm(self.k_proj(x).view(B, T, KV, hd)).transpose(1, 2), batch.cos, batch.sin)
         batch.write(layer, k, self.v_proj(x).view(B, T, KV, hd).transpose(1, 2))
         if batch.in_place:  # short queries on the CPU: one C++ call over the cache as it lies -> [B, T, H * hd]
-            out = cached_attention(q, batch.cache.k[layer], batch.cache.v[layer], batch.slots, batch.positions)
+            out = cached_attention(q, batch.cache.k[layer], batch.cache.v[layer], batch.tables, batch.positions,
+                                  batch.cache.block_shift)
         else:
             keys, values = batch.read(layer)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)

@@ -1,13 +1,22 @@
-"""Slot-based static KV cache: one fixed buffer per layer, a slot per request, rollback = set the length."""
+"""KV caches: a request's row is its slot; a rollback sets the slot's length.
+
+`SlotKVCache` keeps one fixed buffer of max_len positions per slot (the CUDA runner's captured steps and the drafters);
+`PagedKVCache` keeps blocks of block_size positions, taken as a request grows and given back as it ends, named by a
+table per slot, with a prefix cache over full blocks (block_pool.py). Both lay a layer out as
+[blocks, kv_heads, block_len, hd] (a slot cache: a block per slot of max_len positions), so the attention kernels
+read either through a block table: row position p lies in block table[p >> block_shift] at p & (block_len - 1)."""
 
 from __future__ import annotations
 
 import torch
 
+from blockspec.common.models.block_pool import BlockPool, OutOfBlocks
+
 # Keys a CUDA forward reads come in multiples of this (the rest masked). The attention kernel torch picks
 # first on an H200, cuDNN's, builds an execution plan for each new shape, and a decode's key length grows
 # by one every step: with spans there are at most max_len / CUDA_KEY_SPAN shapes to plan.
 CUDA_KEY_SPAN = 256
+WHOLE_SLOT = 40  # a slot cache's block_shift: every position of a slot lies in its one block
 
 
 class SlotKVCache:
@@ -17,6 +26,9 @@ class SlotKVCache:
     positions [length, length + n) and the caller then sets the length (advance, or roll back a
     rejected draft: the stale entries are simply overwritten by the next forward).
     """
+
+    block_shift = WHOLE_SLOT
+    paged = False
 
     def __init__(
         self,
@@ -83,3 +95,144 @@ class SlotKVCache:
     def read(self, layer: int, slots: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [len(slots), kv_heads, key_len, hd]."""
         return self.k[layer, slots, :, :key_len], self.v[layer, slots, :, :key_len]
+
+    def reserve(self, slot: int, end: int) -> None:
+        """Room for positions [0, end) of the slot: a slot cache has it up to max_len."""
+        if end > self.max_len:
+            raise ValueError(f"slot {slot}: position {end - 1} does not fit max_len {self.max_len}")
+
+    def tables(self, host_slots: list[int], key_len: int) -> torch.Tensor:
+        """The block table of each row [B, nb] covering positions [0, key_len): a slot cache's is the slot itself."""
+        return torch.tensor(host_slots, dtype=torch.long)[:, None]
+
+    def blocks_of(self, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where tokens lie, each at a position [N] of a row [N] of these tables [B, nb]: (block, offset), [N] each."""
+        return tables[rows, 0], positions
+
+
+class PagedKVCache(SlotKVCache):
+    """K/V in blocks of `block_size` positions (a power of two), `num_blocks` of them shared by `num_slots` request
+    rows. A slot takes blocks as it grows (`reserve`, before a forward writes), gives them back on release, and may
+    start from a cached prefix's blocks (`attach`). Rolling back keeps the blocks (the next forward writes there)."""
+
+    paged = True
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", prefix_caching: bool = True) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size {block_size}: a power of two")
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, blocks, kv_heads, block_size, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.key_step = block_size
+        self.block_size = block_size
+        self.block_shift = block_size.bit_length() - 1
+        self.max_blocks = -(-max_len // block_size)
+        self.pool = BlockPool(num_blocks, prefix_caching)
+        # A slot's blocks, and the same as a table row [slots, max_blocks] (0 past its blocks: never read, masked)
+        self.held: list[list[int]] = [[] for _ in range(num_slots)]
+        self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        return SlotKVCache.nbytes(num_layers, 1, num_kv_heads, block_size, head_dim, dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        for block in self.held[slot]:
+            self.pool.drop(block)
+        self.held[slot] = []
+
+    def reserve(self, slot: int, end: int) -> None:
+        """Blocks for positions [0, end) of the slot: OutOfBlocks where the pool has too few (none is taken then)."""
+        super().reserve(slot, end)
+        held = self.held[slot]
+        more = self.blocks_for(end) - len(held)
+        if more <= 0:
+            return
+        if more > self.pool.free:
+            raise OutOfBlocks(f"slot {slot} needs {more} more KV blocks, {self.pool.free} are free")
+        for _ in range(more):
+            block = self.pool.take()
+            self.table[slot, len(held)] = block
+            held.append(block)
+
+    def attach(self, slot: int, hashes: list[int]) -> int:
+        """Start an empty slot from the longest cached chain of these prefix hashes: its blocks, shared; returns the
+        positions they hold (the slot's length now)."""
+        assert not self.held[slot] and self.lengths[slot] == 0, "attach to an empty slot"
+        blocks = self.pool.match(hashes)
+        self.held[slot] = blocks
+        self.table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.lengths[slot] = len(blocks) * self.block_size
+        return self.lengths[slot]
+
+    def publish(self, slot: int, hashes: list[int]) -> None:
+        """The slot's first len(hashes) blocks hold those prefixes' K/V (all their positions written): cache them."""
+        n = min(len(hashes), len(self.held[slot]), self.lengths[slot] // self.block_size)
+        self.pool.publish(self.held[slot][:n], hashes[:n])
+
+    def tables(self, host_slots: list[int], key_len: int) -> torch.Tensor:
+        nb = max(1, self.blocks_for(key_len))
+        if len(host_slots) == 1:
+            return self.table[host_slots[0] : host_slots[0] + 1, :nb]
+        return self.table[host_slots, :nb]
+
+    def blocks_of(self, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        return tables[rows, positions >> self.block_shift], positions & (self.block_size - 1)
+
+    def gather(self, layer: int, tables: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, key_len, hd] of the rows with these tables, copied out of their blocks."""
+        B, nb = tables.shape
+        out = []
+        for cache in (self.k[layer], self.v[layer]):
+            blocks = cache[tables.reshape(-1)]  # [B * nb, kv_heads, block_size, hd]
+            kv, bs, hd = blocks.shape[1:]
+            out.append(blocks.view(B, nb, kv, bs, hd).transpose(1, 2).reshape(B, kv, nb * bs, hd)[:, :, :key_len])
+        return out[0], out[1]
+
+
+class BlockRows:
+    """One slot's rows of a buffer laid out in a paged cache's blocks ([blocks, block_size, ...], the tap features):
+    `rows[start:end]` gathers positions start .. end - 1 through the slot's table row (a view of the table, so it
+    follows the slot's blocks as they are taken)."""
+
+    def __init__(self, buffer: torch.Tensor, table_row: torch.Tensor) -> None:
+        self.buffer, self.table = buffer, table_row
+        self.block_size = buffer.shape[1]
+        self.shift = self.block_size.bit_length() - 1
+
+    def __len__(self) -> int:
+        return self.table.shape[0] * self.block_size
+
+    def __getitem__(self, index: slice | int) -> torch.Tensor:
+        if isinstance(index, int):
+            return self[index : index + 1][0]
+        start, stop, step = index.indices(len(self))
+        positions = torch.arange(start, stop, step)
+        blocks = self.table[positions >> self.shift].to(self.buffer.device)
+        return self.buffer[blocks, (positions & (self.block_size - 1)).to(self.buffer.device)]
+
+
+def slot_rows(buffer: torch.Tensor, table: torch.Tensor | None) -> list:
+    """Each slot's rows of a per-position buffer: views of a slot-laid-out one ([slots, max_len, ...]; table None),
+    `BlockRows` of a block-laid-out one through its tables [slots, max_blocks]."""
+    if table is None:
+        return list(buffer.unbind(0))
+    return [BlockRows(buffer, row) for row in table.unbind(0)]
+
+
+__all__ = ["BlockRows", "OutOfBlocks", "PagedKVCache", "SlotKVCache", "slot_rows"]

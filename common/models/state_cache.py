@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.common.kernels.delta_rule import delta_rule_steps, prefill_blocks
-from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.kv_cache import PagedKVCache, SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
 
 ROLLBACKS = ("replay", "states")
@@ -219,18 +219,11 @@ class StateStep:
                              [tuple(t[b, :n] for t in rec) for rec in self._recurrence] if kept else [])
 
 
-class HybridKVCache(SlotKVCache):
-    """The KV cache of a hybrid model's attention layers and its linear layers' states: a slot's length moves
-    both (allocate zeroes the states, a shorter length rolls them back within the last forward)."""
+class HybridStates:
+    """A hybrid model's linear layers' states beside its attention layers' KV cache (a mixin of either cache): a
+    slot's length moves both (allocate zeroes the states, a shorter length rolls them back within the last forward)."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", rollback: str = "replay", spare_slots: int = 0,
-                 step_width: int | None = None) -> None:
-        """step_width: the states are the CUDA runner's (`StepStates`), kept for forwards of up to that many tokens."""
-        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device,
-                         spare_slots)
-        self.states = (SlotStates(cfg, num_slots + spare_slots, dtype, device, rollback) if step_width is None else
-                       StepStates(cfg, num_slots + spare_slots, dtype, device, step_width))
+    states: SlotStates | StepStates
 
     def allocate(self) -> int:
         slot = super().allocate()
@@ -244,3 +237,27 @@ class HybridKVCache(SlotKVCache):
             self.states.reset(slot)
         else:
             self.states.set_length(slot, length)
+
+
+class HybridKVCache(HybridStates, SlotKVCache):
+    """A slot cache for the attention layers, and the linear layers' states."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", rollback: str = "replay", spare_slots: int = 0,
+                 step_width: int | None = None) -> None:
+        """step_width: the states are the CUDA runner's (`StepStates`), kept for forwards of up to that many tokens."""
+        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device,
+                         spare_slots)
+        self.states = (SlotStates(cfg, num_slots + spare_slots, dtype, device, rollback) if step_width is None else
+                       StepStates(cfg, num_slots + spare_slots, dtype, device, step_width))
+
+
+class HybridPagedKVCache(HybridStates, PagedKVCache):
+    """A paged cache for the attention layers, and the linear layers' states per slot (a fixed cost per request). Its
+    prefixes are not cached: a cached prefix would need the states at its end too."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, num_blocks,
+                         block_size, dtype, device, prefix_caching=False)
+        self.states = SlotStates(cfg, num_slots, dtype, device, "replay")

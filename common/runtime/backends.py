@@ -12,6 +12,7 @@ import torch
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.runtime.cuda_runner import CudaRunner, unsupported
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.common.runtime.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,15 @@ def uses_cuda_runner(cfg, device: torch.device, backend: str = "auto") -> bool:
 
 def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = None, query_width: int | None = None,
                 tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                backend: str = "auto", tensor_parallel_size: int = 1) -> Runner | CudaRunner:
+                backend: str = "auto", tensor_parallel_size: int = 1, kv_blocks: int | None = None,
+                block_size: int = BLOCK_TOKENS, prefix_caching: bool = False) -> Runner | CudaRunner:
     """The backend for the device: `cuda_runner.CudaRunner` (captured steps, batch-invariant numerics) for a model on
     CUDA that it takes, else `Runner` (the CPU's C++ kernels, torch's operations elsewhere). backend "eager" is always
     `Runner`, "graphs" always `CudaRunner` (an error where it does not take the model). tensor_parallel_size > 1: this
-    process leads the ranks (common/runtime/tensor_parallel.py), the others start as its children; the eager runner."""
+    process leads the ranks (common/runtime/tensor_parallel.py), the others start as its children; the eager runner.
+    `Runner`'s KV cache is paged (kv_blocks blocks of block_size positions, unset: num_slots requests of max_len),
+    with a prefix cache where prefix_caching is set; the CUDA runner's and the tensor-parallel ranks' keep a slot of
+    max_len positions per request."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if tensor_parallel_size > 1:
@@ -58,4 +63,5 @@ def make_runner(checkpoint: Checkpoint, num_slots: int, max_len: int | None = No
         return CudaRunner(checkpoint, num_slots, max_len, tap_layers, dtype, device)
     if backend == "auto" and torch.device(device).type == "cuda":
         log.info("%s: the eager runner on %s (the CUDA runner does not take %s)", checkpoint.path, device, reason)
-    return Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device)
+    return Runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, block_size=block_size,
+                  num_blocks=kv_blocks, prefix_caching=prefix_caching)

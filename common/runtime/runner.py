@@ -13,8 +13,8 @@ from blockspec.common.kernels import cpu_kernels
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.decoder import AttentionBatch, Decoder, rope_table
 from blockspec.common.models.hybrid import HybridDecoder
-from blockspec.common.models.kv_cache import SlotKVCache
-from blockspec.common.models.state_cache import HybridKVCache
+from blockspec.common.models.kv_cache import PagedKVCache
+from blockspec.common.models.state_cache import HybridPagedKVCache, HybridStates
 from blockspec.common.runtime.tensor_parallel import shard
 
 log = logging.getLogger(__name__)
@@ -128,12 +128,14 @@ def target_decoder(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.dev
 
 
 def segment_starts(cache, max_len: int, segments: Sequence[Segment]) -> list[int]:
-    """Each segment's first position (its slot's length); ValueError where its tokens do not fit."""
+    """Each segment's first position (its slot's length), its slot's room for its tokens reserved (a paged cache's
+    blocks); ValueError where its tokens do not fit max_len, `OutOfBlocks` where the blocks run out."""
     starts = [cache.lengths[s.slot] for s in segments]
     for seg, start in zip(segments, starts):
         n = len(seg.token_ids)
         if n < 1 or start + n > max_len:
             raise ValueError(f"slot {seg.slot}: {n} tokens at position {start} do not fit max_len {max_len}")
+        cache.reserve(seg.slot, start + n)
     return starts
 
 
@@ -156,9 +158,14 @@ class Runner:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tp: tuple[int, int] = (0, 1),
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         """tp: (rank, world size) of a target split over ranks (common/runtime/tensor_parallel.py): this rank's shard and its
-        heads' part of the KV cache."""
+        heads' part of the KV cache. The KV cache is paged: `num_blocks` blocks of `block_size` positions (unset: as
+        many as num_slots requests of max_len need), their full blocks kept for later prompts with prefix_caching (a
+        hybrid's never: `HybridPagedKVCache`)."""
         cfg = checkpoint.config
         self.device = torch.device(device)
         self.config = cfg
@@ -170,11 +177,13 @@ class Runner:
         self.model = target_decoder(checkpoint, dtype, self.device, self.tap_layers, tp)
         if self.device.type == "cpu":
             cpu_kernels.enabled()  # build or load the CPU kernel now, not during the first request
+        num_blocks = num_blocks or num_slots * -(-self.max_len // block_size)
         if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones (this rank's heads)
-            self.cache = HybridKVCache(self.model.cfg, num_slots, self.max_len, dtype, self.device)
+            self.cache = HybridPagedKVCache(self.model.cfg, num_slots, self.max_len, num_blocks, block_size, dtype,
+                                            self.device)
         else:
-            self.cache = SlotKVCache(cfg.num_layers, num_slots, self.model.cfg.num_kv_heads, self.max_len, cfg.head_dim,
-                                     dtype, self.device)
+            self.cache = PagedKVCache(cfg.num_layers, num_slots, self.model.cfg.num_kv_heads, self.max_len,
+                                      cfg.head_dim, num_blocks, block_size, dtype, self.device, prefix_caching)
         self._cos_sin = tuple(t.to(self.device, dtype) for t in rope_table(cfg, self.max_len))
 
     @property
@@ -182,12 +191,13 @@ class Runner:
         return self.model.embed_tokens.weight  # [vocab, hidden]
 
     def make_tap_buffer(self) -> torch.Tensor | None:
-        """A buffer for the tap features of every slot and position, [slots, max_len, n_taps * hidden]; None without
-        tap layers."""
+        """A buffer for the tap features of every position, laid out as the KV cache's blocks [blocks, block_size,
+        n_taps * hidden] (a position's taps lie where its K/V do); None without tap layers."""
         width = len(self.tap_layers) * self.config.hidden_size
         if not width:
             return None
-        return torch.zeros(self.cache.num_slots, self.max_len, width, dtype=self.embedding.dtype, device=self.device)
+        return torch.zeros(self.cache.num_blocks, self.cache.block_size, width, dtype=self.embedding.dtype,
+                           device=self.device)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -238,21 +248,23 @@ class Runner:
         """After a token tree's forward from `start`: the K/V (and the taps in tap_dest) of the tree's tokens
         `nodes` (indices into its token_ids, root to leaf, the anchor 0 first) move to positions start, start + 1, ...
         and the slot's length becomes start + len(nodes): the cache holds the path as a sequence's forward leaves it."""
-        src = torch.tensor([start + i for i in nodes], device=self.device)
         moved = [j for j, i in enumerate(nodes) if i != j]
         if moved:
-            src, dst = src[moved], torch.tensor([start + j for j in moved], device=self.device)
-            for cache in (self.cache.k, self.cache.v):  # [layers, slots, kv_heads, max_len, hd]
-                cache[:, slot, :, dst] = cache[:, slot, :, src]  # the right side is a copy: overlaps are safe
+            table = self.cache.table[slot : slot + 1].to(self.device)
+            rows = torch.zeros(len(moved), dtype=torch.long, device=self.device)
+            src = self.cache.blocks_of(table, rows, torch.tensor([start + nodes[j] for j in moved], device=self.device))
+            dst = self.cache.blocks_of(table, rows, torch.tensor([start + j for j in moved], device=self.device))
+            for cache in (self.cache.k, self.cache.v):  # [layers, blocks, kv_heads, block_size, hd]
+                cache[:, dst[0], :, dst[1]] = cache[:, src[0], :, src[1]]  # the right side is a copy: overlaps are safe
             if tap_dest is not None:
-                tap_dest[slot, dst] = tap_dest[slot, src]
+                tap_dest[dst] = tap_dest[src]
         self.cache.set_length(slot, start + len(nodes))
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
         """Run all segments in one batched forward and advance each slot's length by its token count. tap_dest
-        ([slots, max_len, n_taps * hidden]): the tap features go there, at each token's slot and position (as its
-        K/V), and the result's tap_rows is None."""
+        (`make_tap_buffer`'s): the tap features go there, where each token's K/V go, and the result's tap_rows is
+        None. `OutOfBlocks` (before anything runs) where the KV cache has too few blocks for the new tokens."""
         lengths = [len(s.token_ids) for s in segments]
         starts = self.starts(segments)
         width = self._width(lengths)
@@ -265,7 +277,7 @@ class Runner:
             tokens, real, positions, slots = (t.to(self.device, non_blocking=True) for t in (tokens, real, positions, slots))
         batch = AttentionBatch(self.cache, slots, positions, real, key_len, self._cos_sin, host_slots, starts, lengths,
                                tree)
-        if isinstance(self.cache, HybridKVCache):
+        if isinstance(self.cache, HybridStates):
             batch.states = self.cache.states.begin(host_slots, starts, lengths, self.device)
         hidden, taps = self.model(tokens, batch, self.tap_layers, tap_dest)  # [B, T, H]; taps None: in tap_dest
         tap_rows = batch.real_rows(torch.cat(taps, dim=-1)) if taps else None  # [N, n_taps * H]

@@ -113,8 +113,14 @@ class _Instruments:
         self.requests_running = Gauge("blockspec_requests_running", "Requests in the running batch", **per_replica)
         self.requests_waiting = Gauge("blockspec_requests_waiting", "Requests queued for a slot", **per_replica)
         self.kv_slots_used = Gauge("blockspec_kv_slots_used", "Verifier KV cache slots in use", **per_replica)
-        self.kv_cache_usage = Gauge("blockspec_kv_cache_usage_perc", "Share of the verifier's KV cache slots in use "
-                                    "(1 = full)", **per_replica)
+        self.kv_cache_usage = Gauge("blockspec_kv_cache_usage_perc", "Share of the verifier's KV cache blocks held by "
+                                    "requests (1 = full; cached, unheld blocks count as free)", **per_replica)
+        self.prefix_cache_queries = Counter("blockspec_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache", **per_replica)
+        self.prefix_cache_hits = Counter("blockspec_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                         "(hit rate = hits / queries)", **per_replica)
+        self.num_preemptions = Counter("blockspec_num_preemptions", "Requests whose KV blocks were taken back for "
+                                       "others (each resumes where it stood)", **per_replica)
         self.role_memory = Gauge("blockspec_role_memory_bytes", "Memory of each role process (kind: rss or gpu)",
                                  **by("replica", "role", "kind"))
         # Replicas (server.autoscaling).

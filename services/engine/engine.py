@@ -13,6 +13,7 @@ from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.runner import Runner
 from blockspec.common.runtime.threads import ThreadGovernor
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.common.sampling import GREEDY, SamplingParams, checked
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
 from blockspec.services.router.messages import ModelFacts
@@ -77,6 +78,9 @@ class Engine:
         backend: str = "auto",  # the verifier's runner (runner.make_runner): auto, eager or graphs
         tensor_parallel_size: int = 1,  # ranks the target is split over (this process leads; common/runtime/tensor_parallel.py)
         draft_tree: Sequence[int] = (),  # a draft tree's children per node by depth (1 past the end); (): one path
+        kv_cache_tokens: int | None = None,  # positions the paged KV cache holds (None: max_batch x max_len)
+        kv_block_size: int = BLOCK_TOKENS,  # positions a KV block holds
+        prefix_caching: bool = True,  # prompts start from cached blocks of earlier ones (services/verifier)
     ) -> None:
         check_method(method, drafter)
         draft_tree = check_draft_tree(draft_tree, method, invariant, adaptive_k, prompt_lookup)
@@ -101,7 +105,9 @@ class Engine:
         query_width = max_k + 1 if invariant else None
         self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers, dtype=dtype,
                                  device=device, threads=governor, backend=backend,
-                                 tensor_parallel_size=tensor_parallel_size)
+                                 tensor_parallel_size=tensor_parallel_size,
+                                 kv_blocks=-(-kv_cache_tokens // kv_block_size) if kv_cache_tokens else None,
+                                 block_size=kv_block_size, prefix_caching=prefix_caching)
         view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features,
                           self.verifier.tap_buffer)
         self.proposer = build_proposer(method, checkpoint, drafter, max_batch, max_len, view, dflash_model,
@@ -130,13 +136,13 @@ class Engine:
                           vocab_size=self.verifier.runner.config.vocab_size, tokenizer=self.tokenizer)
 
     def request(self, request_id: str, prompt_ids: Sequence[int], max_tokens: int, k: int | None = None,
-                sampling: SamplingParams = GREEDY) -> Request:
+                sampling: SamplingParams = GREEDY, cache_salt: str = "") -> Request:
         """A validated request; k=None takes the method's default (0 for `none`)."""
         max_k = self.proposer.max_k
         k = (min(DEFAULT_K, max_k) if max_k else 0) if k is None else k
         validate_request(prompt_ids, max_tokens, k, context_len=self.context_len, max_k=max_k)
         sampling = checked(sampling, self.verifier.runner.config.vocab_size)
-        return Request(request_id, tuple(prompt_ids), max_tokens, k, sampling)
+        return Request(request_id, tuple(prompt_ids), max_tokens, k, sampling, cache_salt=cache_salt)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []

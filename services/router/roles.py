@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from blockspec.common.models.block_pool import PrefixStats
 from blockspec.common.contracts import Draft, ProposeInput, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.common.telemetry import tracing
@@ -78,6 +79,12 @@ class RemoteVerifier:
         self._active: dict[str, int] = {}  # request -> tap buffer row
         self._release: list[str] = []
         self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
+        self.paged = self.info.num_blocks > 0
+        self.num_blocks = self.info.num_blocks or self.info.num_slots
+        self.block_size = self.info.block_size or self.info.max_len
+        self._free_blocks = self.num_blocks  # from the last response
+        self._blocks: dict[str, tuple[int, int]] = {}  # request -> (committed tokens, blocks held), from its last result
+        self.prefix_stats = PrefixStats()  # prompt tokens looked up and found cached, from the last response
 
     @property
     def num_slots(self) -> int:
@@ -86,6 +93,17 @@ class RemoteVerifier:
     @property
     def free_slots(self) -> int:
         return self.info.num_slots - len(self._active) - len(self._pending) - len(self._prefilling)
+
+    @property
+    def free_blocks(self) -> int:
+        return self._free_blocks if self.paged else self.free_slots
+
+    def blocks_needed(self, request_id: str, tokens: int) -> int:
+        """As `Verifier.blocks_needed`, from the request's last result (its cache holds committed - 1 positions)."""
+        if not self.paged:
+            return 0
+        committed, held = self._blocks.get(request_id, (1, 0))
+        return max(0, -(-(committed - 1 + tokens) // self.block_size) - held)
 
     def measure_step_costs(self, max_width: int) -> StepCosts:
         pb = self._stub.Info(roles_pb2.InfoRequest(step_costs_max_width=max_width), timeout=self._timeout_s).step_costs
@@ -96,8 +114,10 @@ class RemoteVerifier:
     def slot_of(self, request_id: str) -> int:
         return self._active[request_id]
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
-        item = roles_pb2.PrefillItem(request_id=request_id, prompt_ids=prompt_ids)
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY, salt: str = "",
+            prompt_len: int | None = None) -> None:
+        item = roles_pb2.PrefillItem(request_id=request_id, prompt_ids=prompt_ids, cache_salt=salt,
+                                     prompt_len=prompt_len or 0)
         fill_pb(sampling, item.sampling)
         self._pending[request_id] = item
 
@@ -106,6 +126,7 @@ class RemoteVerifier:
         now: a verifier must not hold a request after its stream has ended."""
         if self._pending.pop(request_id, None) is not None:
             return  # the verifier never heard of it
+        self._blocks.pop(request_id, None)
         if self._active.pop(request_id, None) is not None or request_id in self._prefilling:
             self._prefilling.discard(request_id)
             self._release.append(request_id)
@@ -121,6 +142,8 @@ class RemoteVerifier:
         self._release = []
         resp = self._stream.call(req, self._timeout_s)
         self.memory = (resp.rss_bytes, resp.gpu_bytes)
+        self._free_blocks = resp.free_blocks
+        self.prefix_stats.queries, self.prefix_stats.hits = resp.prefix_queries, resp.prefix_hits
         if resp.error:
             raise RuntimeError(f"verifier: {resp.error}")
         if resp.seq != req.seq:  # out of step with the stream: none of its results can be trusted
@@ -128,6 +151,7 @@ class RemoteVerifier:
         out = []
         for r in resp.results:
             self._active[r.request_id] = r.slot
+            self._blocks[r.request_id] = (r.committed_len, r.blocks)
             out.append(VerifyResult(r.request_id, r.num_accepted, tuple(r.token_ids), r.eos, r.committed_len))
         return out
 

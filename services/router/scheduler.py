@@ -64,6 +64,7 @@ class Scheduler:
         self.waiting = 0  # requests waiting for a slot or prefilling, at the last step (autoscaling's signal)
         self._fallbacks_seen = 0
         self.steps = 0
+        self._counted = (0, 0, 0)  # prefix cache queries, hits and preemptions already counted
         self._window: deque = deque(maxlen=WINDOW_STEPS)  # recent step reports
         self._interval_tokens = 0
         self._interval_started = time.monotonic()
@@ -247,6 +248,14 @@ class Scheduler:
         if fallbacks > self._fallbacks_seen:
             m.drafter_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
+        stats = getattr(loop.verifier, "prefix_stats", None)
+        if stats is not None:
+            now = (stats.queries, stats.hits, loop.preemptions)
+            for counter, new, old in zip((m.prefix_cache_queries, m.prefix_cache_hits, m.num_preemptions), now,
+                                         self._counted):
+                if new > old:
+                    counter.labels(replica=replica).inc(new - old)
+            self._counted = now
         for role_name, (rss, gpu) in _role_memory(loop):
             if rss:
                 m.role_memory.labels(replica=replica, role=role_name, kind="rss").set(rss)
@@ -260,9 +269,8 @@ class Scheduler:
             m.requests_running.labels(replica=replica).set(load.running)
             m.requests_waiting.labels(replica=replica).set(load.waiting)
             m.kv_slots_used.labels(replica=replica).set(load.slots)
-            # A slot holds a whole context's K/V from the request's admission: the share of slots is the share of
-            # the cache's memory in use (vLLM's kv_cache_usage_perc, 1 = full).
-            m.kv_cache_usage.labels(replica=replica).set(load.slots / self.step_loop.verifier.num_slots)
+            # vLLM's kv_cache_usage_perc: the share of the KV cache's blocks (a slot cache's: slots) requests hold
+            m.kv_cache_usage.labels(replica=replica).set(load.kv_usage)
 
     def _log_stats(self) -> None:
         """Every LOG_INTERVAL_S: one structured (key=value) line an SRE can grep or parse."""

@@ -41,6 +41,7 @@ class Request:
     k: int  # draft tokens per step; 0 = plain decoding
     sampling: SamplingParams = GREEDY  # validated, seed resolved (common/sampling.checked)
     span_context: tracing.SpanContext | None = None  # the request's span: step spans link to it
+    cache_salt: str = ""  # its prefix cache blocks are shared with requests of the same salt only (the tenant's)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Load:
     running: int
     waiting: int  # queued for a slot or still being prefilled
     slots: int  # verifier KV cache slots held: running or being prefilled
+    kv_usage: float = 0.0  # share of the verifier's KV cache blocks held by requests (cached, unheld ones are free)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class RequestStats:
     drafted: int = 0  # draft tokens sent to the verifier
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps whose draft position i was accepted
+    preempted: int = 0  # times its blocks were taken back for others (it resumed where it stood)
+    cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
     looked_up: int = 0  # steps drafted by prompt lookup (StepLoop.prompt_lookup), not by the drafter
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -125,6 +129,7 @@ class _Live:
     trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # adaptive k: the drafter's acceptance per position
     lookup_trace: AcceptanceTrace = field(default_factory=AcceptanceTrace)  # ... and prompt lookup's
     last_drafted: int = 0  # drafts of its last step (0 after the prefill): 0 means the drafter has context to catch up
+    admitted: int = 0  # admission order: the latest admitted is preempted first
 
     @property
     def generated(self) -> int:
@@ -163,6 +168,8 @@ class StepLoop:
         self._running: dict[str, _Live] = {}
         self._unsent: list[TokenEvent | FinishEvent] = []  # the events of the step's part under way (_phases)
         self.last_report: StepReport | None = None
+        self._admissions = 0
+        self.preemptions = 0  # requests whose blocks were taken back, since the start
 
     @property
     def idle(self) -> bool:
@@ -179,7 +186,9 @@ class StepLoop:
 
     @property
     def load(self) -> "Load":
-        return Load(len(self._running), self.num_waiting, len(self._running) + len(self._prefilling))
+        v = self.verifier
+        return Load(len(self._running), self.num_waiting, len(self._running) + len(self._prefilling),
+                    1 - v.free_blocks / v.num_blocks)
 
     def submit(self, request: Request) -> None:
         """Queue a request; it is prefilled at the next step with a free slot."""
@@ -248,21 +257,68 @@ class StepLoop:
         return events
 
     def _admit(self) -> None:
-        """Take queued requests while slots allow and prefill (chunked: at most prefill_chunk prompt tokens per step,
-        so running streams keep going); the events of every prompt now complete (its first token) to `_unsent`."""
+        """Take queued requests while slots and KV blocks allow and prefill (chunked: at most prefill_chunk prompt
+        tokens per step, so running streams keep going); the events of every prompt now complete (its first token)
+        to `_unsent`. A request is admitted when the blocks of its whole context and one more are free beyond what
+        the prompts under way still take (a prefix cache hit may need fewer: counted as if it did not)."""
         self.last_report = None
-        while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch
-               and self.verifier.free_slots):
-            live = self._waiting.popleft()
-            live.stats.queued_s = time.perf_counter() - live.stats.started
+        v = self.verifier
+        free = (v.free_blocks - sum(self._blocks_for(len(lv.token_ids)) for lv in self._prefilling.values())
+                if v.paged else 0)
+        while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch and v.free_slots):
+            live = self._waiting[0]
+            need = self._blocks_for(len(live.token_ids)) + 1 if v.paged else 0
+            if need > free and (self._running or self._prefilling):
+                break  # it waits for blocks; alone it goes (the cache holds max_len tokens)
+            free -= need
+            self._waiting.popleft()
+            if not live.stats.queued_s:
+                live.stats.queued_s = time.perf_counter() - live.stats.started
+            self._admissions += 1
+            live.admitted = self._admissions
             self._prefilling[live.request.request_id] = live  # first: if the add fails, a failed step still ends it
-            self.verifier.add(live.request.request_id, live.request.prompt_ids, live.request.sampling)
+            v.add(live.request.request_id, live.token_ids, live.request.sampling, live.request.cache_salt,
+                  len(live.request.prompt_ids))
         self._prefilled = bool(self._prefilling)
         if self._prefilling:
-            for result in self.verifier.prefill(list(self._prefilling), self.prefill_chunk):
+            for result in v.prefill(list(self._prefilling), self.prefill_chunk):
                 live = self._running[result.request_id] = self._prefilling.pop(result.request_id)
-                live.stats.first_token_s = time.perf_counter() - live.stats.started
+                if not live.stats.first_token_s:
+                    live.stats.first_token_s = time.perf_counter() - live.stats.started
                 self._unsent.extend(self._commit(live, result))
+            self._make_room(())  # prompts under way that found too few blocks
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.verifier.block_size)
+
+    def _make_room(self, wants: Sequence[ProposeInput]) -> None:
+        """Preempt the latest admitted requests until the step's verifies (k + 1 positions each of `wants`) find
+        their KV blocks, or, with nothing to verify, until the prompts under way can go on: each preempted request
+        frees its blocks in both roles and waits at the head of the queue, to resume with every token it had
+        committed (its stream goes on from there: nothing is sent twice or lost)."""
+        v = self.verifier
+        if not v.paged:
+            return
+        while True:
+            need = sum(v.blocks_needed(w.request_id, w.k + 1) for w in wants if w.request_id in self._running)
+            if wants:
+                short = need > v.free_blocks
+            else:  # prefill only: stuck where no prompt under way can take a block
+                short = bool(self._prefilling) and all(v.blocks_needed(r, 1) > v.free_blocks for r in self._prefilling)
+            holders = [*self._running.values(), *self._prefilling.values()]
+            if not short or len(holders) <= 1:
+                return
+            victim = max(holders, key=lambda lv: lv.admitted)
+            rid = victim.request.request_id
+            self._release(rid)
+            self._running.pop(rid, None) or self._prefilling.pop(rid)
+            victim.last_drafted = 0
+            victim.stats.preempted += 1
+            self.preemptions += 1
+            self._waiting.appendleft(victim)
+            wants = [w for w in wants if w.request_id != rid]
+            log.info("preempted request %s at %d tokens (KV blocks: %d free)", rid, len(victim.token_ids),
+                     v.free_blocks)
 
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
@@ -291,6 +347,11 @@ class StepLoop:
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
         wants, looked_up, lookup_s = self._plan(lives)  # the lookup's time counts as drafting
+        self._make_room(wants)
+        if len(self._running) < len(lives):  # some were preempted: the step goes on without them
+            lives = [lv for lv in lives if lv.request.request_id in self._running]
+            wants = [w for w in wants if w.request_id in self._running]
+            looked_up = {r: d for r, d in looked_up.items() if r in self._running}
         span = tracing.step_span([lv.request.span_context for lv in lives]) if tracing.recording() else None
         # The role calls carry the step span as their parent.
         with tracing.use_span(span) if span is not None else contextlib.nullcontext():

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path: str) -> roles_pb2.VerifierInfo:
-    """Move the embedding, LM head and tap buffer into shared memory (the verifier keeps using them)."""
+    """Move the embedding, LM head, tap buffer and a paged cache's block tables into shared memory (the verifier keeps
+    using them)."""
     model = verifier.runner.model
     tied = model.lm_head.weight is model.embed_tokens.weight
     emb, emb_handle = shares.export(model.embed_tokens.weight.data)
@@ -36,9 +37,16 @@ def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path:
         num_slots=verifier.runner.cache.num_slots, vocab_size=verifier.runner.config.vocab_size,
         tap_layers=verifier.runner.tap_layers, target_path=target_path,
     )
+    cache = verifier.runner.cache
+    if cache.paged:
+        info.num_blocks, info.block_size = cache.num_blocks, cache.block_size
     if verifier.tap_buffer is not None:
         verifier.tap_buffer, taps_handle = shares.export(verifier.tap_buffer)
         info.tap_buffer.CopyFrom(handle_to_pb(taps_handle))
+        if cache.paged:  # the drafter reads a request's taps through its slot's table
+            cache.table, table_handle = shares.export(cache.table)
+            info.block_table.CopyFrom(handle_to_pb(table_handle))
+        verifier.share_taps()
     return info
 
 
@@ -53,7 +61,8 @@ def share_draft_q(num_slots: int, shares: SharedTensors, info: roles_pb2.Verifie
 
 def result_to_pb(verifier: Verifier, r) -> roles_pb2.VerifyResult:
     return roles_pb2.VerifyResult(request_id=r.request_id, num_accepted=r.num_accepted, token_ids=r.token_ids, eos=r.eos,
-                                  committed_len=r.committed_len, slot=verifier.slot_of(r.request_id))
+                                  committed_len=r.committed_len, slot=verifier.slot_of(r.request_id),
+                                  blocks=verifier.held_blocks(r.request_id))
 
 
 class VerifierService(RoleStream, roles_grpc.VerifierServicer):
@@ -101,7 +110,8 @@ class VerifierService(RoleStream, roles_grpc.VerifierServicer):
             results = []
             if req.prefill or req.prefill_continue:
                 for item in req.prefill:
-                    v.add(item.request_id, list(item.prompt_ids), from_pb(item.sampling))
+                    v.add(item.request_id, list(item.prompt_ids), from_pb(item.sampling), item.cache_salt,
+                          item.prompt_len or None)
                     self._sessions[item.request_id] = session
                 # Prompts under way first, as the step loop orders them: new short prompts must not starve a long one.
                 ids = list(req.prefill_continue) + [item.request_id for item in req.prefill]
@@ -113,4 +123,6 @@ class VerifierService(RoleStream, roles_grpc.VerifierServicer):
         except Exception as e:  # the router fails these requests; the role keeps serving
             log.exception("verifier op failed")
             return roles_pb2.VerifierResponse(seq=req.seq, error=f"{type(e).__name__}: {e}")
-        return roles_pb2.VerifierResponse(seq=req.seq, results=pb, forward_ns=time.perf_counter_ns() - started)
+        return roles_pb2.VerifierResponse(seq=req.seq, results=pb, forward_ns=time.perf_counter_ns() - started,
+                                          free_blocks=v.free_blocks, prefix_queries=v.prefix_stats.queries,
+                                          prefix_hits=v.prefix_stats.hits)

@@ -12,7 +12,9 @@ import torch
 from blockspec.common.contracts import Draft, DraftTree, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.kernels import cpu_kernels
 from blockspec.common.kernels.delta_rule import PREFILL_BLOCK
+from blockspec.common.models.block_pool import OutOfBlocks, PrefixStats
 from blockspec.common.models.checkpoint import Checkpoint
+from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.backends import make_runner
 from blockspec.common.runtime.distributions import DraftDist, LogProbRows, process
 from blockspec.common.runtime.footprint import verifier_bytes
@@ -20,6 +22,7 @@ from blockspec.common.runtime.runner import Segment
 from blockspec.common.runtime.threads import ThreadGovernor
 from blockspec.common.runtime.timing import interleaved
 from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS, block_hashes
 from blockspec.services.verifier.acceptance import (
     Acceptance,
     greedy_accept,
@@ -51,8 +54,10 @@ def tree_rows(tree: DraftTree) -> tuple[int, ...]:
 class _State:
     slot: int
     token_ids: list[int]  # committed: prompt + generated; the last one (anchor) is not in the cache yet
-    prompt_len: int
+    prompt_len: int  # the request's own prompt (a resumed request's prompt_ids are more: what it had committed)
     sampling: SamplingParams
+    salt: str = ""  # its prefix cache's (the tenant's): only blocks of the same salt are shared
+    prefill_len: int = 0  # the tokens its prefill runs through (prompt_ids)
 
 
 class Verifier:
@@ -71,21 +76,32 @@ class Verifier:
         threads: ThreadGovernor | None = None,
         backend: str = "auto",
         tensor_parallel_size: int = 1,
+        kv_blocks: int | None = None,
+        block_size: int = BLOCK_TOKENS,
+        prefix_caching: bool = True,
     ) -> None:
+        """kv_blocks, block_size: the paged KV cache's (unset: num_slots requests of max_len; the CUDA runner's cache
+        keeps a slot of max_len a request). prefix_caching: a prompt starts from the cached blocks of an earlier one
+        with the same leading tokens and salt (docs/architecture.md#kv-cache)."""
         self.threads = threads  # polled before each forward: the CPU threads follow the machine's other load
         self.runner = make_runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, backend,
-                                  tensor_parallel_size)
-        # Tap features of every position the target has run, per slot: [slots, max_len, n_taps * hidden] (a CUDA
-        # runner's has a spare slot after them, where its padding rows go).
+                                  tensor_parallel_size, kv_blocks, block_size, prefix_caching)
+        cache = self.runner.cache
+        self.paged = cache.paged
+        self.prefix_caching = self.paged and cache.pool.caching
+        # Tap features of every position the target has run: in the paged cache's blocks [blocks, block_size,
+        # n_taps * hidden], or per slot [slots, max_len, n_taps * hidden] (a CUDA runner's has a spare slot after
+        # them, where its padding rows go).
         self.tap_buffer = self.runner.make_tap_buffer()
-        # `features`: one view per slot, made once
-        self._tap_rows = list(self.tap_buffer.unbind(0)) if self.tap_buffer is not None else []
+        self.share_taps()
         self.tokenizer = checkpoint.tokenizer
         self.eos_ids = frozenset(checkpoint.config.eos_token_ids)
-        self.max_prefill_tokens = max_prefill_tokens
         # On the CPU a prefill forward of at most MAX_ROWS padded rows (prompts x the longest) runs as one C++ call
-        # (`cpu_kernels.decoder_rows`): several forwards that each fit are faster than fewer, wider ones that do not.
+        # (`cpu_kernels.decoder_rows`): several forwards that each fit are faster than fewer, wider ones that do not,
+        # and each token's K/V are then the same bits however the prompt was split (what a cached prefix relies on).
         self.prefill_rows = cpu_kernels.MAX_ROWS if self.runner.device.type == "cpu" else None
+        self.max_prefill_tokens = min(max_prefill_tokens, self.prefill_rows or max_prefill_tokens)
+        self.prefix_stats = cache.pool.stats if self.paged else PrefixStats()
         # A hybrid's prompt is split into forwards on the chunked delta rule's block boundaries only, so that each of
         # its tokens runs the same arithmetic however it was split (`delta_rule.prefill_blocks`).
         self.prefill_align = PREFILL_BLOCK if checkpoint.config.hybrid and max_prefill_tokens >= PREFILL_BLOCK else 1
@@ -106,7 +122,8 @@ class Verifier:
 
     @property
     def max_len(self) -> int:
-        return self.runner.max_len
+        """The longest context a request may reach: the runner's, within what the paged cache's blocks hold."""
+        return min(self.runner.max_len, self.num_blocks * self.block_size) if self.paged else self.runner.max_len
 
     @property
     def num_slots(self) -> int:
@@ -115,6 +132,26 @@ class Verifier:
     @property
     def free_slots(self) -> int:
         return self.runner.cache.free_slots
+
+    @property
+    def num_blocks(self) -> int:
+        """KV cache blocks (a slot cache: one a slot)."""
+        return self.runner.cache.num_blocks if self.paged else self.num_slots
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.cache.block_size if self.paged else self.max_len
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a request can take now (free, or cached and evictable); a slot cache's: its free slots."""
+        return self.runner.cache.pool.free if self.paged else self.free_slots
+
+    def share_taps(self) -> None:
+        """Make `features`' per-slot rows again (after the tap buffer or the block tables moved, into shared memory)."""
+        cache = self.runner.cache
+        self._tap_rows = ([] if self.tap_buffer is None else
+                          slot_rows(self.tap_buffer, cache.table if self.paged else None))
 
     def slot_of(self, request_id: str) -> int:
         return self._requests[request_id].slot
@@ -158,10 +195,11 @@ class Verifier:
                 row[j] = max(row[j], row[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
         return StepCosts(tuple(sizes), tuple(widths), tuple(tuple(row) for row in table))
 
-    def features(self, request_id: str) -> torch.Tensor:
-        """Tap features of the request's slot, a view [max_len, n_taps * hidden]: its first committed_len - 1 rows
-        are the committed tokens' before the anchor (the rest is not theirs). The slot's view is made once:
-        indexing per call, right after a target forward, costs a visible share of a proposal."""
+    def features(self, request_id: str):
+        """Tap features of the request's slot, rows [max_len, n_taps * hidden] (a view of a slot's, or
+        `kv_cache.BlockRows` through a paged cache's table): its first committed_len - 1 rows are the committed tokens'
+        before the anchor (the rest is not theirs). The slot's rows are made once: indexing per call, right after a
+        target forward, costs a visible share of a proposal."""
         return self._tap_rows[self._requests[request_id].slot]
 
     def _poll_threads(self) -> None:
@@ -171,15 +209,51 @@ class Verifier:
     def _forward(self, segments: list[Segment]):
         return self.runner.forward(segments, self.tap_buffer)  # the tap features to where their K/V go
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> None:
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams = GREEDY, salt: str = "",
+            prompt_len: int | None = None) -> int:
+        """A new request whose prefill runs through prompt_ids (a preempted one resumes with every token it had
+        committed, prompt_len its own prompt's). Its leading full blocks come from the prefix cache where an earlier
+        request of the same salt left them (at least the last token is prefilled: its logits give the next).
+        Returns the prompt tokens found cached."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already active")
-        self._requests[request_id] = _State(self.runner.cache.allocate(), list(prompt_ids), len(prompt_ids), sampling)
+        cache = self.runner.cache
+        state = _State(cache.allocate(), list(prompt_ids), len(prompt_ids) if prompt_len is None else prompt_len,
+                       sampling, salt, len(prompt_ids))
+        self._requests[request_id] = state
+        cached = 0
+        if self.prefix_caching:
+            cached = cache.attach(state.slot, block_hashes(prompt_ids, cache.block_size, salt,
+                                                           (len(prompt_ids) - 1) // cache.block_size))
+            self.prefix_stats.queries += len(prompt_ids)
+            self.prefix_stats.hits += cached
+        return cached
 
     def release(self, request_id: str) -> None:
+        """Free the request's slot; its full blocks of committed tokens stay cached for later prompts."""
         state = self._requests.pop(request_id, None)
         if state is not None:
+            self._publish(state)
             self.runner.cache.release(state.slot)
+
+    def _publish(self, state: _State) -> None:
+        """Cache the full blocks of the request's committed tokens whose K/V the cache holds."""
+        if self.prefix_caching:
+            cache = self.runner.cache
+            held = min(cache.lengths[state.slot], len(state.token_ids) - 1)
+            cache.publish(state.slot, block_hashes(state.token_ids, cache.block_size, state.salt,
+                                                   held // cache.block_size))
+
+    def held_blocks(self, request_id: str) -> int:
+        """KV cache blocks the request holds (a slot cache's: 0)."""
+        return len(self.runner.cache.held[self._requests[request_id].slot]) if self.paged else 0
+
+    def blocks_needed(self, request_id: str, tokens: int) -> int:
+        """Blocks the request takes to grow by `tokens` positions (a paged cache; 0 for a slot cache)."""
+        if not self.paged:
+            return 0
+        cache, state = self.runner.cache, self._requests[request_id]
+        return max(0, cache.blocks_for(cache.lengths[state.slot] + tokens) - len(cache.held[state.slot]))
 
     def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]:
         """Run prompts through the target, at most max_prefill_tokens per forward (on the CPU also at most
@@ -190,14 +264,14 @@ class Verifier:
         remaining = math.inf if budget is None else budget
         pending, results, spent = list(request_ids), [], 0
         while pending and remaining > 0:
-            room, segments, ends = min(self.max_prefill_tokens, remaining), [], []
+            room, segments, ends, promised = min(self.max_prefill_tokens, remaining), [], [], 0
             for rid in pending:
                 if room <= 0:
                     break
                 state = self._requests[rid]
                 done = self.runner.cache.lengths[state.slot]  # prompt tokens already in the cache
-                n = min(len(state.token_ids) - done, room)
-                if n < len(state.token_ids) - done:  # the prompt goes on later: it stops on a block boundary
+                n = min(state.prefill_len - done, room)
+                if n < state.prefill_len - done:  # the prompt goes on later: it stops on a block boundary
                     aligned = (done + n) // self.prefill_align * self.prefill_align - done
                     if aligned <= 0 and (segments or spent):
                         break  # a later forward or call takes it
@@ -205,6 +279,10 @@ class Verifier:
                 width = max([n, *(len(s.token_ids) for s in segments)])
                 if segments and self.prefill_rows and (len(segments) + 1) * width > self.prefill_rows:
                     break  # the next forward takes it
+                need = self.blocks_needed(rid, n)
+                if need > self.free_blocks - promised:
+                    break  # too few blocks: it goes on once some are free (the step loop preempts for them)
+                promised += need
                 segments.append(Segment(state.slot, state.token_ids[done : done + n], last_only=True))
                 ends.append((rid, done + n))
                 room -= n
@@ -216,7 +294,8 @@ class Verifier:
             segments_of = {rid: i for i, (rid, _) in enumerate(ends)}
             for (rid, end), logits in zip(ends, out.logits):
                 state = self._requests[rid]
-                if end == len(state.token_ids):
+                if end == state.prefill_len:
+                    self._publish(state)
                     pending.remove(rid)
                     greedy = out.greedy[segments_of[rid]] if out.greedy else None
                     results.append(self._commit(rid, self._decide(state, logits[-1:], (), None, greedy)))

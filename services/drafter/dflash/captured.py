@@ -42,7 +42,8 @@ class CapturedBlocks:
     def _tap_slot(self, features: torch.Tensor) -> int | None:
         """Which slot of the tap buffer a request's features view is, or None where it is not one of its rows."""
         taps = self.taps
-        if (taps is None or features.untyped_storage().data_ptr() != taps.untyped_storage().data_ptr()
+        if (taps is None or not isinstance(features, torch.Tensor)
+                or features.untyped_storage().data_ptr() != taps.untyped_storage().data_ptr()
                 or features.stride() != taps.stride()[1:]):
             return None
         slot, rest = divmod(features.storage_offset() - taps.storage_offset(), taps.stride(0))

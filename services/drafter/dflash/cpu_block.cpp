@@ -247,7 +247,7 @@ void context(torch::Tensor taps, torch::Tensor kc, torch::Tensor vc, torch::Tens
 // converts a handful of small arguments instead of 33, and returns the tokens as lists, not as a tensor. `watched`
 // are the weights the packed ones were copied from, with their versions then: after one of them changed in place
 // (load_state_dict), a call proposes nothing and returns None, and the caller packs and binds them again.
-// * context: rows [start, end) of each features[i] ([len, n_taps * H]) become context K/V of slot ctx_slots[i];
+// * context: features[i] ([end - start, n_taps * H], positions [start, end)) become context K/V of slot ctx_slots[i];
 // * the block of request r, [anchors[r], MASK...] embedded from `embedding`, through `block_rows` at slot
 //   slots[r] after its lens[r] context positions;
 // * the LM head over draft slots 1..S (then the optional scale and soft cap of the draft logits); its rows are
@@ -277,7 +277,8 @@ struct Proposer {
     for (size_t i = 0; i < features.size(); ++i) {
       const torch::Tensor fi = features[i].to(torch::kFloat).contiguous();  // a no-op for the verifier's fp32 taps
       const float* f = fi.data_ptr<float>();
-      taps.insert(taps.end(), f + starts[i] * T, f + ends[i] * T);
+      TORCH_CHECK(fi.size(0) == ends[i] - starts[i], "context: features ", i, " are not rows [start, end)");
+      taps.insert(taps.end(), f, f + (ends[i] - starts[i]) * T);
       for (int64_t p = starts[i]; p < ends[i]; ++p) { rows_slot.push_back(ctx_slots[i]); rows_pos.push_back(p); }
     }
     context_rows(taps.data(), int64_t(rows_pos.size()), T, rows_slot.data(), rows_pos.data(), kc, vc, cos, sin, fc,

@@ -211,6 +211,7 @@ class CpuDrafter:
         if self._bound[0] is not lm_head_panels or self._bound[1] is None:
             self._bound = (lm_head_panels, self._fixed(lm_head_panels))
         ctx_slots, starts, ends, features = zip(*pending) if pending else ((), (), (), ())
+        features = [f[start:end] for f, start, end in zip(features, starts, ends)]  # the rows the context lacks
         args = (features, ctx_slots, starts, ends, anchors, slots, lens, block, block - 1)
         rows = self._bound[1](*args) if sampling is None else self._bound[1].sampled(*args, *sampling)
         if rows is None:  # a weight changed in place since the binding

@@ -184,13 +184,26 @@ def test_cached_attention_matches_sdpa_with_the_causal_mask(heads, kv_heads, hd,
     slots = torch.tensor([4, 0, 2][:batch])
     positions = (torch.tensor([100, 0, 280][:batch])[:, None] + torch.arange(queries)).clamp(max=max_len - 1)
     q = torch.randn(batch, heads, queries, hd, generator=g) * 3
-    out = cpu_kernels.cached_attention(q, kc, vc, slots, positions)
+    out = cpu_kernels.cached_attention(q, kc, vc, slots[:, None], positions, 40)  # a slot cache: a block a slot
     mask = (torch.arange(max_len)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
     ref = F.scaled_dot_product_attention(q, kc[slots], vc[slots], attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out, ref.transpose(1, 2).reshape(batch, queries, -1), rtol=1e-5, atol=1e-5)
     # A query's result does not depend on the others computed with it.
-    alone = cpu_kernels.cached_attention(q[-1:, :, -1:], kc, vc, slots[-1:], positions[-1:, -1:])
+    alone = cpu_kernels.cached_attention(q[-1:, :, -1:], kc, vc, slots[-1:, None], positions[-1:, -1:], 40)
     assert torch.equal(alone[0, 0], out[-1, -1])
+    # The same keys in blocks of 16 positions, scattered over a pool in random order: the same bits.
+    bs = 16
+    nb = -(-max_len // bs)
+    order = torch.randperm(batch * nb, generator=g)
+    paged_k, paged_v = torch.zeros(batch * nb, kv_heads, bs, hd), torch.zeros(batch * nb, kv_heads, bs, hd)
+    tables = order.view(batch, nb)
+    for b in range(batch):
+        for j in range(nb):
+            keys = slice(j * bs, min((j + 1) * bs, max_len))
+            n = keys.stop - keys.start
+            paged_k[tables[b, j], :, :n] = kc[slots[b], :, keys]
+            paged_v[tables[b, j], :, :n] = vc[slots[b], :, keys]
+    assert torch.equal(cpu_kernels.cached_attention(q, paged_k, paged_v, tables.contiguous(), positions, 4), out)
 
 
 @torch.no_grad()

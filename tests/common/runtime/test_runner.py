@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.training.tiny import build_tiny_checkpoint
 from blockspec.services.verifier.invariance import measure, verify_vs_decode
@@ -139,7 +140,7 @@ def test_keys_read_in_spans_give_the_same_logits(variant_dirs):
         outs = []
         for step in (1, 8):
             runner = Runner(ck, num_slots=2, max_len=60)
-            assert runner.cache.key_step == 1  # the CPU's default
+            assert runner.cache.key_step == runner.cache.block_size  # the paged cache reads whole blocks
             runner.cache.key_step = step
             a, b = runner.cache.allocate(), runner.cache.allocate()
             logits = runner.forward([Segment(a, list(range(3, 14))), Segment(b, list(range(20, 25)))]).logits
@@ -173,8 +174,9 @@ def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, toke
     for use_call in (True, False):
         if not use_call:
             monkeypatch.setattr(decoder.Decoder, "_row_weights", lambda self: None)
-        for tap_dest in (None, torch.full((3, 128, 2 * 256), 5.0)):  # the taps returned, or put where the K/V go
+        for to_dest in (False, True):  # the taps returned, or put where the K/V go
             runner = Runner(load_checkpoint(path), num_slots=3, max_len=128, tap_layers=(0, 1))
+            tap_dest = runner.make_tap_buffer().fill_(5.0) if to_dest else None
             a, b, c = runner.cache.allocate(), runner.cache.allocate(), runner.cache.allocate()
             runner.cache.k.fill_(7.0), runner.cache.v.fill_(-7.0)  # what no forward wrote must stay as it was
             segments = [[Segment(a, list(range(3, 103)), last_only=True)],  # a prefill chunk of 100
@@ -185,7 +187,7 @@ def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, toke
             if tap_dest is None:
                 results.append([*(t for o in outs for t in (*o.logits, o.tap_rows)), runner.cache.k.clone(),
                                 runner.cache.v.clone()])
-                expected = torch.full((3, 128, 2 * 256), 5.0)
+                expected = runner.make_tap_buffer().fill_(5.0)
                 for o in outs:
                     o.store(expected, o.tap_rows)
             else:
@@ -196,7 +198,8 @@ def test_forwards_run_as_one_call_bitwise_the_module_path(family, tmp_path, toke
     assert torch.equal(*stored)
     one_call = [(1, 100), (1, 8), (1, 1), (2, 3), (3, 5)] * 2  # without a tap_dest and with one
     assert calls == ([] if family == "qwen2" else one_call)  # qwen2: q/k/v biases
-    assert torch.all(results[0][-2][:, c, :, 5:] == 7.0) and torch.all(results[0][-2][:, b, :, 4:] == 7.0)
+    table = runner.cache.table  # the slots' first blocks: c wrote positions 0..4, b 0..3
+    assert torch.all(results[0][-2][:, table[c, 0], :, 5:] == 7.0) and torch.all(results[0][-2][:, table[b, 0], :, 4:] == 7.0)
     # And against the target alone: transformers' logits of the same 109 tokens, at the verify's and decode's rows
     from transformers import AutoModelForCausalLM
 
@@ -216,6 +219,7 @@ def test_a_token_tree_gives_each_token_its_paths_logits_and_keep_path_leaves_a_p
     runner = Runner(load_checkpoint(variant_dirs[2]), num_slots=2, max_len=96, tap_layers=(0, 1))
     taps = runner.make_tap_buffer()
     tree_slot, path_slot = runner.cache.allocate(), runner.cache.allocate()
+    rows_of = slot_rows(taps, runner.cache.table)  # each slot's taps by position
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, runner.config.vocab_size, (21,), generator=gen).tolist()
     tokens = [prompt[-1], *torch.randint(3, runner.config.vocab_size, (len(TREE_PARENTS) - 1,), generator=gen).tolist()]
@@ -224,7 +228,7 @@ def test_a_token_tree_gives_each_token_its_paths_logits_and_keep_path_leaves_a_p
         runner.forward([Segment(slot, prompt[:-1])], taps)
     tree = Segment(tree_slot, tokens, parents=TREE_PARENTS)
     tree_logits = runner.forward([tree], taps).logits[0]
-    tree_taps = taps[tree_slot, start : start + len(tokens)].clone()
+    tree_taps = rows_of[tree_slot][start : start + len(tokens)].clone()
     assert runner.cache.lengths[tree_slot] == start + len(tokens)
 
     def path_to(i: int) -> list[int]:
@@ -238,7 +242,7 @@ def test_a_token_tree_gives_each_token_its_paths_logits_and_keep_path_leaves_a_p
         runner.cache.set_length(path_slot, start)
         logits = runner.forward([Segment(path_slot, [tokens[j] for j in nodes])], taps).logits[0]
         assert float((logits[-1] - tree_logits[i]).abs().max()) < 1e-4, i
-        assert float((taps[path_slot, start + len(nodes) - 1] - tree_taps[i]).abs().max()) < 1e-4, i
+        assert float((rows_of[path_slot][start + len(nodes) - 1] - tree_taps[i]).abs().max()) < 1e-4, i
 
     # Keep the branch 0 -> 2 -> 5 -> 8 -> 9 (tokens stored at start + 0, 2, 5, 8, 9), then decode one more token: as
     # after the same path forwarded as a sequence (path_slot holds it: its last forward was node 9's path).
@@ -246,7 +250,7 @@ def test_a_token_tree_gives_each_token_its_paths_logits_and_keep_path_leaves_a_p
     runner.keep_path(tree_slot, start, kept, taps)
     assert runner.cache.lengths[tree_slot] == runner.cache.lengths[path_slot] == start + len(kept)
     rows = slice(start, start + len(kept))
-    assert float((taps[tree_slot, rows] - taps[path_slot, rows]).abs().max()) < 1e-4
+    assert float((rows_of[tree_slot][rows] - rows_of[path_slot][rows]).abs().max()) < 1e-4
     nxt = int(tree_logits[9].argmax())
     after_tree, after_path = (runner.forward([Segment(slot, [nxt])]).logits[0] for slot in (tree_slot, path_slot))
     assert float((after_tree - after_path).abs().max()) < 1e-4
