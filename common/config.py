@@ -97,6 +97,20 @@ class AutoscalingConfig(_Section):
         return self
 
 
+class RoutingConfig(_Section):
+    """server.routing: which replica a new request goes to (services/router/prefix_routing.py)."""
+
+    policy: Literal["prefix", "least_loaded"] = Field("prefix", description=(
+        "prefix: the replica that was sent the prompt's leading KV blocks (its prefix cache skips their prefill), "
+        "unless it is overloaded; least_loaded: the replica holding the fewest requests"))
+    cache_threshold: float = Field(0.3, ge=0, le=1, description=(
+        "prefix: the share of the prompt's full blocks a replica must hold to take it for its cache"))
+    balance_abs_threshold: int = Field(4, ge=0, description=(
+        "prefix: a replica holding more than this many requests over the least loaded one, and more than "
+        "balance_rel_threshold times as many, is skipped"))
+    balance_rel_threshold: float = Field(1.5, ge=1, description="prefix: the relative half of that test")
+
+
 class AdminConfig(_Section):
     """server.admin: the management address (blue/green rollouts: `blockspec rollout`, docs/operations.md#rollouts).
     Only a caller with the admin key is served there."""
@@ -131,6 +145,8 @@ class ServerConfig(_Section):
         "API keys, `KEY` or `TENANT KEY` a line; unset: no key is needed (docs/operations.md)"))
     rate_limit: RateLimits = Field(default_factory=RateLimits, description=(
         "the budgets of every tenant, and of named tenants"))
+    routing: RoutingConfig = Field(RoutingConfig(), description=(
+        "which replica takes a new request: by prompt prefix, within load bounds, or the least loaded"))
     autoscaling: AutoscalingConfig | None = Field(None, description=(
         "replicas that follow the queue, between min and max (unset: server.replicas, fixed)"))
     tls: TlsConfig | None = Field(None, description="TLS on the HTTP and gRPC ports (unset: plaintext)")
