@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2
 
+from blockspec.common.config import RoutingConfig
 from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.common.wire.auth import ApiKeys, AuthInterceptor
 from blockspec.common.wire.grpc_server import start_server
@@ -21,6 +22,7 @@ from blockspec.common.wire.tls import ServerTls
 from blockspec.protos import api_pb2
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.messages import ModelFacts
+from blockspec.services.router.prefix_routing import prefix_router
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.server import GenerationService, Version
 from blockspec.services.router.step_loop import StepLoop
@@ -102,12 +104,13 @@ def close_roles(roles) -> None:
 
 async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: str = "127.0.0.1", port: int = 0,
                        metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None,
-                       limits: TenantLimits | None = None, tls: ServerTls | None = None) -> RouterServer:
+                       limits: TenantLimits | None = None, tls: ServerTls | None = None,
+                       routing: RoutingConfig = RoutingConfig()) -> RouterServer:
     """Serve the replicas' step loops on host:port (0 = a free port); health is SERVING once up. With api_keys,
     every method but health needs one of them (common/wire/auth.py); limits: each tenant's rate limits. With tls the port
     speaks TLS (mutual with a client CA), and a Unix socket of this user's (`loopback`) serves this process's HTTP
-    front."""
-    version = await start_version(step_loops, facts, metrics)
+    front. routing: which replica takes a new request (server.routing)."""
+    version = await start_version(step_loops, facts, metrics, routing)
     service = GenerationService(version, api_keys=api_keys, limits=limits)
     loopback = loopback_socket() if tls is not None else None
     server, health_servicer, bound = await start_server(
@@ -118,13 +121,14 @@ async def start_router(step_loops: Sequence[StepLoop], facts: ModelFacts, host: 
     return RouterServer(server, health_servicer, bound, service, f"unix:{loopback}" if loopback else None)
 
 
-async def start_version(step_loops: Sequence[StepLoop], facts: ModelFacts, metrics: RouterMetrics | None) -> Version:
+async def start_version(step_loops: Sequence[StepLoop], facts: ModelFacts, metrics: RouterMetrics | None,
+                        routing: RoutingConfig = RoutingConfig()) -> Version:
     """A serving version over its replicas' step loops, each stepping from now on; facts.version names it."""
     at = metrics.at(facts.version) if metrics is not None else None
     schedulers = [Scheduler(loop, at, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
-    return Version(facts, schedulers, metrics=at)
+    return Version(facts, schedulers, metrics=at, routing=prefix_router(routing))
 
 
 def loopback_socket() -> str:

@@ -1,6 +1,6 @@
 """The public gRPC API (blockspec.v1.Generation): a Generate call is validated (messages.py), admitted (admission.py),
-and streamed from its version's least loaded replica (request_stream.py); ModelInfo and Tokenize answer from the
-version's facts."""
+and streamed from the replica its version routes it to (prefix_routing.py, request_stream.py); ModelInfo and Tokenize
+answer from the version's facts."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from blockspec.services.router.messages import (
     prompt_chars,
     to_request,
 )
+from blockspec.services.router.prefix_routing import PrefixRouter
 from blockspec.services.router.request_stream import RequestStream
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.step_loop import Request
@@ -48,6 +49,7 @@ class Version:
     schedulers: list[Scheduler]  # replicas come and go with autoscaling (app.RouterServer)
     draining: set[Scheduler] = field(default_factory=set)  # replicas that take no new request (their streams finish)
     metrics: RouterMetrics | None = None  # the router's instruments at this version
+    routing: PrefixRouter | None = field(default_factory=PrefixRouter)  # None: the least loaded replica, always
 
     @property
     def name(self) -> str:
@@ -57,10 +59,12 @@ class Version:
     def load(self) -> int:
         return sum(s.load for s in self.schedulers)
 
-    def replica(self) -> Scheduler:
-        """Where a new request goes: the least loaded replica that takes new requests (a draining or lost one only
-        where no other is left)."""
+    def replica(self, prompt_ids: Sequence[int] = (), tenant: str = DEFAULT_TENANT) -> Scheduler:
+        """Where a new request goes: among the replicas that take new requests (a draining or lost one only where no
+        other is left), the one `routing` picks for the tenant's prompt, else the least loaded."""
         open_ = [s for s in self.schedulers if s not in self.draining and not s.lost] or self.schedulers
+        if self.routing is not None:
+            return self.routing.route(open_, prompt_ids, tenant)
         return min(open_, key=lambda s: s.load)
 
 
@@ -103,7 +107,8 @@ class GenerationService(api_grpc.GenerationServicer):
                     admission.prompt_spent = False  # nothing ran: all it reserved comes back
                     await abort(grpc.StatusCode.UNAVAILABLE, f"version {version.name} has no replica serving; the "
                                 "request can be sent again")
-                stream = RequestStream(admission, version.replica(), version.facts.tokenizer, list(msg.stop), span,
+                replica = version.replica(request.prompt_ids, admission.tenant)
+                stream = RequestStream(admission, replica, version.facts.tokenizer, list(msg.stop), span,
                                        version.metrics, abort)
                 # Closed at once when the call ends, so its slots and tokens come back then, not at collection.
                 async with contextlib.aclosing(stream.responses(started)) as responses:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common.config import DEFAULT_K
+from blockspec.common.config import DEFAULT_K, RoutingConfig
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.backends import uses_cuda_runner
@@ -141,13 +141,13 @@ async def start_split_router(replicas: Sequence[tuple[str, str | Callable[[], st
                              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prompt_lookup: bool = False,
                              prompt_lookup_tokens: int | None = None, api_keys: ApiKeys | None = None,
                              limits: TenantLimits | None = None, tls: ServerTls | None = None,
-                             version: str = DEFAULT_VERSION) -> RouterServer:
+                             version: str = DEFAULT_VERSION, routing: RoutingConfig = RoutingConfig()) -> RouterServer:
     """A router over remote roles: one (verifier address, drafter address or None) pair per replica."""
     roles = [await asyncio.to_thread(connect_roles, v, d) for v, d in replicas]
     facts = await asyncio.to_thread(role_facts, roles[0], method, default_k, version)
     loops = [StepLoop(v, d, max_batch, adaptive_k, prefill_chunk, prompt_lookup, prompt_lookup_tokens) for v, d in roles]
     try:
-        return await start_router(loops, facts, host, port, metrics, api_keys, limits, tls)
+        return await start_router(loops, facts, host, port, metrics, api_keys, limits, tls, routing)
     except BaseException:  # e.g. its port taken
         close_roles(r for pair in roles for r in pair)
         raise

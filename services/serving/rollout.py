@@ -221,7 +221,7 @@ class Fleet:
             loops = [await asyncio.to_thread(served.make_loop, pair) for pair in started]
             method = self.startup(served.cfg).method
             facts = await asyncio.to_thread(_facts, served.cfg, method, loops[0])
-            served.version = await start_version(loops, facts, self.router.service.metrics)
+            served.version = await start_version(loops, facts, self.router.service.metrics, served.cfg.server.routing)
             served.roles = {id(s): pair for s, pair in zip(served.version.schedulers, started, strict=True)}
             self.router.service.versions[served.name] = served.version
             if served.state == "retiring":

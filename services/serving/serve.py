@@ -334,4 +334,5 @@ async def _split_router(cfg: BlockspecConfig, p: Startup, host: str, grpc_port: 
                                     adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                                     prompt_lookup_tokens=spec.prompt_lookup_tokens,
                                     prefill_chunk=cfg.server.prefill_chunk_tokens, api_keys=keys,
-                                    limits=TenantLimits(cfg.server.rate_limit), tls=tls, version=cfg.version)
+                                    limits=TenantLimits(cfg.server.rate_limit), tls=tls, version=cfg.version,
+                                    routing=cfg.server.routing)

@@ -1,21 +1,39 @@
 """Prefix-aware routing: a conversation stays on its replica, tenants never share blocks, an overloaded replica is
-passed over, a replica gone is forgotten."""
+passed over, a replica gone is forgotten, and Generate routes by the caller's prompt and tenant."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from blockspec.common.config import RoutingConfig
+from blockspec.common.wire.auth import ApiKeys
+from blockspec.protos import api_pb2
+from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.prefix_routing import BlockMemory, PrefixRouter, prefix_router
+from blockspec.services.router.scheduler import Stream
+from blockspec.services.router.server import GenerationService, Version
+from blockspec.services.router.step_loop import FinishEvent, RequestStats
 
 SYSTEM = list(range(100, 164))  # 4 blocks of 16 tokens
 
 
 class Replica:
-    """A replica as routing sees it: its load."""
+    """A replica as routing sees it: its load and, for Generate, a submit that finishes at once."""
 
     def __init__(self, name: str, load: int = 0) -> None:
-        self.replica, self.load = name, load
+        self.replica, self.load, self.lost = name, load, False
+        self.prompts: list[tuple[int, ...]] = []
+
+    async def submit(self, request) -> Stream:
+        self.prompts.append(request.prompt_ids)
+        events: asyncio.Queue = asyncio.Queue()
+        events.put_nowait(FinishEvent(request.request_id, "length", (), RequestStats()))
+        return Stream(request.request_id, events)
+
+    async def cancel(self, key: str) -> None:
+        return None
 
     def __repr__(self) -> str:
         return f"Replica({self.replica})"
@@ -113,3 +131,65 @@ def test_the_config_picks_the_policy():
     assert prefix_router(RoutingConfig(policy="least_loaded")) is None
     routing = prefix_router(RoutingConfig(cache_threshold=0.5, balance_abs_threshold=2))
     assert routing.cache_threshold == 0.5 and routing.balance_abs_threshold == 2
+
+
+@pytest.mark.parametrize(("policy", "second"), [("least_loaded", "0"), ("prefix", "1")])
+def test_least_loaded_config_routes_by_load_alone(policy, second):
+    routing = prefix_router(RoutingConfig(policy=policy))
+    a, b = Replica("0", load=1), Replica("1")
+    version = Version(None, [a, b], routing=routing)
+    assert version.replica(SYSTEM, "team-a") is b
+    b.load = 2
+    assert version.replica(SYSTEM, "team-a").replica == second
+
+
+def test_the_version_routes_among_open_replicas_only():
+    a, b = Replica("0"), Replica("1")
+    version = Version(None, [a, b])
+    assert version.replica(SYSTEM, "team-a") is a
+    version.draining.add(a)
+    assert version.replica(SYSTEM, "team-a") is b  # draining: takes nothing new, and its memory goes
+    assert a not in version.routing.memory
+
+
+class Context:
+    """The little of a grpc.aio context Generate uses, with the caller's key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def send_initial_metadata(self, _metadata) -> None:
+        pass
+
+    def invocation_metadata(self) -> tuple:
+        return (("authorization", f"Bearer {self.key}"),)
+
+    async def abort(self, code, message, trailing_metadata=()) -> None:
+        raise AssertionError(f"{code}: {message}")
+
+
+def test_generate_sends_a_second_turn_to_the_first_turns_replica(tokenizer):
+    """Generate routes by the prompt's token ids and the caller's tenant: the second turn goes where the first went,
+    though the other replica is less loaded by then; another tenant's identical prompt does not follow it."""
+    a, b = Replica("0", load=1), Replica("1")
+    facts = ModelFacts("t", "d", "none", 0, 0, 4096, 320, tokenizer)
+    keys = ApiKeys({"a" * 24: "team-a", "b" * 24: "team-b"})
+    service = GenerationService(Version(facts, [a, b]), api_keys=keys)
+    first, second = turns(SYSTEM + [7] * 8, 2)
+
+    def generate(prompt: list[int], key: str, rid: str) -> None:
+        msg = api_pb2.GenerateRequest(request_id=rid, token_ids=api_pb2.TokenIds(ids=prompt), max_tokens=4)
+
+        async def call():
+            async for _ in service.Generate(msg, Context(key)):
+                pass
+
+        asyncio.run(call())
+
+    generate(first, "a" * 24, "t1")
+    assert b.prompts == [tuple(first)]
+    a.load, b.load = 0, 2
+    generate(second, "a" * 24, "t2")
+    assert b.prompts == [tuple(first), tuple(second)]
+    generate(second, "b" * 24, "t3")  # team-b: no match, the least loaded
+    assert a.prompts == [tuple(second)]
