@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
           f"({w.system_tokens}-token system prompts), {w.conversations} conversations of {w.turns} turns, "
           f"{w.concurrency} at once; seed {args.seed}\n")
     print(table(results))
+    bound = simulate("least_loaded", convs, w, Costs(slots=len(convs)), 1, 1 << 40)
+    print(f"\nbound: one replica with an unbounded cache hits {bound.hit_tokens / bound.prompt_tokens:.1%}")
 
 
 if __name__ == "__main__":
