@@ -100,9 +100,6 @@ class PrefixRouter(Generic[R]):
         for its cache."""
         return load - least > self.balance_abs_threshold and load > least * self.balance_rel_threshold
 
-    def forget(self, replica: R) -> None:
-        self.memory.pop(replica, None)
-
     def _matched(self, replica: R, hashes: Sequence[int]) -> int:
         memory = self.memory.get(replica)
         return memory.matched(hashes) if memory is not None else 0
