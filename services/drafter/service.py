@@ -13,6 +13,7 @@ import torch
 from blockspec.common.contracts import Q_ROWS, ProposeInput
 from blockspec.common.kernels import cpu_kernels
 from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.device import claim_gpu_share, tensor_bytes
 from blockspec.common.runtime.footprint import drafter_bytes
 from blockspec.common.sampling import SamplingParams, from_pb
@@ -93,7 +94,8 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
     async def Attach(self, info: roles_pb2.VerifierInfo, context: grpc.aio.ServicerContext) -> roles_pb2.DrafterInfo:
         """Map the verifier's shared tensors. Attached to another verifier than before (it restarted: new segments),
         the drafter drops everything it held for the old one and maps the new one's."""
-        segments = tuple(h.SerializeToString() for h in (info.embedding, info.lm_head, info.tap_buffer, info.draft_q_ids))
+        segments = tuple(h.SerializeToString() for h in (info.embedding, info.lm_head, info.tap_buffer, info.draft_q_ids,
+                                                         info.block_table))
         if self._segments is not None and segments != self._segments:
             log.info("attached to another verifier: dropping %d requests and the old mappings", len(self._tokens))
             for rid in list(self._tokens):
@@ -107,14 +109,16 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
             self._q_ids, self._q_probs = open_pb(info.draft_q_ids), open_pb(info.draft_q_probs)
         if self.proposer is None:
             self._tap_buffer = open_pb(info.tap_buffer)
-            self._tap_rows = list(self._tap_buffer.unbind(0))  # `_features`: one view per slot
+            # `_features`: each slot's rows, made once (through the shared block tables of a paged cache)
+            self._tap_rows = slot_rows(self._tap_buffer, open_pb(info.block_table) if info.HasField("block_table")
+                                       else None)
             view = TargetView(open_pb(info.embedding), open_pb(info.lm_head), self._features, self._tap_buffer)
             self.proposer = build_proposer("dflash", self.target, self.drafter_path, self.num_slots,
                                            min(self.max_len, info.max_len), view, self.dflash_model, **self.modules)
         return self._info()
 
     def _features(self, request_id: str):
-        """The request's slot of the verifier's tap buffer (its first committed_len - 1 rows are the request's)."""
+        """The request's rows of the verifier's tap buffer (its first committed_len - 1 are the request's)."""
         return self._tap_rows[self._slots[request_id]]
 
     def _refusal(self) -> str | None:

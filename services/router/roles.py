@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from blockspec.common.models.block_pool import PrefixStats
 from blockspec.common.contracts import Draft, ProposeInput, StepCosts, VerifyInput, VerifyResult
+from blockspec.common.models.block_pool import PrefixStats
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.common.telemetry import tracing
 from blockspec.common.wire.auth import ENV_ROLE_KEY, role_channel

@@ -137,6 +137,8 @@ class GenerationService(api_grpc.GenerationServicer):
         INVALID_ARGUMENT for more than a whole bucket, RESOURCE_EXHAUSTED with `retry-after` (seconds) where the
         tenant's buckets lack room now."""
         tenant = self._tenant(context)
+        if self.api_keys is not None:  # a tenant's cached prefixes are its own: another cannot time them
+            request = replace(request, cache_salt=tenant)
         try:
             return self.admissions.admit(request, tenant, max_tokens_set)
         except AlreadyRunning as e:

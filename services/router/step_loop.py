@@ -61,7 +61,6 @@ class RequestStats:
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: steps whose draft position i was accepted
     preempted: int = 0  # times its blocks were taken back for others (it resumed where it stood)
-    cached_tokens: int = 0  # prompt tokens its prefill found in the prefix cache
     looked_up: int = 0  # steps drafted by prompt lookup (StepLoop.prompt_lookup), not by the drafter
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -12,7 +12,7 @@ import torch
 from blockspec.common.contracts import Draft, DraftTree, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.kernels import cpu_kernels
 from blockspec.common.kernels.delta_rule import PREFILL_BLOCK
-from blockspec.common.models.block_pool import OutOfBlocks, PrefixStats
+from blockspec.common.models.block_pool import PrefixStats
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.backends import make_runner

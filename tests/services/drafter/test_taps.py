@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.cuda_runner import CudaRunner
 from blockspec.common.runtime.runner import Runner, Segment
 from blockspec.services.drafter.dflash.checkpoint import load_drafter
@@ -46,7 +47,7 @@ def stored_taps(runner, prompt: list[int]) -> torch.Tensor:
     runner.forward([Segment(slot, prompt[:-3])], dest)
     for token in prompt[-3:]:
         runner.forward([Segment(slot, [token])], dest)
-    return dest[slot, : len(prompt)]
+    return slot_rows(dest, runner.cache.table if runner.cache.paged else None)[slot][: len(prompt)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -41,9 +41,9 @@ def test_a_finished_streams_late_cancel_leaves_the_next_stream_under_its_id_alon
     assert finish.reason == "length" and list(finish.token_ids) == references["qwen3"][2][:24]
 
 
-def test_the_kv_cache_usage_gauge_is_the_share_of_slots_held(tiny_models, prompts):
-    """blockspec_kv_cache_usage_perc (vLLM's name, 1 = full): a slot holds a whole context's K/V from admission, so the
-    share of slots held is the share of the cache in use. Back to 0 when the streams end."""
+def test_the_kv_cache_usage_gauge_is_the_share_of_blocks_held(tiny_models, prompts):
+    """blockspec_kv_cache_usage_perc (vLLM's name, 1 = full): the share of the KV cache's blocks the requests hold (two
+    short requests: a block or two each). Back to 0 when the streams end (their blocks cached, free to take)."""
     engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=4)
     registry = CollectorRegistry()
 
@@ -75,5 +75,38 @@ def test_the_kv_cache_usage_gauge_is_the_share_of_slots_held(tiny_models, prompt
             await scheduler.stop()
 
     during, after = asyncio.run(run())
-    assert during == (2, 2 / engine.verifier.num_slots, 2) and engine.verifier.num_slots == 4
+    assert during[0] == during[2] == 2 and 2 <= during[1] * engine.verifier.num_blocks <= 4
     assert after == (0, 0, 0)
+
+
+def test_prefix_cache_and_preemption_counters(tiny_models, prompts):
+    """blockspec_prefix_cache_queries / _hits count the prompt tokens looked up and found (the second of two equal
+    prompts finds all its full blocks but the last token's); blockspec_num_preemptions counts the requests a cache of
+    96 positions takes back from three that grow to 70 each."""
+    registry = CollectorRegistry()
+
+    def counters() -> tuple[float, float, float]:
+        return tuple(registry.get_sample_value(f"blockspec_{name}_total", {"replica": "0", **AT}) or 0.0
+                     for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"))
+
+    async def serve(engine, waves) -> None:
+        scheduler = Scheduler(engine.loop, RouterMetrics(registry))
+        await scheduler.start()
+        try:
+            for requests in waves:  # each wave's requests together, once the last wave's have finished
+                streams = [await scheduler.submit(r) for r in requests]
+                for stream in streams:
+                    while not isinstance(await asyncio.wait_for(stream.events.get(), 30), FinishEvent):
+                        pass
+            await asyncio.sleep(0.1)  # the last step's metrics
+        finally:
+            await scheduler.stop()
+
+    prompt = prompts[6][:40]
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=1)
+    asyncio.run(serve(engine, [[engine.request(rid, prompt, 8, 0)] for rid in ("a", "b")]))
+    assert counters()[:2] == (80, 32)
+    registry = CollectorRegistry()
+    small = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=3, max_len=96, kv_cache_tokens=96)
+    asyncio.run(serve(small, [[small.request(f"r{i}", prompts[6][i : i + 30], 40, 0) for i in range(3)]]))
+    assert counters()[2] == small.loop.preemptions > 0

@@ -109,7 +109,7 @@ def test_a_tenants_blocks_are_not_shared_with_another(tiny_models, prompts):
 
 
 def test_preemption_keeps_every_stream_exact(tiny_models, prompts, references):
-    """A cache of 10 blocks (160 positions) for 4 requests of up to 150 each: admission waits for blocks and the
+    """A cache of 10 blocks (160 positions) for 4 requests of up to 120 each: admission waits for blocks and the
     latest admitted are preempted as the others grow; each resumes, and every stream is the target's greedy
     continuation, each token streamed once."""
     engine = Engine(tiny_models["llama"]["target"], tiny_models["llama"]["other"], "draft_model", max_batch=4,
