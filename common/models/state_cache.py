@@ -14,6 +14,8 @@ replay, T states a slot. Positions before the last forward cannot be reached eit
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from dataclasses import dataclass
 
 import torch
@@ -252,12 +254,64 @@ class HybridKVCache(HybridStates, SlotKVCache):
                        StepStates(cfg, num_slots + spare_slots, dtype, device, step_width))
 
 
+class StateSnapshots:
+    """A hybrid's linear-layer states at the ends of cached prefixes: `capacity` snapshots of a slot's conv and
+    recurrent states, each named by the prefix hash of the block it ends (`prefix_hash`), the least recently used
+    replaced first. A cached prefix of a hybrid is usable up to its last block with a snapshot."""
+
+    def __init__(self, states: SlotStates, capacity: int) -> None:
+        self.states = states
+        self.conv = states.conv.new_zeros((capacity, *states.conv[:, 0, 0].shape))  # [n, layers, conv_dim, k - 1]
+        self.recurrent = states.recurrent.new_zeros((capacity, *states.recurrent[:, 0, 0].shape))
+        self._by_hash: OrderedDict[int, int] = OrderedDict()  # prefix hash -> snapshot, least recently used first
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __contains__(self, prefix_hash: int) -> bool:
+        return prefix_hash in self._by_hash
+
+    def save(self, slot: int, prefix_hash: int) -> None:
+        """The slot's current states, as those after the prefix `prefix_hash` ends."""
+        if prefix_hash in self._by_hash or not (self._free or self._by_hash):
+            return
+        index = self._free.pop() if self._free else self._by_hash.popitem(last=False)[1]
+        cur = self.states.current[slot]
+        self.conv[index] = self.states.conv[:, slot, cur]
+        self.recurrent[index] = self.states.recurrent[:, slot, cur]
+        self._by_hash[prefix_hash] = index
+
+    def load(self, slot: int, prefix_hash: int) -> None:
+        """The snapshot into the slot's current states (a slot just reset)."""
+        index = self._by_hash[prefix_hash]
+        self._by_hash.move_to_end(prefix_hash)
+        cur = self.states.current[slot]
+        self.states.conv[:, slot, cur] = self.conv[index]
+        self.states.recurrent[:, slot, cur] = self.recurrent[index]
+
+
 class HybridPagedKVCache(HybridStates, PagedKVCache):
-    """A paged cache for the attention layers, and the linear layers' states per slot (a fixed cost per request). Its
-    prefixes are not cached: a cached prefix would need the states at its end too."""
+    """A paged cache for the attention layers, and the linear layers' states per slot (a fixed cost per request).
+    With prefix caching, a cached prefix is taken up to its last block whose states were saved (`snapshot_every`
+    positions apart at most, the verifier saves them as a prefill passes there: `StateSnapshots`)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 prefix_caching: bool = False, snapshots: int | None = None) -> None:
+        """snapshots: the states kept for cached prefixes (unset: 4 a slot)."""
         super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, num_blocks,
-                         block_size, dtype, device, prefix_caching=False)
+                         block_size, dtype, device, prefix_caching)
         self.states = SlotStates(cfg, num_slots, dtype, device, "replay")
+        self.snapshots = StateSnapshots(self.states, 4 * num_slots if snapshots is None else snapshots)
+
+    def attach(self, slot: int, hashes: list[int]) -> int:
+        """As PagedKVCache.attach, up to the last matched block whose states were saved; those states restored."""
+        matched = super().attach(slot, hashes) // self.block_size
+        usable = matched
+        while usable and hashes[usable - 1] not in self.snapshots:
+            usable -= 1
+        for block in self.held[slot][usable:]:
+            self.pool.drop(block)
+        del self.held[slot][usable:]
+        self.lengths[slot] = usable * self.block_size
+        if usable:
+            self.snapshots.load(slot, hashes[usable - 1])
+        return self.lengths[slot]

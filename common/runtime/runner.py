@@ -165,7 +165,7 @@ class Runner:
         """tp: (rank, world size) of a target split over ranks (common/runtime/tensor_parallel.py): this rank's shard and its
         heads' part of the KV cache. The KV cache is paged: `num_blocks` blocks of `block_size` positions (unset: as
         many as num_slots requests of max_len need), their full blocks kept for later prompts with prefix_caching (a
-        hybrid's never: `HybridPagedKVCache`)."""
+        hybrid's with its states where a prefill saved them: `HybridPagedKVCache`)."""
         cfg = checkpoint.config
         self.device = torch.device(device)
         self.config = cfg
@@ -180,7 +180,7 @@ class Runner:
         num_blocks = num_blocks or num_slots * -(-self.max_len // block_size)
         if cfg.hybrid:  # KV for the attention layers, conv and recurrent states for the linear ones (this rank's heads)
             self.cache = HybridPagedKVCache(self.model.cfg, num_slots, self.max_len, num_blocks, block_size, dtype,
-                                            self.device)
+                                            self.device, prefix_caching)
         else:
             self.cache = PagedKVCache(cfg.num_layers, num_slots, self.model.cfg.num_kv_heads, self.max_len,
                                       cfg.head_dim, num_blocks, block_size, dtype, self.device, prefix_caching)

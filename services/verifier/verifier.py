@@ -105,6 +105,10 @@ class Verifier:
         # A hybrid's prompt is split into forwards on the chunked delta rule's block boundaries only, so that each of
         # its tokens runs the same arithmetic however it was split (`delta_rule.prefill_blocks`).
         self.prefill_align = PREFILL_BLOCK if checkpoint.config.hybrid and max_prefill_tokens >= PREFILL_BLOCK else 1
+        # A hybrid's prefix is cached with its states, saved where a prefill passes a multiple of this many positions
+        # (whole KV blocks and whole chunks of the delta rule: the states there do not depend on the split)
+        self.snapshot_every = (math.lcm(cache.block_size, PREFILL_BLOCK)
+                               if self.prefix_caching and checkpoint.config.hybrid else None)
         self._requests: dict[str, _State] = {}
 
     @staticmethod
@@ -271,6 +275,9 @@ class Verifier:
                 state = self._requests[rid]
                 done = self.runner.cache.lengths[state.slot]  # prompt tokens already in the cache
                 n = min(state.prefill_len - done, room)
+                if self.snapshot_every:  # a forward ends where the prompt's last states before its last token are saved
+                    last = (state.prefill_len - 1) // self.snapshot_every * self.snapshot_every
+                    n = last - done if done < last < done + n else n
                 if n < state.prefill_len - done:  # the prompt goes on later: it stops on a block boundary
                     aligned = (done + n) // self.prefill_align * self.prefill_align - done
                     if aligned <= 0 and (segments or spent):
@@ -294,6 +301,10 @@ class Verifier:
             segments_of = {rid: i for i, (rid, _) in enumerate(ends)}
             for (rid, end), logits in zip(ends, out.logits):
                 state = self._requests[rid]
+                if self.snapshot_every and end % self.snapshot_every == 0 and end < state.prefill_len:
+                    cache = self.runner.cache
+                    cache.snapshots.save(state.slot, block_hashes(state.token_ids, cache.block_size, state.salt,
+                                                                  end // cache.block_size)[-1])
                 if end == state.prefill_len:
                     self._publish(state)
                     pending.remove(rid)

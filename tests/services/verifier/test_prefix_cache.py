@@ -174,3 +174,58 @@ def test_a_prompts_kv_and_taps_do_not_depend_on_chunking_or_cache_hits(family, t
             assert verifier.prefix_stats.hits > 0
     for (tokens0, kv0, taps0), (tokens1, kv1, taps1) in zip(*seen):
         assert tokens0 == tokens1 and torch.equal(kv0, kv1) and torch.equal(taps0, taps1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_resumes_cached_prefixes_from_saved_states(family, tmp_path, tokenizer, prompts):
+    """A hybrid's cached prefix comes with its linear layers' states, saved where a prefill passed a multiple of 32
+    positions: prompts sharing prefixes, in random chunks after random earlier requests, give the first token and the
+    attention layers' K/V of a cold cache, with prefix hits; then a conversation's turns give the same tokens."""
+    import torch
+
+    from blockspec.common.models.checkpoint import load_checkpoint
+    from blockspec.services.training.tiny import build_tiny_family
+    from blockspec.services.verifier.verifier import Verifier
+
+    path = build_tiny_family(tmp_path / family, family, tokenizer=tokenizer, lm_head_scale=4.0)
+    checkpoint = load_checkpoint(path)
+    rng = random.Random(5)
+    base = prompts[7] + prompts[6]
+    wanted = [base[: rng.randrange(40, 160)] for _ in range(6)]
+    seen, hits = [], 0
+    for caching in (False, True):
+        verifier = Verifier(checkpoint, num_slots=2, max_len=256, prefix_caching=caching)
+        kept = []
+        for i, prompt in enumerate(wanted):
+            if rng.random() < 0.5:  # another request before it, released: the cache's state varies
+                verifier.add("other", base[: rng.randrange(20, 150)])
+                while not verifier.prefill(["other"], rng.choice([32, 64, None])):
+                    pass
+                verifier.release("other")
+            verifier.add("r", prompt)
+            results = []
+            while not results:
+                results = verifier.prefill(["r"], rng.choice([32, 96, None]))
+            cache, slot = verifier.runner.cache, verifier.slot_of("r")
+            table = cache.table[slot : slot + 1]
+            kv = torch.stack([torch.cat(cache.gather(layer, table, len(prompt))) for layer in range(cache.k.shape[0])])
+            kept.append((results[0].token_ids, kv))
+            verifier.release("r")
+        seen.append(kept)
+        hits = verifier.prefix_stats.hits
+    assert hits > 0
+    for (tokens0, kv0), (tokens1, kv1) in zip(*seen):
+        assert tokens0 == tokens1
+        torch.testing.assert_close(kv0, kv1, rtol=1e-5, atol=1e-5)  # torch's GEMM runs the tiny shapes
+    results = []
+    for caching in (False, True):
+        engine = Engine(path, None, "ngram", max_batch=1, max_len=512, prefix_caching=caching)
+        history, replies = base[:70], []
+        for turn in range(3):
+            (reply, _, _), = _run(engine, [history], random.Random(turn))
+            replies.append(reply)
+            history = history + reply + prompts[6][turn * 9 : turn * 9 + 9]
+        results.append(replies)
+        if caching:
+            assert engine.verifier.prefix_stats.hits >= 64
+    assert results[0] == results[1]
