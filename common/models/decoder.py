@@ -156,7 +156,8 @@ class AttentionBatch:
         self.cache, self.slots, self.positions, self.key_len = cache, slots, positions, key_len
         self.real = real
         # each row's block table [B, nb] over keys [0, key_len) (a slot cache's: [slot])
-        self.tables = cache.tables(host_slots, key_len).to(positions.device, non_blocking=True)
+        tables = cache.tables(host_slots, key_len)
+        self.tables = tables if tables.device == positions.device else tables.to(positions.device, non_blocking=True)
         self.states = None  # a hybrid model's linear layers: the forward's `state_cache.StateStep`
         # one row of a slot cache: its keys are a view, no gather
         self.slot0 = host_slots[0] if len(host_slots) == 1 and not cache.paged else None

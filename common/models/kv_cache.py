@@ -135,6 +135,7 @@ class PagedKVCache(SlotKVCache):
         # A slot's blocks, and the same as a table row [slots, max_blocks] (0 past its blocks: never read, masked)
         self.held: list[list[int]] = [[] for _ in range(num_slots)]
         self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)
+        self._rows: list[torch.Tensor] | None = None  # `tables`' one-row views
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -185,10 +186,13 @@ class PagedKVCache(SlotKVCache):
         self.pool.publish(self.held[slot][:n], hashes[:n])
 
     def tables(self, host_slots: list[int], key_len: int) -> torch.Tensor:
-        nb = max(1, self.blocks_for(key_len))
+        """One row: its whole table row (a view made once: the readers stop at their own keys); rows: their tables
+        over [0, key_len) copied out."""
         if len(host_slots) == 1:
-            return self.table[host_slots[0] : host_slots[0] + 1, :nb]
-        return self.table[host_slots, :nb]
+            if self._rows is None or self._rows[0].untyped_storage().data_ptr() != self.table.untyped_storage().data_ptr():
+                self._rows = [self.table[s : s + 1] for s in range(self.table.shape[0])]  # (again after a move)
+            return self._rows[host_slots[0]]
+        return self.table[host_slots, : max(1, self.blocks_for(key_len))]
 
     def blocks_of(self, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +200,7 @@ class PagedKVCache(SlotKVCache):
 
     def gather(self, layer: int, tables: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, key_len, hd] of the rows with these tables, copied out of their blocks."""
+        tables = tables[:, : max(1, self.blocks_for(key_len))]
         B, nb = tables.shape
         out = []
         for cache in (self.k[layer], self.v[layer]):

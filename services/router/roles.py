@@ -126,7 +126,8 @@ class RemoteVerifier:
         now: a verifier must not hold a request after its stream has ended."""
         if self._pending.pop(request_id, None) is not None:
             return  # the verifier never heard of it
-        self._blocks.pop(request_id, None)
+        _, held = self._blocks.pop(request_id, (0, 0))
+        self._free_blocks += held  # free once the verifier has the release (before the next op's forward)
         if self._active.pop(request_id, None) is not None or request_id in self._prefilling:
             self._prefilling.discard(request_id)
             self._release.append(request_id)
