@@ -227,6 +227,13 @@ class BlockRows:
         if isinstance(index, int):
             return self[index : index + 1][0]
         start, stop, step = index.indices(len(self))
+        if step == 1 and stop - start <= 2 * self.block_size:  # a step's few rows: a slice of a block or two
+            pieces, p, mask = [], start, self.block_size - 1
+            while p < stop:
+                run = min(stop - p, self.block_size - (p & mask))
+                pieces.append(self.buffer[int(self.table[p >> self.shift]), p & mask : (p & mask) + run])
+                p += run
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         positions = torch.arange(start, stop, step)
         blocks = self.table[positions >> self.shift].to(self.buffer.device)
         return self.buffer[blocks, (positions & (self.block_size - 1)).to(self.buffer.device)]
