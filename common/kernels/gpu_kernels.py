@@ -7,11 +7,12 @@ Torch custom operators, so that a captured or compiled step sees each as one opa
   in the same order whether it is decoded alone, verified in a block of 16 or batched with 15 other requests. The
   operator after it adds the partials in a fixed order (split 0 first, `sum_parts`), so a product costs one launch.
   `blockspec::linear(x, w)` is the product itself (the partials added by their own launch).
-* `blockspec::attention_inputs`: q/k RMS norm and rotary over a q/k/v product, storing K and V in the cache;
-  `blockspec::cache_attention(q, k_cache, v_cache, slots, positions, scale, gate)`: each query row attends to keys
-  [0, position] of its slot, read in place from the static cache [slots, kv_heads, max_len, head_dim] (no gather, no
-  mask tensor). Keys are split into fixed chunks (`triton_kernels.attention_chunk`: flash-decoding with a split
-  fixed by the cache, not the batch), each chunk's partial softmax combined in chunk order.
+* `blockspec::attention_inputs`: q/k RMS norm and rotary over a q/k/v product, storing K and V in the paged cache
+  at each token's (block, offset); `blockspec::cache_attention(q, k_cache, v_cache, tables, positions, scale, gate)`:
+  each query row attends to keys [0, position], read in place from the cache's blocks [blocks, kv_heads, block_len,
+  head_dim] through its block table (no gather, no mask tensor). Keys are split into whole chunks
+  (`triton_kernels.attention_split`: flash-decoding with a split fixed by the row's own position, not the batch or
+  max_len), each split's partial softmax combined in split order.
 * `add_rms_norm`, `silu_mul`, `gated_rms_norm`: per-row kernels over a product's partials.
 * A Gated DeltaNet layer: `causal_conv` (and the next convolution state), `delta_gates`, `gated_delta_rule` (the
   recurrence, the slot states read and written in place) and `rollback_states` (every layer of every slot rolled
@@ -21,7 +22,7 @@ Torch custom operators, so that a captured or compiled step sees each as one opa
   built on the device), each block's products run with that expert's weights in the GEMM's fixed order, and every
   token adds its top_k outputs in rank order.
 
-Elsewhere (the CPU) each operator is its torch reference (`references.py`: F.linear, SDPA over the gathered slots with a
+Elsewhere (the CPU) each operator is its torch reference (`references.py`: F.linear, SDPA over the gathered blocks with a
 causal mask, the delta rule token by token). `triton_kernels.py`, `triton_rows.py` and `triton_deltanet.py` hold the kernels;
 `TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/runtime/test_cuda_runner.py).
 """
@@ -89,19 +90,19 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("blockspec::cache_attention", mutates_args=())
-def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    return attention_reference(q, k_cache, v_cache, slots, positions, scale, gate)
+    return attention_reference(q, k_cache, v_cache, tables, positions, scale, gate)
 
 
 @cache_attention.register_fake
-def _(q, k_cache, v_cache, slots, positions, scale, gate=None):
+def _(q, k_cache, v_cache, tables, positions, scale, gate=None):
     return torch.empty_like(q)
 
 
 @cache_attention.register_kernel("cuda")
-def _(q, k_cache, v_cache, slots, positions, scale, gate=None):
-    return tk.triton_attention(q, k_cache, v_cache, slots, positions, scale, gate)
+def _(q, k_cache, v_cache, tables, positions, scale, gate=None):
+    return tk.triton_attention(q, k_cache, v_cache, tables, positions, scale, gate)
 
 
 @torch.library.custom_op("blockspec::add_rms_norm", mutates_args=())
@@ -124,24 +125,24 @@ def _(parts, bias, residual, weight, eps, zero_centred=False):
 
 @torch.library.custom_op("blockspec::attention_inputs", mutates_args=("k_cache", "v_cache"))
 def attention_inputs(parts: torch.Tensor, bias: torch.Tensor | None, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, write_blocks: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, eps: float,
                      zero_centred: bool = False, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_inputs_reference(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache,
+    return attention_inputs_reference(parts, bias, q_weight, k_weight, cos, sin, positions, write_blocks, k_cache,
                                       v_cache, heads, kv_heads, eps, zero_centred, gated)
 
 
 @attention_inputs.register_fake
-def _(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache, v_cache, heads, kv_heads, eps,
+def _(parts, bias, q_weight, k_weight, cos, sin, positions, write_blocks, k_cache, v_cache, heads, kv_heads, eps,
       zero_centred=False, gated=False):
     q = k_cache.new_empty((*parts.shape[1:3], heads, k_cache.shape[-1]))
     return q, q.new_empty((*q.shape[:3], q.shape[3] if gated else 0))
 
 
 @attention_inputs.register_kernel("cuda")
-def _(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache, v_cache, heads, kv_heads, eps,
+def _(parts, bias, q_weight, k_weight, cos, sin, positions, write_blocks, k_cache, v_cache, heads, kv_heads, eps,
       zero_centred=False, gated=False):
-    return tr.triton_attention_inputs(parts, bias, q_weight, k_weight, cos, sin, positions, write_slots, k_cache,
+    return tr.triton_attention_inputs(parts, bias, q_weight, k_weight, cos, sin, positions, write_blocks, k_cache,
                                       v_cache, heads, kv_heads, eps, zero_centred, gated)
 
 

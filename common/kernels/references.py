@@ -24,12 +24,15 @@ def sum_parts(parts: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None
     return total if bias is None else total + bias
 
 
-def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                         positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, T, H, D], caches [S, KV, L, D], slots [B], positions [B, T] -> [B, T, H, D] (times sigmoid(gate) where
-    given)."""
-    keys, values = k_cache[slots], v_cache[slots]  # [B, KV, L, D]
-    mask = (torch.arange(k_cache.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+    """q [B, T, H, D], caches [blocks, KV, block_len, D], tables [B, nb] (key j of row b in block tables[b, j //
+    block_len] at j % block_len), positions [B, T]: each row attends to keys [0, position] -> [B, T, H, D] (times
+    sigmoid(gate) where given)."""
+    B, nb = tables.shape
+    KV, BS, D = k_cache.shape[1:]
+    keys, values = (c[tables].transpose(1, 2).reshape(B, KV, nb * BS, D) for c in (k_cache, v_cache))  # [B, KV, L, D]
+    mask = (torch.arange(nb * BS, device=q.device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=True).transpose(1, 2)  # [B, T, H, D]
     return out if gate is None else out * torch.sigmoid(gate)
@@ -58,13 +61,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def attention_inputs_reference(parts: torch.Tensor, bias: torch.Tensor | None, q_weight: torch.Tensor,
                                k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                               write_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                               write_blocks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
                                kv_heads: int, eps: float, zero_centred: bool = False, gated: bool = False
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A q/k/v product's split partials [S, B, T, columns] (q heads first, each followed by its gate where gated, then
     the k and the v heads) -> (q [B, T, heads, D], the gates [B, T, heads, D] or an empty tensor); q and k RMS-normed
     with their weights (where not empty) and rotated at their positions on the first R features (cos / sin tables
-    [max_len, R]); k and v stored in the caches [slots, kv_heads, max_len, D] at (write_slots, positions)."""
+    [max_len, R]); k and v stored in the caches [blocks, kv_heads, block_len, D] at (write_blocks, positions modulo
+    block_len)."""
     D = k_cache.shape[-1]
     y = sum_parts(parts, k_cache.dtype, bias)
     B, T = y.shape[:2]
@@ -78,8 +82,9 @@ def attention_inputs_reference(parts: torch.Tensor, bias: torch.Tensor | None, q
     c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, T, 1, R]
     rot = c.shape[-1]
     q, k = (torch.cat((rotate(t[..., :rot], c, s), t[..., rot:]), dim=-1) for t in (q, k))
-    k_cache[write_slots, :, positions] = k
-    v_cache[write_slots, :, positions] = v
+    offsets = positions % k_cache.shape[2]
+    k_cache[write_blocks, :, offsets] = k
+    v_cache[write_blocks, :, offsets] = v
     return q, gate.clone() if gated else q.new_empty((B, T, heads, 0))
 
 

@@ -1,6 +1,6 @@
 """The Triton kernels behind `gpu_kernels`' operators on CUDA, and their launchers: products (a GEMM with tiles and split
 of K fixed by the weight's shape and the device, left as split partials that the next kernel adds; the experts' grouped
-GEMM), attention over the cache with a fixed key split (the per-row kernels: `triton_rows.py`; a Gated DeltaNet's:
+GEMM), attention over the paged cache through block tables, with a key split fixed by each row's position (the per-row kernels: `triton_rows.py`; a Gated DeltaNet's:
 `triton_deltanet.py`). Triton is imported on first use: the CPU path never needs it. `TRITON_INTERPRET=1` runs them on CPU tensors (tests/common/runtime/test_cuda_runner.py).
 """
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-CHUNK = 256  # keys per attention split at least: positions [c * chunk, (c + 1) * chunk) are one partial softmax
-MAX_SPLITS = 32  # key splits at most: longer caches take longer chunks (`attention_chunk`)
+CHUNK = 256  # keys per attention split at least: a row's splits are whole chunks of its keys (`attention_split`)
+MAX_SPLITS = 32  # key splits a row at most, and the partials' size: longer contexts take longer splits
 BLOCK_M = 64  # GEMM rows per tile, whatever the row count (a decode's 1 row is a padded tile)
 ATTN_BLOCK_N = 64  # keys per attention tile
 
@@ -80,20 +80,23 @@ def _products() -> SimpleNamespace:
 
 @functools.cache
 def _attention() -> SimpleNamespace:
-    """Attention over the cache by key chunks, and the chunks' combine."""
+    """Attention over the paged cache by key splits, and the splits' combine."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def attend(q, kc, vc, slots, positions, m_out, l_out, acc_out, scale, T, H, KV, L, n_chunks,
-               sq_b, sq_t, sq_h, sk_s, sk_h, sk_l,
-               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr):
-        # One query row (b, t), one KV head, one chunk of CH keys: the partial softmax of the G query heads that
-        # share the KV head over the chunk's keys up to the row's position.
-        row, kv, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def attend(q, kc, vc, tables, positions, m_out, l_out, acc_out, scale, T, H, KV, st_b, st_j,
+               sq_b, sq_t, sq_h, sk_b, sk_h, sk_l,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, CH: tl.constexpr,
+               SPLITS: tl.constexpr, BN: tl.constexpr):
+        # One query row (b, t), one KV head, one split: the partial softmax of the G query heads that share the KV
+        # head over the split's keys up to the row's position. A row's keys [0, position] are cut into chunks of CH,
+        # each split taking ceil(chunks / SPLITS) consecutive ones: a function of the row's position alone. Key j lies
+        # in block tables[b, j // BS] at offset j % BS.
+        row, kv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, t = row // T, row % T
-        pos = tl.load(positions + row)
-        slot = tl.load(slots + b)
+        keys = tl.load(positions + row) + 1
+        span = (((keys + CH - 1) // CH + SPLITS - 1) // SPLITS) * CH  # keys per split of this row
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         heads = kv * G + g
@@ -101,34 +104,36 @@ def _attention() -> SimpleNamespace:
         m = tl.full((GP,), float("-inf"), tl.float32)
         s_sum = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        start = c * CH
-        end = tl.minimum(start + CH, pos + 1)
-        base = slot * sk_s + kv * sk_h
-        blocks = (end - start + BN - 1) // BN  # none in a chunk past the row's position: work follows the context
+        start = s * span
+        end = tl.minimum(start + span, keys)
+        tiles = (end - start + BN - 1) // BN  # none in a split past the row's keys: work follows the context
+        table = tables + b.to(tl.int64) * st_b
         n0 = 0
-        while n0 < blocks:
+        while n0 < tiles:
             n = start + n0 * BN + tl.arange(0, BN)
             live = n < end
-            kt = tl.load(kc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
-            vt = tl.load(vc + base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)
-            s = tl.dot(qv, tl.trans(kt)) * scale
-            s = tl.where(live[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
+            block = tl.load(table + (n // BS) * st_j, mask=live, other=0)
+            at = block * sk_b + kv * sk_h + (n % BS) * sk_l  # int64: the block ids are
+            kt = tl.load(kc + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            vt = tl.load(vc + at[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            scores = tl.dot(qv, tl.trans(kt)) * scale
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp(-inf - 0) = 0, not NaN
             alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            p = tl.exp(scores - m_safe[:, None])
             s_sum = s_sum * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m = m_new
             n0 += 1
-        o = ((row * H + heads) * n_chunks + c).to(tl.int64)  # x D passes 2^31 at long contexts
+        o = ((row * H + heads) * SPLITS + s).to(tl.int64)  # x D passes 2^31 with many rows
         tl.store(m_out + o, m, mask=g < G)
         tl.store(l_out + o, s_sum, mask=g < G)
         tl.store(acc_out + o[:, None] * D + d[None, :], acc, mask=g[:, None] < G)
 
     @triton.jit
     def combine(m_in, l_in, acc_in, gate, out, n_chunks, CP: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr):
-        # One (row, head): the chunks' partials merged, in chunk order, into the output row; GATE: times
+        # One (row, head): the splits' partials merged, in split order, into the output row; GATE: times
         # sigmoid(gate), each rounded to the output's dtype as torch rounds them.
         rh = tl.program_id(0)
         c = tl.arange(0, CP)
@@ -198,36 +203,36 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return triton_sum_parts(triton_linear_parts(x, w), x.dtype)
 
 
-def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     kn = _attention()
     B, T, H, D = q.shape
-    _, KV, L, _ = k_cache.shape
+    _, KV, BS, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
         raise ValueError("cache_attention needs the caches alike and the last dimension of q and the caches dense")
     G = H // KV
-    chunk = attention_chunk(L)
-    n_chunks = -(-L // chunk)
     rows = B * T
-    m = torch.empty((rows, H, n_chunks), dtype=torch.float32, device=q.device)
+    m = torch.empty((rows, H, MAX_SPLITS), dtype=torch.float32, device=q.device)
     s = torch.empty_like(m)
-    acc = torch.empty((rows, H, n_chunks, D), dtype=torch.float32, device=q.device)
+    acc = torch.empty((rows, H, MAX_SPLITS, D), dtype=torch.float32, device=q.device)
     positions = positions.reshape(-1)
-    kn.attend[(rows, KV, n_chunks)](
-        q, k_cache, v_cache, slots, positions, m, s, acc, scale, T, H, KV, L, n_chunks,
+    kn.attend[(rows, KV, MAX_SPLITS)](
+        q, k_cache, v_cache, tables, positions, m, s, acc, scale, T, H, KV, tables.stride(0), tables.stride(1),
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        G=G, GP=max(16, kn.triton.next_power_of_2(G)), D=D, CH=chunk, BN=ATTN_BLOCK_N)
+        G=G, GP=max(16, kn.triton.next_power_of_2(G)), D=D, BS=BS, CH=CHUNK, SPLITS=MAX_SPLITS, BN=ATTN_BLOCK_N)
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
-    kn.combine[(rows * H,)](m, s, acc, out if gate is None else gate, out, n_chunks,
-                            CP=max(2, kn.triton.next_power_of_2(n_chunks)), D=D, GATE=gate is not None)
+    kn.combine[(rows * H,)](m, s, acc, out if gate is None else gate, out, MAX_SPLITS, CP=MAX_SPLITS, D=D,
+                            GATE=gate is not None)
     return out
 
 
-def attention_chunk(max_len: int) -> int:
-    """Keys per attention split for a cache of max_len positions: CHUNK, or longer (in whole key blocks) where that
-    would make more than MAX_SPLITS splits. A function of the cache alone, never of the batch: a row's keys are split
-    and combined in the same order in any batch. The fp32 partials take rows x heads x splits x (head_dim + 2)."""
-    return max(CHUNK, -(-max_len // (MAX_SPLITS * ATTN_BLOCK_N)) * ATTN_BLOCK_N)
+def attention_split(position: int) -> int:
+    """Keys per attention split of a query row at `position`: whole chunks of CHUNK, as few as keep the row's keys
+    [0, position] within MAX_SPLITS splits. A function of the row's own position, never of the batch or max_len: a
+    row's keys are split and combined in the same order in any batch, and a short context is not read in a few long
+    splits. The fp32 partials take rows x heads x MAX_SPLITS x (head_dim + 2) x 4 bytes."""
+    chunks = -(-(position + 1) // CHUNK)
+    return -(-chunks // MAX_SPLITS) * CHUNK
 
 
 MOE_BLOCK = 16  # rows of one expert per grouped-GEMM block, whatever the token count

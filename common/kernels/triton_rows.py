@@ -58,12 +58,13 @@ def _rows() -> SimpleNamespace:
             tl.store(y + row * HID + i, weight * (h * r).to(dt), mask=live)
 
     @triton.jit
-    def norm_rope(parts, plane, bias, qw, kw, cos, sin, positions, write_slots, q_out, gate_out, kc, vc, eps, H, KV,
-                  NCOL, QS, sk_s, sk_h, sk_l, D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
+    def norm_rope(parts, plane, bias, qw, kw, cos, sin, positions, write_blocks, q_out, gate_out, kc, vc, eps, H, KV,
+                  NCOL, QS, sk_b, sk_h, sk_l, block_len, D: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
                   ZC: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, GATE: tl.constexpr):
         # One (row, head) of the q, k and v heads of a q/k/v product (q head h at column h QS, its gate after it where
         # GATE; k and v heads after the q heads): q and k RMS-normed with their weight and rotated at the row's position
-        # on the first ROT features; q to q_out, k and v stored in the cache at (the row's write slot, position).
+        # on the first ROT features; q to q_out, k and v stored in the cache at (the row's write block, its position
+        # modulo the block length).
         row, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D)
         dt = q_out.dtype.element_ty
@@ -72,7 +73,8 @@ def _rows() -> SimpleNamespace:
         is_v = head >= H + KV
         col = tl.where(is_q, head * QS, H * QS + (head - H) * D)
         x = _biased(parts, plane, bias, row * NCOL + col + d, col + d, d < D, S, dt, HAS_BIAS)
-        dest = tl.load(write_slots + row) * sk_s + (head - H - tl.where(is_v, KV, 0)) * sk_h + pos * sk_l + d
+        dest = (tl.load(write_blocks + row) * sk_b + (head - H - tl.where(is_v, KV, 0)) * sk_h + (pos % block_len) * sk_l
+                + d)
         if is_v:
             tl.store(vc + dest, x.to(dt))
         else:
@@ -166,7 +168,7 @@ def triton_add_rms_norm(parts: torch.Tensor, bias: torch.Tensor | None, residual
 
 def triton_attention_inputs(parts: torch.Tensor, bias: torch.Tensor | None, q_weight: torch.Tensor,
                             k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                            write_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                            write_blocks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
                             kv_heads: int, eps: float, zero_centred: bool = False, gated: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     kn = _rows()
@@ -178,9 +180,9 @@ def triton_attention_inputs(parts: torch.Tensor, bias: torch.Tensor | None, q_we
     qw, kw = (q_weight, k_weight) if norm else (cos, cos)  # unread without the norm
     bias, has_bias = _bias(bias, cos)
     kn.norm_rope[(B * T, heads + 2 * kv_heads)](
-        parts, _plane(parts), bias, qw, kw, cos, sin, positions, write_slots, q, gate if gated else q, k_cache,
+        parts, _plane(parts), bias, qw, kw, cos, sin, positions, write_blocks, q, gate if gated else q, k_cache,
         v_cache, eps, heads, kv_heads, ncol, 2 * D if gated else D, k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), D=D, ROT=cos.shape[-1], NORM=norm, ZC=zero_centred, S=parts.shape[0], HAS_BIAS=has_bias,
+        k_cache.stride(2), k_cache.shape[2], D=D, ROT=cos.shape[-1], NORM=norm, ZC=zero_centred, S=parts.shape[0], HAS_BIAS=has_bias,
         GATE=gated)
     return q, gate
 

@@ -1,6 +1,6 @@
 """KV caches: a request's row is its slot; a rollback sets the slot's length.
 
-`SlotKVCache` keeps one fixed buffer of max_len positions per slot (the CUDA runner's captured steps and the drafters);
+`SlotKVCache` keeps one fixed buffer of max_len positions per slot (the drafters);
 `PagedKVCache` keeps blocks of block_size positions, taken as a request grows and given back as it ends, named by a
 table per slot, with a prefix cache over full blocks (block_pool.py). Both lay a layer out as
 [blocks, kv_heads, block_len, hd] (a slot cache: a block per slot of max_len positions), so the attention kernels
@@ -120,10 +120,12 @@ class PagedKVCache(SlotKVCache):
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", prefix_caching: bool = True) -> None:
+                 device: torch.device | str = "cpu", prefix_caching: bool = True, spare_blocks: int = 0) -> None:
+        """spare_blocks: blocks after the pool's num_blocks that no request gets (`spare_block` the first); the CUDA
+        runner's captured steps write their padding rows there."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size {block_size}: a power of two")
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (num_layers, num_blocks + spare_blocks, num_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, blocks, kv_heads, block_size, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
@@ -132,6 +134,7 @@ class PagedKVCache(SlotKVCache):
         self.block_shift = block_size.bit_length() - 1
         self.max_blocks = -(-max_len // block_size)
         self.pool = BlockPool(num_blocks, prefix_caching)
+        self.spare_block = num_blocks
         # A slot's blocks, and the same as a table row [slots, max_blocks] (0 past its blocks: never read, masked)
         self.held: list[list[int]] = [[] for _ in range(num_slots)]
         self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)
@@ -169,6 +172,14 @@ class PagedKVCache(SlotKVCache):
             block = self.pool.take()
             self.table[slot, len(held)] = block
             held.append(block)
+
+    def follow(self, slot: int, keep: int, blocks: list[int]) -> None:
+        """A tensor-parallel follower's slot holds what its lead's does: its first `keep` blocks, then `blocks` (the
+        lead's, taken from the lead's pool: this cache's pool is not used)."""
+        held = self.held[slot][:keep] + list(blocks)
+        self.held[slot] = held
+        if blocks:
+            self.table[slot, keep : len(held)] = torch.tensor(blocks, dtype=torch.long)
 
     def attach(self, slot: int, hashes: list[int]) -> int:
         """Start an empty slot from the longest cached chain of these prefix hashes: its blocks, shared; returns the

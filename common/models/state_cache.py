@@ -15,13 +15,12 @@ replay, T states a slot. Positions before the last forward cannot be reached eit
 from __future__ import annotations
 
 from collections import OrderedDict
-
 from dataclasses import dataclass
 
 import torch
 
 from blockspec.common.kernels.delta_rule import delta_rule_steps, prefill_blocks
-from blockspec.common.models.kv_cache import PagedKVCache, SlotKVCache
+from blockspec.common.models.kv_cache import PagedKVCache
 from blockspec.common.models.model_config import ModelConfig
 
 ROLLBACKS = ("replay", "states")
@@ -222,7 +221,7 @@ class StateStep:
 
 
 class HybridStates:
-    """A hybrid model's linear layers' states beside its attention layers' KV cache (a mixin of either cache): a
+    """A hybrid model's linear layers' states beside its attention layers' KV cache (a mixin of a paged cache): a
     slot's length moves both (allocate zeroes the states, a shorter length rolls them back within the last forward)."""
 
     states: SlotStates | StepStates
@@ -239,19 +238,6 @@ class HybridStates:
             self.states.reset(slot)
         else:
             self.states.set_length(slot, length)
-
-
-class HybridKVCache(HybridStates, SlotKVCache):
-    """A slot cache for the attention layers, and the linear layers' states."""
-
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", rollback: str = "replay", spare_slots: int = 0,
-                 step_width: int | None = None) -> None:
-        """step_width: the states are the CUDA runner's (`StepStates`), kept for forwards of up to that many tokens."""
-        super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device,
-                         spare_slots)
-        self.states = (SlotStates(cfg, num_slots + spare_slots, dtype, device, rollback) if step_width is None else
-                       StepStates(cfg, num_slots + spare_slots, dtype, device, step_width))
 
 
 class StateSnapshots:
@@ -295,11 +281,17 @@ class HybridPagedKVCache(HybridStates, PagedKVCache):
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 prefix_caching: bool = False, snapshots: int | None = None) -> None:
-        """snapshots: the states kept for cached prefixes (unset: 4 a slot)."""
+                 prefix_caching: bool = False, snapshots: int | None = None, spare_slots: int = 0,
+                 spare_blocks: int = 0, step_width: int | None = None) -> None:
+        """snapshots: the states kept for cached prefixes (unset: 4 a slot); step_width: the states are the CUDA
+        runner's (`StepStates`), kept for forwards of up to that many tokens; spare_slots: state rows after the
+        requests' (a captured step's padding rows read and write there), spare_blocks: KV blocks after the pool's (its
+        padding rows' K/V)."""
         super().__init__(len(cfg.attention_layers), num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, num_blocks,
-                         block_size, dtype, device, prefix_caching)
-        self.states = SlotStates(cfg, num_slots, dtype, device, "replay")
+                         block_size, dtype, device, prefix_caching=prefix_caching, spare_blocks=spare_blocks)
+        rows = num_slots + spare_slots
+        self.states = (SlotStates(cfg, rows, dtype, device, "replay") if step_width is None else
+                       StepStates(cfg, rows, dtype, device, step_width))
         self.snapshots = StateSnapshots(self.states, 4 * num_slots if snapshots is None else snapshots)
 
     def attach(self, slot: int, hashes: list[int]) -> int:

@@ -2,12 +2,14 @@
 static buffers, with batch-invariant operators by default.
 
 A forward of at most max(WIDTHS) tokens per request and at most the largest batch size runs as the CUDA graph of its
-bucket: the smallest batch size in `batch_sizes` and width in WIDTHS that hold it, padded. Each bucket owns static
-input buffers (tokens, positions, slots, the slot each row's K/V and tap features go to, which rows are real); the
-step reads and writes the KV cache and the tap buffer through those device index tensors, so a replay needs one
-host-to-device copy of the indices and one device-to-host copy of what the greedy rule decided (the number of
-accepted drafts and the target's argmax of every row). Padding rows write to a spare slot no request owns. Wider
-forwards (prefill chunks) run the same step eagerly at their own shape.
+bucket: the smallest batch size in `batch_sizes` and width in WIDTHS that hold it, padded. The KV cache is paged
+(`kv_cache.PagedKVCache`: blocks taken as a request grows, named by a table per slot) and the tap buffer lies in the
+same blocks. Each bucket owns static input buffers (tokens, positions, each row's state slot, the block each token's
+K/V and tap features go to, which rows are real, and its batch size's block tables); the step reads and writes the KV
+cache and the tap buffer through those device index tensors, so a replay needs host-to-device copies of the indices
+and of the tables' columns in use, and one device-to-host copy of what the greedy rule decided (the number of accepted
+drafts and the target's argmax of every row). Padding rows write to a spare block no request gets (and a hybrid's
+states to a spare slot). Wider forwards (prefill chunks) run the same step eagerly at their own shape.
 
 Numerics: "invariant" (the default) computes every product, norm and attention with the operators of
 `gpu_kernels`, whose reduction order does not depend on the number of rows, so a row's logits are the same decoded
@@ -31,9 +33,9 @@ import torch
 
 from blockspec.common.kernels import gpu_kernels as gk
 from blockspec.common.models.checkpoint import Checkpoint
-from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.kv_cache import PagedKVCache
 from blockspec.common.models.model_config import ModelConfig
-from blockspec.common.models.state_cache import HybridKVCache
+from blockspec.common.models.state_cache import HybridPagedKVCache
 from blockspec.common.runtime.cuda_steps import HybridStaticStep, StaticStep
 from blockspec.common.runtime.runner import ForwardResult, Segment, segment_starts, target_decoder
 
@@ -144,42 +146,59 @@ def _copy_into(outputs, values) -> None:
             _copy_into(out, value)
 
 
+class _Tables:
+    """A batch size's block tables as the steps read them, [batch, max_blocks] (a view of [max_blocks, batch]: the
+    columns a forward uses are one contiguous copy), on the device and pinned on the host; the spare block at first."""
+
+    def __init__(self, batch: int, max_blocks: int, spare_block: int, device: torch.device) -> None:
+        self.columns = torch.full((max_blocks, batch), spare_block, dtype=torch.long, device=device)
+        self.host = torch.full((max_blocks, batch), spare_block, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.rows = self.columns.t()  # [batch, max_blocks]: what the step takes
+
+    def fill(self, cache: PagedKVCache, slots: list[int], columns: int) -> None:
+        """The tables of these slots' rows (the spare block's after them), their first `columns` columns."""
+        self.host[:columns] = table_columns(cache, slots, self.host.shape[1], columns)
+        self.columns[:columns].copy_(self.host[:columns], non_blocking=True)
+
+
 class _Bucket:
     """A bucket's static buffers and the pinned host copies of its inputs and decisions."""
 
-    def __init__(self, batch: int, width: int, spare: int, device: torch.device) -> None:
-        self.batch, self.width = batch, width
+    def __init__(self, batch: int, width: int, spare: int, cache: PagedKVCache, tables: _Tables,
+                 device: torch.device) -> None:
+        self.batch, self.width, self.tables = batch, width, tables
         pin = device.type == "cuda"
-        # rows: tokens, positions, write_slots, real (each [batch, width]), slots and reads (first column)
+        # rows: tokens, positions, write_blocks, real (each [batch, width]), slots and reads (first column)
         self.inputs = torch.zeros((6, batch, width), dtype=torch.long, device=device)
         self.host = torch.zeros((6, batch, width), dtype=torch.long, pin_memory=pin)
         self.decided = torch.zeros((batch, width + 1), dtype=torch.long, pin_memory=pin)
-        # all padding: a warm-up writes the spare slot only
-        self.inputs.copy_(inputs_of((), [], (batch, width), spare, 1 << 30, None))
+        # all padding: a warm-up writes the spare block only
+        self.inputs.copy_(inputs_of((), [], (batch, width), cache, spare, 1 << 30, None))
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return step_args(self.inputs)
+        return (*step_args(self.inputs), self.tables.rows)
 
 
 def step_args(inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The step's arguments from its index inputs [6, batch, width]: views of them, never new tensors (a graph reads
+    """The step's index arguments from its inputs [6, batch, width]: views of them, never new tensors (a graph reads
     the tensors it was captured with: a conversion made here would be stale at the next replay)."""
-    tokens, positions, write_slots, real, slots, reads = inputs.unbind(0)
-    return tokens, positions, slots[:, 0], write_slots, real, reads[:, 0]
+    tokens, positions, write_blocks, real, slots, reads = inputs.unbind(0)
+    return tokens, positions, slots[:, 0], write_blocks, real, reads[:, 0]
 
 
 class CudaRunner:
     """The runner interface (`forward(segments, tap_dest)` -> ForwardResult) over captured steps; see the module
     docstring. `capture` False runs the same step eagerly (what the CPU tests run)."""
 
-    spare_slots = 1
-
     def __init__(self, checkpoint: Checkpoint, num_slots: int, max_len: int | None = None,
                  tap_layers: Sequence[int] = (), dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cuda", numerics: str = "invariant", capture: bool | None = None,
-                 warm_up: bool | None = None, gemm: str | None = None, tp: tuple[int, int] = (0, 1)) -> None:
+                 warm_up: bool | None = None, gemm: str | None = None, tp: tuple[int, int] = (0, 1),
+                 num_blocks: int | None = None, block_size: int = 16) -> None:
         """tp: (rank, world size) of a target split over ranks (common/runtime/tensor_parallel.py): this rank's shard,
-        its heads' part of the caches, and the step's sums over the ranks inside it."""
+        its heads' part of the caches, and the step's sums over the ranks inside it. The KV cache is paged: `num_blocks`
+        blocks of `block_size` positions for the requests (unset: as many as num_slots requests of max_len need), one
+        more where padding rows write; its prefixes are not cached."""
         cfg = checkpoint.config
         reason = unsupported(cfg)
         if reason:
@@ -194,15 +213,16 @@ class CudaRunner:
         if tp[1] > 1:  # the step merges the shard's projections: the checkpoint's own tensors stay whole
             checkpoint = dataclasses.replace(checkpoint, weights=dict(checkpoint.weights))
         part = self.model.cfg  # this rank's heads
-        if cfg.hybrid:
-            self.cache = HybridKVCache(part, num_slots, self.max_len, dtype, self.device, spare_slots=self.spare_slots,
-                                       step_width=max(WIDTHS))
+        num_blocks = num_blocks or num_slots * -(-self.max_len // block_size)
+        if cfg.hybrid:  # the spare slot: the state row padding rows read and write
+            self.cache = HybridPagedKVCache(part, num_slots, self.max_len, num_blocks, block_size, dtype, self.device,
+                                            spare_slots=1, spare_blocks=1, step_width=max(WIDTHS))
         else:
-            self.cache = SlotKVCache(cfg.num_layers, num_slots, part.num_kv_heads, self.max_len, cfg.head_dim, dtype,
-                                     self.device, spare_slots=self.spare_slots)
+            self.cache = PagedKVCache(cfg.num_layers, num_slots, part.num_kv_heads, self.max_len, cfg.head_dim,
+                                      num_blocks, block_size, dtype, self.device, prefix_caching=False, spare_blocks=1)
         width = len(self.tap_layers) * cfg.hidden_size
-        self.tap_buffer = (torch.zeros(num_slots + self.spare_slots, self.max_len, width, dtype=dtype,
-                                       device=self.device) if width else None)
+        self.tap_buffer = (torch.zeros(num_blocks + 1, block_size, width, dtype=dtype, device=self.device)
+                           if width else None)
         self.step = (HybridStaticStep if cfg.hybrid else StaticStep)(
             self.model, checkpoint, self.cache, self.tap_layers, self.tap_buffer, numerics, self.max_len)
         self.graphs = Graphs(self.device, self.device.type == "cuda" if capture is None else capture)
@@ -212,6 +232,7 @@ class CudaRunner:
                                  self.batch_sizes) if numerics == "invariant" else "torch")
         self.spare = num_slots
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._tables: dict[int, _Tables] = {}
         if self.graphs.capture if warm_up is None else warm_up:
             self.warm_up()
 
@@ -219,12 +240,14 @@ class CudaRunner:
         return segment_starts(self.cache, self.max_len, segments)
 
     @staticmethod
-    def graph_bytes(cfg: ModelConfig, num_slots: int) -> int:
+    def graph_bytes(cfg: ModelConfig, num_slots: int, max_len: int = 0, block_size: int = 16) -> int:
         """What the captured steps keep between replays: each bucket's outputs (fp32 logits of every row and the greedy
-        decision). The intermediates live in the graphs' shared pool, reused from one graph to the next, and are not
-        counted."""
+        decision) and each batch size's block tables (max_len / block_size columns). The intermediates live in the
+        graphs' shared pool, reused from one graph to the next, and are not counted."""
         rows = sum(batch_sizes(num_slots)) * sum(WIDTHS)  # every (batch, width) bucket's rows
-        return rows * cfg.vocab_size * 4 + sum(b * (w + 1) for b in batch_sizes(num_slots) for w in WIDTHS) * 8
+        tables = sum(batch_sizes(num_slots)) * -(-max_len // block_size) * 8
+        return (rows * cfg.vocab_size * 4 + sum(b * (w + 1) for b in batch_sizes(num_slots) for w in WIDTHS) * 8
+                + tables)
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -235,7 +258,8 @@ class CudaRunner:
         return self.model.lm_head.weight
 
     def make_tap_buffer(self) -> torch.Tensor | None:
-        """The tap buffer the captured steps write ([slots + spare, max_len, n_taps * hidden])."""
+        """The tap buffer the captured steps write, in the KV cache's blocks ([blocks + spare, block_size, n_taps *
+        hidden]: a position's taps lie where its K/V do)."""
         return self.tap_buffer
 
     def bucket_of(self, batch: int, width: int) -> tuple[int, int] | None:
@@ -246,7 +270,7 @@ class CudaRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture every bucket now (its step over padding rows, which write the spare slot only), so that no request
+        """Capture every bucket now (its step over padding rows, which write the spare block only), so that no request
         waits for a capture or a kernel's compilation."""
         started = time.perf_counter()
         for key in ((b, w) for b in self.batch_sizes for w in WIDTHS):
@@ -257,7 +281,10 @@ class CudaRunner:
 
     def _bucket(self, key: tuple[int, int]) -> _Bucket:
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(*key, self.spare, self.device)
+            batch = key[0]
+            if batch not in self._tables:
+                self._tables[batch] = _Tables(batch, self.cache.max_blocks, self.cache.spare_block, self.device)
+            self._buckets[key] = _Bucket(*key, self.spare, self.cache, self._tables[batch], self.device)
         return self._buckets[key]
 
     @torch.inference_mode()
@@ -277,16 +304,20 @@ class CudaRunner:
         states = getattr(self.cache, "states", None)
         if states is not None:
             states.flush()  # the rollbacks since the last forward, in one launch
+        slots = [s.slot for s in segments]
         if key is not None:
             bucket = self._bucket(key)
-            bucket.host.copy_(inputs_of(segments, starts, key, self.spare, self.max_len, states))
+            bucket.host.copy_(inputs_of(segments, starts, key, self.cache, self.spare, self.max_len, states))
             bucket.inputs.copy_(bucket.host, non_blocking=True)
+            bucket.tables.fill(self.cache, slots, self.table_width(starts, key[1]))
             logits, decided = self.graphs.run(key, self.step, bucket.args())
             host = bucket.decided
             host.copy_(decided, non_blocking=True)
         else:  # eager at the forward's own shape; of a prefill (every segment last_only) the last rows' logits only
             shape = (len(segments), max(lengths))
-            args = step_args(inputs_of(segments, starts, shape, self.spare, self.max_len, states).to(self.device))
+            inputs = inputs_of(segments, starts, shape, self.cache, self.spare, self.max_len, states).to(self.device)
+            tables = table_columns(self.cache, slots, len(segments), self.table_width(starts, shape[1]))
+            args = (*step_args(inputs), tables.to(self.device).t())
             last = None
             if all(s.last_only for s in segments):
                 last = torch.tensor([n - 1 for n in lengths], device=self.device)
@@ -305,28 +336,45 @@ class CudaRunner:
                              tuple(lengths), [(row[0], row[1 + first : 1 + end])
                                               for row, first, end in zip(rows, firsts, ends)])
 
+    def table_width(self, starts: list[int], width: int) -> int:
+        """The block-table columns a forward of rows starting at `starts`, `width` wide, reads: every position it
+        attends from (a padding column's too) lies in them."""
+        return min(self.cache.max_blocks, self.cache.blocks_for(max(starts, default=0) + width))
 
-def inputs_of(segments: Sequence[Segment], starts: list[int], shape: tuple[int, int], spare: int,
-              max_len: int, states=None) -> torch.Tensor:
-    """The step's index inputs [6, batch, width] on the host: tokens, positions, the slot each row writes (the spare
-    slot for padding), real flags, each row's slot and (a hybrid's `states`) its current state buffer, the last two
-    repeated along the width. Built from lists in one call."""
+
+def table_columns(cache: PagedKVCache, slots: list[int], batch: int, columns: int) -> torch.Tensor:
+    """The block tables of a forward's rows as columns [columns, batch] on the host: these slots' rows first, padding
+    rows' (the spare block) after them."""
+    out = torch.full((columns, batch), cache.spare_block, dtype=torch.long)
+    if slots:
+        out[:, : len(slots)] = cache.table[slots, :columns].t()
+    return out
+
+
+def inputs_of(segments: Sequence[Segment], starts: list[int], shape: tuple[int, int], cache: PagedKVCache,
+              spare: int, max_len: int, states=None) -> torch.Tensor:
+    """The step's index inputs [6, batch, width] on the host: tokens, positions, the block each token's K/V and tap
+    features go to (the cache's spare block for padding), real flags, each row's state slot (`spare` for padding rows)
+    and (a hybrid's `states`) its current state buffer, the last two repeated along the width. Built from lists in
+    one call; the segments' blocks are reserved."""
     batch, width = shape
     tokens, positions, writes, real, slots = [], [], [], [], []
     pad = [0] * width
+    shift = cache.block_shift
     for b in range(batch):
         if b < len(segments):
             seg, start = segments[b], starts[b]
             n = len(seg.token_ids)
+            held = cache.held[seg.slot]
             tokens.append([*seg.token_ids, *pad[n:]])
             positions.append([min(p, max_len - 1) for p in range(start, start + width)])
-            writes.append([seg.slot] * n + [spare] * (width - n))
+            writes.append([held[p >> shift] for p in range(start, start + n)] + [cache.spare_block] * (width - n))
             real.append([1] * n + pad[n:])
             slots.append([seg.slot] * width)
         else:
             tokens.append(pad)
             positions.append(list(range(width)))
-            writes.append([spare] * width)
+            writes.append([cache.spare_block] * width)
             real.append(pad)
             slots.append([spare] * width)
     reads = [[states.current[row[0]]] * width if states is not None else pad for row in slots]

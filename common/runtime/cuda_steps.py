@@ -27,8 +27,8 @@ from blockspec.common.kernels import references as kr
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.decoder import Decoder, rope_table
 from blockspec.common.models.hybrid import HybridDecoder
-from blockspec.common.models.kv_cache import SlotKVCache
-from blockspec.common.models.state_cache import HybridKVCache
+from blockspec.common.models.kv_cache import PagedKVCache
+from blockspec.common.models.state_cache import HybridPagedKVCache
 from blockspec.common.runtime.tensor_parallel import Summed, VocabEmbedding, gathered_logits
 
 
@@ -39,7 +39,7 @@ class StaticStep(nn.Module):
     def weights(self) -> list[torch.Tensor]:
         return step_weights(self)
 
-    def __init__(self, model: Decoder, checkpoint: Checkpoint, cache: SlotKVCache, tap_layers: tuple[int, ...],
+    def __init__(self, model: Decoder, checkpoint: Checkpoint, cache: PagedKVCache, tap_layers: tuple[int, ...],
                  tap_dest: torch.Tensor | None, numerics: str, max_len: int) -> None:
         super().__init__()
         cfg = self.cfg = model.cfg
@@ -62,12 +62,14 @@ class StaticStep(nn.Module):
                                 mlp_spec(checkpoint, model, i, whole(layer.mlp))))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, write_slots: torch.Tensor,
-                real: torch.Tensor, reads: torch.Tensor, last: torch.Tensor | None = None) -> tuple:
-        """tokens, positions, write_slots, real (1 or 0) [B, T]; slots [B]; reads [B] (a hybrid's state buffers; unused
-        here); last [B] (optional): return only that row of each. -> fp32 logits [B, T or 1, vocab] and the greedy
-        decision [B, T + 1] (int64: column 0 the drafts a greedy verify of [anchor, d1..] accepts, then the argmax of
-        every row). K/V and tap features are stored at (write_slots, positions).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, write_blocks: torch.Tensor,
+                real: torch.Tensor, reads: torch.Tensor, tables: torch.Tensor, last: torch.Tensor | None = None) -> tuple:
+        """tokens, positions, write_blocks, real (1 or 0) [B, T]; slots [B] (a hybrid's state rows; unused here); reads
+        [B] (a hybrid's state buffers; unused here); tables [B, nb] (each row's block table: attention reads key j in
+        block tables[b, j // block_size]); last [B] (optional): return only that row of each. -> fp32 logits [B, T or
+        1, vocab] and the greedy decision [B, T + 1] (int64: column 0 the drafts a greedy verify of [anchor, d1..]
+        accepts, then the argmax of every row). K/V and tap features are stored at (write_blocks, positions modulo the
+        block size).
 
         A layer is ten launches on CUDA: the q/k/v product, q/k norm + rotary with the K/V stores, attention and its
         combine, the output product, add + norm, the gate/up product, SiLU x up, the down product, add + norm. Each
@@ -76,15 +78,14 @@ class StaticStep(nn.Module):
         B, T = tokens.shape
         H, KV = cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
-        slots = slots.contiguous()
         x = embed(self, tokens)  # [B, T, hidden]
         h, residual = gk.add_rms_norm(x[None], None, torch.zeros_like(x), self.layers[0][0], eps)
         taps = []
         n = len(self.layers)
         for i, (_, qkv_w, qkv_b, q_norm, k_norm, o_proj, post_norm, mlp) in enumerate(self.layers):
             q, _ = gk.attention_inputs(self.linear_parts(h, qkv_w), qkv_b, q_norm, k_norm, self.cos, self.sin,
-                                       positions, write_slots, self.cache.k[i], self.cache.v[i], H, KV, eps)
-            att = gk.cache_attention(q, self.cache.k[i], self.cache.v[i], slots, positions, self.scale)
+                                       positions, write_blocks, self.cache.k[i], self.cache.v[i], H, KV, eps)
+            att = gk.cache_attention(q, self.cache.k[i], self.cache.v[i], tables, positions, self.scale)
             h, residual = gk.add_rms_norm(*row_sum(self, self.linear_parts(att.flatten(2), o_proj.weight),
                                                    o_proj.bias), residual, post_norm, eps)
             h, residual = gk.add_rms_norm(*row_sum(self, *run_mlp(self, h, mlp)), residual,
@@ -93,9 +94,15 @@ class StaticStep(nn.Module):
                 taps.append(residual)  # the layer's output
         if n in self.tap_layers:
             taps.append(h)  # the final norm's output
-        if taps and self.tap_dest is not None:
-            self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
+        store_taps(self, taps, write_blocks, positions)
         return greedy_head(self, h, tokens, real.bool(), last)
+
+
+def store_taps(step, taps: list[torch.Tensor], write_blocks: torch.Tensor, positions: torch.Tensor) -> None:
+    """The tap features [B, T, hidden] each, side by side, into the tap buffer [blocks, block_size, n_taps * hidden]
+    where the tokens' K/V go."""
+    if taps and step.tap_dest is not None:
+        step.tap_dest[write_blocks, positions & (step.tap_dest.shape[1] - 1)] = torch.cat(taps, dim=-1)
 
 
 def ranks(model: nn.Module) -> int:
@@ -248,7 +255,7 @@ class HybridStaticStep(nn.Module):
     def weights(self) -> list[torch.Tensor]:
         return step_weights(self)
 
-    def __init__(self, model: HybridDecoder, checkpoint: Checkpoint, cache: HybridKVCache,
+    def __init__(self, model: HybridDecoder, checkpoint: Checkpoint, cache: HybridPagedKVCache,
                  tap_layers: tuple[int, ...], tap_dest: torch.Tensor | None, numerics: str, max_len: int) -> None:
         super().__init__()
         cfg = self.cfg = model.cfg
@@ -275,14 +282,14 @@ class HybridStaticStep(nn.Module):
                                 mlp_spec(checkpoint, model, i, whole(layer.mlp))))
         self.final_norm, self.lm_head = model.norm.weight, model.lm_head.weight
 
-    def _attention(self, h, mixer, positions, slots, write_slots):
+    def _attention(self, h, mixer, positions, tables, write_blocks):
         cfg = self.cfg
         _, layer, qkv_w, q_norm, k_norm, o_proj = mixer
         H, KV = cfg.num_heads, cfg.num_kv_heads
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         q, gate = gk.attention_inputs(self.linear_parts(h, qkv_w), None, q_norm, k_norm, self.cos, self.sin, positions,
-                                      write_slots, kc, vc, H, KV, cfg.rms_norm_eps, True, True)
-        att = gk.cache_attention(q, kc, vc, slots, positions, self.scale, gate)  # [B, T, H, D], gated
+                                      write_blocks, kc, vc, H, KV, cfg.rms_norm_eps, True, True)
+        att = gk.cache_attention(q, kc, vc, tables, positions, self.scale, gate)  # [B, T, H, D], gated
         return self.linear_parts(att.flatten(2), o_proj)
 
     def _linear_attention(self, h, mixer, slots, real, reads):
@@ -302,11 +309,12 @@ class HybridStaticStep(nn.Module):
         out = gk.gated_rms_norm(out, parts, C, norm_w, self.cfg.rms_norm_eps, h.dtype)
         return self.linear_parts(out.reshape(B, T, lin.value_dim), out_w)
 
-    def forward(self, tokens, positions, slots, write_slots, real, reads, last=None):
-        """As `StaticStep.forward`, with reads [B] (each row's current state buffer). A Gated DeltaNet layer is eleven
-        launches on CUDA: its input product, the convolution (which also writes the next convolution state), the gates,
-        the recurrence (state read and written in place), the gated norm, the output product, add + norm, the MLP's
-        three and add + norm; thirteen within a verify's width, with the two stores of what a rollback replays."""
+    def forward(self, tokens, positions, slots, write_blocks, real, reads, tables, last=None):
+        """As `StaticStep.forward`, with slots [B] (each row's state row: the spare one for padding) and reads [B]
+        (each row's current state buffer). A Gated DeltaNet layer is eleven launches on CUDA: its input product, the
+        convolution (which also writes the next convolution state), the gates, the recurrence (state read and written
+        in place), the gated norm, the output product, add + norm, the MLP's three and add + norm; thirteen within a
+        verify's width, with the two stores of what a rollback replays."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         slots, reads = slots.contiguous(), reads.contiguous()
@@ -318,7 +326,7 @@ class HybridStaticStep(nn.Module):
             if mixer[0] == "linear":
                 out = self._linear_attention(h, mixer, slots, real, reads)
             else:
-                out = self._attention(h, mixer, positions, slots, write_slots)
+                out = self._attention(h, mixer, positions, tables, write_blocks)
             h, residual = gk.add_rms_norm(*row_sum(self, out, None), residual, post_norm, eps, True)
             h, residual = gk.add_rms_norm(*row_sum(self, *run_mlp(self, h, mlp)), residual,
                                           self.layers[i + 1][0] if i + 1 < n else self.final_norm, eps, True)
@@ -326,8 +334,7 @@ class HybridStaticStep(nn.Module):
                 taps.append(residual)
         if n in self.tap_layers:
             taps.append(h)  # the final norm's output
-        if taps and self.tap_dest is not None:
-            self.tap_dest[write_slots, positions] = torch.cat(taps, dim=-1)
+        store_taps(self, taps, write_blocks, positions)
         return greedy_head(self, h, tokens, real.bool(), last)
 
 

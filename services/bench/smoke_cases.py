@@ -15,6 +15,7 @@ from blockspec.common.models.decoder import rope_table
 from blockspec.common.models.model_config import ModelConfig
 
 MAX_ROWS = 128  # the largest batch a row is compared in
+BLOCK = 16  # KV cache positions per block (the CUDA runner's default)
 # Largest error of an operator's bf16 output against its torch reference run in fp32 on fp32 copies of the same
 # inputs, over the largest magnitude of the reference's output. One bf16 rounding is at most 2^-9 (0.2%) of a value:
 # products and the convolution round once (their sums stay fp32), the norms, rotary embedding, attention (its
@@ -98,8 +99,9 @@ def linear_in_proj(s: SmokeShapes, dtype: torch.dtype, device: str) -> Case:
 def _attention(c: ModelConfig, context: int, dtype: torch.dtype, device: str, gated: bool) -> Case:
     gen, (H, KV, D) = _gen(device), (c.num_heads, c.num_kv_heads, c.head_dim)
     q, gate = (_randn(gen, MAX_ROWS, 1, H, D, dtype=dtype) for _ in range(2))
-    k_cache, v_cache = (_randn(gen, MAX_ROWS, KV, context, D, dtype=dtype) for _ in range(2))  # a slot a request
-    slots, positions = torch.arange(MAX_ROWS, device=device), _positions(context, device)
+    blocks = context // BLOCK  # each request's own blocks, in blocks of BLOCK positions, read through its table
+    k_cache, v_cache = (_randn(gen, MAX_ROWS * blocks, KV, BLOCK, D, dtype=dtype) for _ in range(2))
+    tables, positions = torch.arange(MAX_ROWS * blocks, device=device).view(MAX_ROWS, blocks), _positions(context, device)
     scale, size = gk.attention_scale(D), dtype.itemsize
 
     def bytes_(m: int) -> int:  # q and the output, and each request's keys and values up to its position
@@ -107,7 +109,7 @@ def _attention(c: ModelConfig, context: int, dtype: torch.dtype, device: str, ga
 
     return Case("cache_attention", f"{H} heads, {KV} KV, head_dim {D}, context {context}{', gated' if gated else ''}",
                 gk.cache_attention, kr.attention_reference,
-                lambda m: (q[:m], k_cache, v_cache, slots[:m], positions[:m], scale, gate[:m] if gated else None),
+                lambda m: (q[:m], k_cache, v_cache, tables[:m], positions[:m], scale, gate[:m] if gated else None),
                 bytes_)
 
 
@@ -138,14 +140,14 @@ def add_rms_norm_zero_centred(s: SmokeShapes, dtype: torch.dtype, device: str) -
 
 
 def _attention_inputs(c: ModelConfig, context: int, dtype: torch.dtype, device: str, gated: bool) -> Case:
-    """q/k norm and rotary over a q/k/v product, K and V stored (each request its slot)."""
+    """q/k norm and rotary over a q/k/v product, K and V stored (each request in a block of its own)."""
     gen, (H, KV, D) = _gen(device), (c.num_heads, c.num_kv_heads, c.head_dim)
     parts = _parts(gen, H * D * (2 if gated else 1) + 2 * KV * D, c.hidden_size, dtype)
     q_w, k_w = ((0 if gated else 1) + _randn(gen, D, dtype=dtype, scale=0.1) for _ in range(2))
     cos, sin = (t.to(device, dtype) for t in rope_table(c, context))
     positions = _positions(context, device)
-    slots = torch.arange(MAX_ROWS, device=device)[:, None]
-    k_cache, v_cache = (torch.zeros(MAX_ROWS, KV, context, D, dtype=dtype, device=device) for _ in range(2))
+    blocks = torch.arange(MAX_ROWS, device=device)[:, None]
+    k_cache, v_cache = (torch.zeros(MAX_ROWS, KV, BLOCK, D, dtype=dtype, device=device) for _ in range(2))
 
     def bytes_(m: int) -> int:  # the product's partials read, q (and its gate) and k, v written, a cos and a sin row
         read = parts(m).numel() * parts(m).element_size()
@@ -153,7 +155,7 @@ def _attention_inputs(c: ModelConfig, context: int, dtype: torch.dtype, device: 
 
     return Case("attention_inputs", f"{H} + {KV} heads of {D}, rotary {cos.shape[1]}{', gated' if gated else ''}",
                 gk.attention_inputs, kr.attention_inputs_reference,
-                lambda m: (parts(m), None, q_w, k_w, cos, sin, positions[:m], slots[:m], k_cache, v_cache, H, KV,
+                lambda m: (parts(m), None, q_w, k_w, cos, sin, positions[:m], blocks[:m], k_cache, v_cache, H, KV,
                            c.rms_norm_eps, gated, gated), bytes_)
 
 

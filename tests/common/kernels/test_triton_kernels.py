@@ -44,11 +44,12 @@ def launches_at_published_shapes(rows: int) -> list[tuple[JITFunction, tuple, di
         for heads, kv, d, rot, gated, zc in ((40, 8, 128, 128, False, False), (24, 4, 256, 64, True, True)):
             cols = heads * d * (2 if gated else 1) + 2 * kv * d
             parts = tk.triton_linear_parts(h, torch.empty(cols, hidden, dtype=BF16))
-            cache = torch.empty(3, kv, 4096, d, dtype=BF16)
+            cache = torch.empty(3 * 256, kv, 16, d, dtype=BF16)  # blocks of 16 positions
+            tables = torch.zeros(4, 256, dtype=torch.long).t()  # as a bucket's: [batch, max_blocks], column-major
             cos = torch.empty(4096, rot, dtype=BF16)
             q, gate = tr.triton_attention_inputs(parts, None, torch.empty(d, dtype=BF16), torch.empty(d, dtype=BF16),
                                                  cos, cos, pos, pos, cache, cache, heads, kv, 1e-6, zc, gated)
-            tk.triton_attention(q, cache, cache, slots, pos, 0.1, gate if gated else None)
+            tk.triton_attention(q, cache, cache, tables[:1], pos, 0.1, gate if gated else None)
             tr.triton_add_rms_norm(tk.triton_linear_parts(q.flatten(2), torch.empty(hidden, heads * d, dtype=BF16)),
                                    None, h, torch.empty(hidden, dtype=BF16), 1e-6, zc)
         tr.triton_silu_mul(tk.triton_linear_parts(h, torch.empty(2 * 17408, hidden, dtype=BF16)), None, BF16)

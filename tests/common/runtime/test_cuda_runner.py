@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.backends import make_runner
 from blockspec.common.runtime.cuda_runner import WIDTHS, CudaRunner, batch_sizes, bucket
 from blockspec.common.runtime.runner import Runner, Segment
@@ -67,8 +68,9 @@ def test_logits_and_taps_match_transformers(index, variant_dirs):
     assert list(runner._buckets) == [(3, 8)]  # step 2 bucketed (uncaptured on the CPU)
     assert max(float((got[b] - ref.logits[b]).abs().max()) for b in range(3)) < 1e-4
     hidden = hf.config.hidden_size
+    rows = slot_rows(runner.tap_buffer, runner.cache.table)  # the taps lie in the KV cache's blocks
     for layer in range(min(2, hf.config.num_hidden_layers - 1)):  # hidden_states[i + 1]: layer i's output (not the last)
-        taps = runner.tap_buffer[slots, :40, layer * hidden : (layer + 1) * hidden]
+        taps = torch.stack([rows[s][:40] for s in slots])[..., layer * hidden : (layer + 1) * hidden]
         assert float((taps - ref.hidden_states[layer + 1]).abs().max()) < 1e-5
 
 
@@ -105,19 +107,64 @@ def test_streams_equal_the_target_alone(method, k, tiny_models, dflash_drafters,
     assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == references["qwen3"]
 
 
-def test_buckets_and_the_spare_slot(variant_dirs):
+def test_buckets_and_the_spare_block(variant_dirs):
     assert batch_sizes(1) == (1,) and batch_sizes(6) == (1, 2, 4, 6) and batch_sizes(16) == (1, 2, 4, 8, 16)
     assert bucket(3, WIDTHS) == 4 and bucket(16, WIDTHS) == 16 and bucket(17, WIDTHS) is None
     runner = cpu_runner(variant_dirs[2], num_slots=6, max_len=64)
     assert runner.bucket_of(1, 1) == (1, 1) and runner.bucket_of(3, 6) == (4, 8) and runner.bucket_of(7, 2) is None
-    assert runner.cache.num_slots == 6 and runner.cache.k.shape[1] == 7  # slot 6 is the spare
-    a, b = runner.cache.allocate(), runner.cache.allocate()
-    runner.forward([Segment(a, [1, 2, 3]), Segment(b, [4])])  # bucket (2, 4): padding rows write the spare slot
-    untouched = [s for s in range(6) if s not in (a, b)]
-    assert not runner.cache.k[:, untouched].any()
-    assert runner.cache.k[:, 6].any()
-    assert runner.cache.lengths[a] == 3 and runner.cache.lengths[b] == 1
-    assert not runner.cache.k[:, b, :, 1:].any()  # b wrote its one real position only
+    cache = runner.cache
+    assert cache.num_slots == 6 and cache.num_blocks == 6 * 4 and cache.k.shape[1] == 25  # block 24 is the spare
+    a, b = cache.allocate(), cache.allocate()
+    runner.forward([Segment(a, [1, 2, 3]), Segment(b, [4])])  # bucket (2, 4): padding rows write the spare block
+    written = {cache.held[a][0], cache.held[b][0], cache.spare_block}
+    assert not cache.k[:, [i for i in range(25) if i not in written]].any()
+    assert cache.k[:, cache.spare_block].any()
+    assert cache.lengths[a] == 3 and cache.lengths[b] == 1
+    assert not cache.k[:, cache.held[b][0], :, 1:].any()  # b wrote its one real position only
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_scattered_blocks_give_the_eager_runners_logits(family, variant_dirs, tmp_path, tokenizer):
+    """Requests whose blocks lie out of order and interleaved (other requests took and gave back blocks first, and
+    they grow side by side), through prefill chunks (eager), verifies and decodes (bucketed, replayed as graphs): the
+    logits and the tap features equal the eager runner's over the same forwards."""
+    path = variant_dirs[2] if family == "qwen3" else build_tiny_family(tmp_path / family, family, tokenizer=tokenizer)
+    ck = load_checkpoint(path)
+    runner = CudaRunner(ck, 3, 128, (0, 1), torch.float32, "cpu")
+    runner.graphs.emulate = True
+    eager = Runner(ck, 3, 128, None, (0, 1), torch.float32, "cpu")
+    cache = runner.cache
+    first = [cache.allocate() for _ in range(3)]
+    for slot, end in zip(first, (48, 16, 32)):
+        cache.reserve(slot, end)
+    cache.release(first[0])
+    cache.release(first[2])
+    ids = torch.randint(0, ck.config.vocab_size, (3, 44), generator=torch.Generator().manual_seed(3))
+    cuts = [(0, 17, 23, 40, 41, 42, 43, 44), (0, 1, 6, 40, 41, 42, 43, 44), (0, 30, 31, 40, 41, 42, 43, 44)]
+    outs = []
+    for r in (runner, eager):
+        if r is runner:
+            slots = [cache.allocate(), cache.allocate(), first[1]]  # first[1] keeps its block: its prompt starts there
+            cache.set_length(first[1], 0)
+        else:
+            slots = [r.cache.allocate() for _ in range(3)]
+        taps = r.make_tap_buffer()
+        got = [[] for _ in range(3)]
+        for step in range(len(cuts[0]) - 1):
+            out = r.forward([Segment(slots[b], ids[b, cuts[b][step] : cuts[b][step + 1]].tolist()) for b in range(3)],
+                            taps)
+            for b, logits in enumerate(out.logits):
+                got[b].append(logits.clone())  # a replay's outputs are the next replay's
+        rows = slot_rows(taps, r.cache.table)
+        outs.append(([torch.cat(g) for g in got], [rows[s][:44] for s in slots]))
+        if r is runner:
+            held = [cache.held[s] for s in slots]
+            assert any(h != list(range(h[0], h[0] + len(h))) for h in held), held  # not one run of blocks each
+            assert sorted(sum(held, [])) != sum(held, [])  # interleaved
+    (got, taps), (want, want_taps) = outs
+    assert max(float((g - w).abs().max()) for g, w in zip(got, want)) < 1e-4
+    assert max(float((g - w).abs().max()) for g, w in zip(taps, want_taps)) < 1e-4
+    assert sorted(runner.graphs.keys()) == [(3, 1), (3, 8)]
 
 
 def test_make_runner_picks_the_backend(variant_dirs, tmp_path):
@@ -185,22 +232,29 @@ KERNEL_CHECK = textwrap.dedent("""
         assert parts.shape == (splits, 13, n) and close(kr.sum_parts(parts, x.dtype), x @ w.T, 1e-3), "gemm"
         assert torch.equal(tk.triton_linear_parts(x[5:6], w)[:, 0], parts[:, 5]), "gemm rows"
         assert torch.equal(tk.triton_linear(x, w), kr.sum_parts(parts, x.dtype)), "gemm sum"
-    # attention over two slots of a cache, queries at ragged positions across chunks, with and without the output gate
-    kc, vc = torch.randn(3, 2, 512, 16), torch.randn(3, 2, 512, 16)
+    # attention through block tables (blocks of 16, out of order), queries at ragged positions across splits, with and
+    # without the output gate; a row alone equal bit for bit to the same row in the batch, and to the same row whose
+    # blocks lie elsewhere
+    kc, vc = torch.randn(40, 2, 16, 16), torch.randn(40, 2, 16, 16)
     q, gate = torch.randn(2, 3, 6, 16), torch.randn(2, 3, 6, 16)
-    slots, pos = torch.tensor([2, 0]), torch.tensor([[5, 6, 7], [300, 301, 302]])
+    tables, pos = torch.stack([torch.randperm(40)[:32] for _ in range(2)]), torch.tensor([[5, 6, 7], [300, 301, 302]])
     for z in (None, gate):
-        o = tk.triton_attention(q, kc, vc, slots, pos, 0.25, z)
-        assert close(o, kr.attention_reference(q, kc, vc, slots, pos, 0.25, z)), "attention"
-        alone = tk.triton_attention(q[1:, 1:2].contiguous(), kc, vc, slots[1:], pos[1:, 1:2].contiguous(), 0.25,
+        o = tk.triton_attention(q, kc, vc, tables, pos, 0.25, z)
+        assert close(o, kr.attention_reference(q, kc, vc, tables, pos, 0.25, z)), "attention"
+        alone = tk.triton_attention(q[1:, 1:2].contiguous(), kc, vc, tables[1:], pos[1:, 1:2].contiguous(), 0.25,
                                     None if z is None else z[1:, 1:2].contiguous())
         assert torch.equal(alone[0, 0], o[1, 1]), "attention rows"
-    # a long cache: fewer, longer key splits (28 of 320 keys), the same softmax
-    kc, vc = torch.randn(2, 2, 8704, 16), torch.randn(2, 2, 8704, 16)
-    assert tk.attention_chunk(8704) == 320 and tk.attention_chunk(512) == tk.CHUNK
-    pos = torch.tensor([[8000, 8703], [100, 5000]])
-    o = tk.triton_attention(q[:, :2].contiguous(), kc, vc, torch.tensor([1, 0]), pos, 0.25)
-    assert close(o, kr.attention_reference(q[:, :2], kc, vc, torch.tensor([1, 0]), pos, 0.25)), "long attention"
+    moved = torch.randperm(40)  # block i's contents to block moved[i]
+    kc2, vc2 = torch.empty_like(kc), torch.empty_like(vc)
+    kc2[moved], vc2[moved] = kc, vc
+    assert torch.equal(tk.triton_attention(q, kc2, vc2, moved[tables], pos, 0.25, gate), o), "wherever the blocks lie"
+    # a long context: longer key splits (17 of 512 keys at position 8703), the same softmax; the partials' size does
+    # not depend on the context
+    assert tk.attention_split(8191) == tk.CHUNK and tk.attention_split(8192) == 2 * tk.CHUNK
+    kc, vc = torch.randn(140, 2, 64, 16), torch.randn(140, 2, 64, 16)
+    tables, pos = torch.stack([torch.randperm(140)[:137] for _ in range(2)]), torch.tensor([[8000, 8703], [100, 5000]])
+    o = tk.triton_attention(q[:, :2].contiguous(), kc, vc, tables, pos, 0.25)
+    assert close(o, kr.attention_reference(q[:, :2], kc, vc, tables, pos, 0.25)), "long attention"
     # add + RMSNorm of a product's partials (plain and zero-centred, with and without a bias)
     h, w48 = torch.randn(3, 4, 64), torch.randn(48, 64)
     parts, r, w = tk.triton_linear_parts(h, w48), torch.randn(3, 4, 48), torch.randn(48) * 0.3
@@ -212,7 +266,7 @@ KERNEL_CHECK = textwrap.dedent("""
             assert close(y, y0) and torch.equal(s, s0), "norm"
     # q/k norm + rotary with the K/V stores: plain and gated q heads, full and partial rotary, with and without norms
     B, T, H, KV, D = 2, 3, 4, 2, 16
-    pos, ws = torch.randint(0, 64, (B, T)), torch.tensor([[0, 0, 0], [2, 2, 3]])
+    pos, ws = torch.tensor([[3, 20, 37], [5, 6, 50]]), torch.tensor([[0, 1, 2], [3, 3, 4]])  # blocks of 16
     for gated in (False, True):
         cols = H * D * (2 if gated else 1) + 2 * KV * D
         parts = tk.triton_linear_parts(torch.randn(B, T, 64), torch.randn(cols, 64))
@@ -221,7 +275,7 @@ KERNEL_CHECK = textwrap.dedent("""
             for qw, kw, zc, bias in ((torch.randn(D), torch.randn(D), False, torch.randn(cols)),
                                      (torch.randn(D), torch.randn(D), True, None),
                                      (torch.empty(0), torch.empty(0), False, None)):
-                caches = [torch.zeros(4, KV, 64, D) for _ in range(4)]
+                caches = [torch.zeros(6, KV, 16, D) for _ in range(4)]
                 qa, ga = tr.triton_attention_inputs(parts, bias, qw, kw, cos, sin, pos, ws, caches[0], caches[1], H, KV,
                                                     1e-6, zc, gated)
                 qb, gb = kr.attention_inputs_reference(parts, bias, qw, kw, cos, sin, pos, ws, caches[2], caches[3], H,
@@ -439,14 +493,15 @@ def test_a_length_set_back_after_a_rollback_ran_replays_the_whole_forward(tmp_pa
         runner.cache.set_length(a, 32)
 
 
-def test_warm_up_captures_every_bucket_and_touches_no_slot(variant_dirs):
-    """Every bucket run once; the requests' slots of the KV cache and the tap buffer keep what they held."""
+def test_warm_up_captures_every_bucket_and_touches_no_block(variant_dirs):
+    """Every bucket run once; the requests' blocks of the KV cache and the tap buffer keep what they held."""
     runner = CudaRunner(load_checkpoint(variant_dirs[2]), 3, 64, (0, 1), torch.float32, "cpu", warm_up=False)
     runner.graphs.emulate = True  # keys recorded as captures
     for t in (runner.cache.k, runner.cache.v, runner.tap_buffer):
         t.normal_()
-    held = [runner.cache.k[:, :3].clone(), runner.cache.v[:, :3].clone(), runner.tap_buffer[:3].clone()]
+    n = runner.cache.num_blocks
+    held = [runner.cache.k[:, :n].clone(), runner.cache.v[:, :n].clone(), runner.tap_buffer[:n].clone()]
     runner.warm_up()
     assert runner.graphs.keys() == [(b, w) for b in (1, 2, 3) for w in WIDTHS]
-    assert all(torch.equal(a, b) for a, b in zip(held, (runner.cache.k[:, :3], runner.cache.v[:, :3],
-                                                         runner.tap_buffer[:3])))
+    assert all(torch.equal(a, b) for a, b in zip(held, (runner.cache.k[:, :n], runner.cache.v[:, :n],
+                                                         runner.tap_buffer[:n])))
