@@ -13,6 +13,7 @@ from blockspec.common.models.model_config import ModelConfig
 from blockspec.common.models.state_cache import SlotStates
 
 SPECULATIVE_BLOCK = 16  # the widest verify a slot keeps rollback inputs for, in info's figures (k = 15)
+SPARE_BLOCK = 16  # the CUDA runner's KV block size, where its captured steps' padding rows write
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def slot_bytes(cfg: ModelConfig, context: int, dtype: torch.dtype, tap_layers: i
 def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int, n_taps: int, dtype: torch.dtype,
                    graphs: bool = False, world: int = 1, vocab_bytes: int = 0) -> int:
     """What a verifier holds once built: its weights' bytes, and per slot the KV cache, states and tap features;
-    graphs (the CUDA runner): also its spare slot and what its captured steps keep. The start-up check
+    graphs (the CUDA runner): also its spare block (and a hybrid's spare state row) and what its captured steps keep
+    (their outputs, the block tables). The start-up check
     (`Verifier.static_bytes`) and `blockspec plan` both count with this. world > 1 (model.tensor_parallel_size): the
     lead rank's part - a world-th of the layers' weights, of the KV cache and of a hybrid's states, and the embedding
     and LM head (`vocab_bytes`) and the tap features whole, which the drafter reads in place (the other ranks hold a
@@ -85,7 +87,8 @@ def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int,
     weights = (weights - vocab_bytes) // world + vocab_bytes
     if not graphs:
         return weights + num_slots * per_slot
-    return weights + (num_slots + CudaRunner.spare_slots) * per_slot + CudaRunner.graph_bytes(cfg, num_slots)
+    spare = sum(slot_bytes(cfg, SPARE_BLOCK, dtype, n_taps).values())  # the block (and state row) padding rows write
+    return weights + num_slots * per_slot + spare + CudaRunner.graph_bytes(cfg, num_slots, max_len, SPARE_BLOCK)
 
 
 def drafter_bytes(weights: int, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,

@@ -25,18 +25,39 @@ log = logging.getLogger(__name__)
 
 
 class Leads:
-    """Rank 0's runner: before each forward it sends the step - each segment and its slot's length - to the other
-    ranks, which run the same forward on their shards (`follow`)."""
+    """Rank 0's runner: before each forward it sends the step - each segment, its slot's length and the slot's KV
+    blocks the others have not been sent yet - to the other ranks, which run the same forward on their shards
+    (`follow`) with the same block tables."""
 
     def forward(self, segments: Sequence[Segment], tap_dest: torch.Tensor | None = None) -> ForwardResult:
         starts = segment_starts(self.cache, self.max_len, segments)  # refused before the others see it
         try:
-            dist.broadcast_object_list([[(s.slot, tuple(s.token_ids), s.last_only, start)
+            dist.broadcast_object_list([[(s.slot, tuple(s.token_ids), s.last_only, start, *self._blocks_news(s.slot))
                                          for s, start in zip(segments, starts)]], src=0)
             return super().forward(segments, tap_dest)
         except Exception as e:  # a rank gone, or one failed: the ranks are out of step for good
             exit_on_lost_rank(e)
             raise
+
+    def _blocks_news(self, slot: int) -> tuple[int, tuple[int, ...]]:
+        """What the other ranks lack of the slot's blocks: (how many of those last sent still hold, the blocks after
+        them). A slot released and taken again, or started from cached blocks, differs from an early block on."""
+        sent = getattr(self, "_sent", None)
+        if sent is None:
+            sent = self._sent = {}
+        held, before = self.cache.held[slot], sent.get(slot, [])
+        keep = common_prefix(held, before)
+        if keep < len(held) or keep < len(before):
+            sent[slot] = list(held)
+        return keep, tuple(held[keep:])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest list both start with."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 class LeadRunner(Leads, Runner):
@@ -57,7 +78,8 @@ def follow(runner: Runner | CudaRunner) -> None:
             if step[0] is None:
                 return
             segments = []
-            for slot, tokens, last_only, start in step[0]:
+            for slot, tokens, last_only, start, keep, blocks in step[0]:
+                runner.cache.follow(slot, keep, blocks)  # the lead's blocks: the same tables on every rank
                 runner.cache.set_length(slot, start)
                 segments.append(Segment(slot, tokens, last_only))
             runner.forward(segments)
@@ -66,7 +88,8 @@ def follow(runner: Runner | CudaRunner) -> None:
 
 
 def run_follower(rank: int, world: int, address: str, target: str, num_slots: int, max_len: int,
-                 query_width: int | None, dtype: str, device: str, threads: int, lead: int, graphs: bool) -> None:
+                 query_width: int | None, dtype: str, device: str, threads: int, lead: int, graphs: bool,
+                 num_blocks: int | None, block_size: int) -> None:
     """A follower process's whole life: load, join, follow; it ends with its lead (pid `lead`) however that ends."""
     from blockspec.common.models.checkpoint import load_checkpoint
 
@@ -81,9 +104,11 @@ def run_follower(rank: int, world: int, address: str, target: str, num_slots: in
     init(rank, world, address, dev)
     checkpoint = load_checkpoint(target)
     if graphs:
-        runner = CudaRunner(checkpoint, num_slots, max_len, (), getattr(torch, dtype), dev, tp=(rank, world))
+        runner = CudaRunner(checkpoint, num_slots, max_len, (), getattr(torch, dtype), dev, tp=(rank, world),
+                            num_blocks=num_blocks, block_size=block_size)
     else:
-        runner = Runner(checkpoint, num_slots, max_len, query_width, (), getattr(torch, dtype), dev, tp=(rank, world))
+        runner = Runner(checkpoint, num_slots, max_len, query_width, (), getattr(torch, dtype), dev, tp=(rank, world),
+                        block_size=block_size, num_blocks=num_blocks)
     follow(runner)
     dist.destroy_process_group()
 
@@ -92,15 +117,16 @@ _followers: list[subprocess.Popen] = []
 
 
 def start_followers(world: int, target: str, num_slots: int, max_len: int, query_width: int | None,
-                    dtype: torch.dtype, device: torch.device, graphs: bool = False) -> str:
+                    dtype: torch.dtype, device: torch.device, graphs: bool = False, num_blocks: int | None = None,
+                    block_size: int = 16) -> str:
     """Ranks 1..world-1 as child processes of this one (`python -m blockspec.common.runtime.tp_ranks`; each ends with
-    this process), each with the lead's runner (graphs: the CUDA runner's); the process group's address, for this
-    process to join as rank 0."""
+    this process), each with the lead's runner (graphs: the CUDA runner's) and KV cache blocks; the process group's
+    address, for this process to join as rank 0."""
     address = f"127.0.0.1:{free_port()}"
     threads = max(1, torch.get_num_threads() // world)
     for rank in range(1, world):
         args = [rank, world, address, target, num_slots, max_len, query_width, str(dtype).split(".")[-1],
-                str(device), threads, os.getpid(), graphs]
+                str(device), threads, os.getpid(), graphs, num_blocks, block_size]
         _followers.append(subprocess.Popen([sys.executable, "-m", "blockspec.common.runtime.tp_ranks", json.dumps(args)]))
     if len(_followers) == world - 1:
         atexit.register(_stop_followers)

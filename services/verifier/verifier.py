@@ -80,18 +80,17 @@ class Verifier:
         block_size: int = BLOCK_TOKENS,
         prefix_caching: bool = True,
     ) -> None:
-        """kv_blocks, block_size: the paged KV cache's (unset: num_slots requests of max_len; the CUDA runner's cache
-        keeps a slot of max_len a request). prefix_caching: a prompt starts from the cached blocks of an earlier one
-        with the same leading tokens and salt (docs/architecture.md#kv-cache)."""
+        """kv_blocks, block_size: the paged KV cache's (unset: num_slots requests of max_len; the CUDA runner's has
+        one block more, where its padding rows write). prefix_caching (not the CUDA runner's): a prompt starts from the
+        cached blocks of an earlier one with the same leading tokens and salt (docs/architecture.md#kv-cache)."""
         self.threads = threads  # polled before each forward: the CPU threads follow the machine's other load
         self.runner = make_runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, backend,
                                   tensor_parallel_size, kv_blocks, block_size, prefix_caching)
         cache = self.runner.cache
         self.paged = cache.paged
         self.prefix_caching = self.paged and cache.pool.caching
-        # Tap features of every position the target has run: in the paged cache's blocks [blocks, block_size,
-        # n_taps * hidden], or per slot [slots, max_len, n_taps * hidden] (a CUDA runner's has a spare slot after
-        # them, where its padding rows go).
+        # Tap features of every position the target has run, in the paged cache's blocks [blocks, block_size,
+        # n_taps * hidden] (a CUDA runner's has a spare block after them, where its padding rows go).
         self.tap_buffer = self.runner.make_tap_buffer()
         self.share_taps()
         self.tokenizer = checkpoint.tokenizer
@@ -116,7 +115,7 @@ class Verifier:
                      dtype: torch.dtype, graphs: bool = False, tensor_parallel_size: int = 1) -> int:
         """What a verifier of these dimensions holds once built (weights, and per slot the KV cache, a hybrid's
         linear-layer states and the tap buffer: `footprint.slot_bytes`), before it is: a GPU memory share is
-        checked against it. graphs (the CUDA runner): also its spare slot and what its captured steps keep
+        checked against it. graphs (the CUDA runner): also its spare block and what its captured steps keep
         (`CudaRunner.graph_bytes`)."""
         weights = sum(t.numel() for t in checkpoint.weights.values()) * dtype.itemsize
         vocab = sum(t.numel() for name, t in checkpoint.weights.items()

@@ -151,13 +151,14 @@ def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_d
     held = {id(t): t for t in (*verifier.runner.model.parameters(), verifier.runner.cache.k, verifier.runner.cache.v,
                                verifier.tap_buffer)}
     assert Verifier.static_bytes(checkpoint, 4, 96, (0, 1), torch.bfloat16) == sum(t.nbytes for t in held.values())
-    # the CUDA runner (its code on the CPU): a spare slot more, and what its graphs keep, counted apart
+    # the CUDA runner (its code on the CPU): a spare block more, and what its graphs keep, counted apart
     verifier = Verifier(checkpoint, 4, 96, tap_layers=(0, 1), dtype=torch.bfloat16, backend="graphs")
     held = {t.data_ptr(): t for t in (*verifier.runner.model.parameters(), verifier.runner.cache.k,
                                       verifier.runner.cache.v, verifier.tap_buffer)}  # merged weights: one storage
     merged = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held.values()}
-    outputs = verifier.runner.graph_bytes(checkpoint.config, 4)
-    assert outputs == (1 + 2 + 4) * 31 * checkpoint.config.vocab_size * 4 + 7 * (2 + 3 + 5 + 9 + 17) * 8
+    outputs = verifier.runner.graph_bytes(checkpoint.config, 4, 96)
+    tables = (1 + 2 + 4) * 96 // 16 * 8  # each batch size's block tables
+    assert outputs == (1 + 2 + 4) * 31 * checkpoint.config.vocab_size * 4 + 7 * (2 + 3 + 5 + 9 + 17) * 8 + tables
     assert Verifier.static_bytes(checkpoint, 4, 96, (0, 1), torch.bfloat16, graphs=True) == sum(merged.values()) + outputs
 
 
