@@ -127,6 +127,33 @@ def test_each_rank_takes_its_own_gpu(monkeypatch):
     assert [(a[0], a[8], a[11]) for a in started] == [(1, "cuda:2", True), (2, "cuda:2", True)]  # rank_device(cuda:2, r)
 
 
+def test_followers_keep_the_leads_block_tables():
+    """Requests taken, grown, released and taken again on the lead, with a pool smaller than every slot's max_len:
+    after each step's message a follower's tables are the lead's, block for block, its own pool never used."""
+    from blockspec.common.models.kv_cache import PagedKVCache
+    from blockspec.common.runtime.tp_ranks import Leads
+
+    lead, follower = (PagedKVCache(1, 3, 1, 128, 4, num_blocks=12, block_size=8) for _ in range(2))
+    sender = Leads()
+    sender.cache = lead
+    a, b = lead.allocate(), lead.allocate()
+    for slot, end in ((a, 20), (b, 9), (a, 33), (b, 30)):  # grown side by side: interleaved blocks
+        lead.reserve(slot, end)
+        follower.follow(slot, *sender._blocks_news(slot))
+    lead.release(a)
+    c = lead.allocate()
+    assert c == a  # the slot again, which the followers were sent other blocks for
+    for slot, end in ((c, 17), (b, 31), (c, 40)):  # c takes a's blocks back, in another order
+        lead.reserve(slot, end)
+        keep, blocks = sender._blocks_news(slot)
+        follower.follow(slot, keep, blocks)
+        assert sender._blocks_news(slot) == (len(lead.held[slot]), ())  # nothing new until the slot's blocks change
+    for slot in (b, c):
+        assert follower.held[slot] == lead.held[slot]
+        assert torch.equal(follower.table[slot, : len(lead.held[slot])], lead.table[slot, : len(lead.held[slot])])
+    assert follower.pool.free == 12
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL between them); the device "
                                                            "machines lent here have one")
