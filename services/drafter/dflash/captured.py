@@ -2,7 +2,8 @@
 slot and context length, and the context positions it has not stored yet), attention over the drafter's whole static
 context cache with the visibility computed on the device, the path-selector walk on the device, and one
 device-to-host copy of the drafted tokens. The step first stores the context K/V of up to EXTEND new positions a
-request (the tokens its last verify committed), read from the verifier's tap buffer by slot and position; a longer
+request (the tokens its last verify committed), read from the verifier's tap buffer where each position lies (its
+slot's row, or in a paged cache's layout its block through the slot's table, looked up on the host); a longer
 extension (a prompt) runs eagerly before it. Padding requests and positions use a spare slot of the drafter's cache.
 On the CPU the same step runs uncaptured (the tests)."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.common.models.kv_cache import BlockRows
 from blockspec.common.runtime.cuda_runner import Graphs, batch_sizes, bucket
 from blockspec.services.drafter.dflash.model import DrafterContext
 
@@ -39,55 +41,66 @@ class CapturedBlocks:
     def fits(self, requests: int) -> bool:
         return bucket(requests, self.batch_sizes) is not None
 
-    def _tap_slot(self, features: torch.Tensor) -> int | None:
-        """Which slot of the tap buffer a request's features view is, or None where it is not one of its rows."""
+    def _tap_rows(self, features, start: int, count: int) -> list[int] | None:
+        """Where positions start .. start + EXTEND - 1 of a request's features lie in the tap buffer: the index along
+        its first dimension of each (a slot-laid buffer's slot; a block-laid one's block, through the slot's table:
+        `kv_cache.BlockRows`; 0 past `count`), or None where the features are not the buffer's rows."""
         taps = self.taps
-        if (taps is None or not isinstance(features, torch.Tensor)
+        if taps is None:
+            return None
+        if isinstance(features, BlockRows):
+            if (features.buffer.untyped_storage().data_ptr() != taps.untyped_storage().data_ptr()
+                    or features.buffer.shape != taps.shape):
+                return None
+            return features.table[torch.arange(start, start + count) >> features.shift].tolist() + [0] * (EXTEND - count)
+        if (not isinstance(features, torch.Tensor)
                 or features.untyped_storage().data_ptr() != taps.untyped_storage().data_ptr()
                 or features.stride() != taps.stride()[1:]):
             return None
         slot, rest = divmod(features.storage_offset() - taps.storage_offset(), taps.stride(0))
-        return slot if rest == 0 and 0 <= slot < taps.shape[0] else None
+        return [slot] * EXTEND if rest == 0 and 0 <= slot < taps.shape[0] else None
 
     def propose(self, anchors: list[int], slots: list[int], ctx_lens: list[int], block: int,
                 pending: list[tuple]) -> list[list[int]]:
         """Each request's block - 1 greedy draft tokens, its context brought up to ctx_len first (pending: the
         proposer's (slot, start, end, features) of each request that lacks some)."""
         key = (bucket(len(anchors), self.batch_sizes), block)
-        extend = {}  # drafter slot -> (start, count, tap slot)
+        extend = {}  # drafter slot -> (start, count, where each position lies in the tap buffer)
         for slot, start, end, features in pending:
-            tap_slot = self._tap_slot(features) if end - start <= EXTEND else None
-            if tap_slot is None:
+            rows = self._tap_rows(features, start, end - start) if end - start <= EXTEND else None
+            if rows is None:
                 extend = None
                 break
-            extend[slot] = (start, end - start, tap_slot)
+            extend[slot] = (start, end - start, rows)
         if extend is None:  # a prompt's context (or features outside the buffer): stored eagerly first
             self.p._extend(pending, None)
             extend = {}
         else:
             self.p._advance(pending)  # the step stores them
+        rows = 5 + EXTEND
         if key not in self._inputs:
-            host = torch.zeros((6, key[0]), dtype=torch.long, pin_memory=self._pin)
-            self._inputs[key] = (host, torch.zeros((6, key[0]), dtype=torch.long, device=self.p.device))
+            host = torch.zeros((rows, key[0]), dtype=torch.long, pin_memory=self._pin)
+            self._inputs[key] = (host, torch.zeros((rows, key[0]), dtype=torch.long, device=self.p.device))
         host, inputs = self._inputs[key]
         pad = key[0] - len(anchors)
-        ext = [extend.get(s, (0, 0, 0)) for s in slots] + [(0, 0, 0)] * pad
+        none = (0, 0, [0] * EXTEND)
+        ext = [extend.get(s, none) for s in slots] + [none] * pad
         host.copy_(torch.tensor([anchors + [0] * pad, slots + [self.spare] * pad, ctx_lens + [0] * pad,
-                                 [e[0] for e in ext], [e[1] for e in ext], [e[2] for e in ext]]))
+                                 [e[0] for e in ext], [e[1] for e in ext], *zip(*(e[2] for e in ext))]))
         inputs.copy_(host, non_blocking=True)
         tokens = self.graphs.run(key, self.step, (inputs, block))
         return tokens.cpu().tolist()[: len(anchors)]  # the proposal's one wait
 
     def step(self, inputs: torch.Tensor, block: int) -> torch.Tensor:
-        """inputs [6, R] (anchors, slots, context lengths, and the new context positions' start, count and tap-buffer
-        slot) -> tokens [R, block - 1]."""
+        """inputs [5 + EXTEND, R] (anchors, slots, context lengths, the new context positions' start and count, then
+        where each of them lies along the tap buffer's first dimension) -> tokens [R, block - 1]."""
         p = self.p
-        anchors, slots, lens, ext_start, ext_count, tap_slots = inputs.unbind(0)
+        anchors, slots, lens, ext_start, ext_count = inputs[:5].unbind(0)
         dev, R = inputs.device, inputs.shape[1]
         if self.taps is not None:  # the new context positions' K/V, each layer's, into the cache
             j = torch.arange(EXTEND, device=dev)
             positions = (ext_start[:, None] + j).clamp(max=p.cache.max_len - 1)  # [R, EXTEND]
-            rows = self.taps[tap_slots[:, None], positions]  # [R, EXTEND, n_taps * H]
+            rows = self.taps[inputs[5:].t(), positions % self.taps.shape[1]]  # [R, EXTEND, n_taps * H]
             cos, sin = p._cos[positions][:, None], p._sin[positions][:, None]  # [R, 1, EXTEND, hd]
             writes = torch.where(j[None, :] < ext_count[:, None], slots[:, None], self.spare)  # padding: the spare
             for layer, (k, v) in enumerate(p.model.context_kv(p.model.context(rows), cos, sin)):  # [R, KV, E, hd]
