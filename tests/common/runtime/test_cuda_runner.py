@@ -248,6 +248,8 @@ KERNEL_CHECK = textwrap.dedent("""
     kc2, vc2 = torch.empty_like(kc), torch.empty_like(vc)
     kc2[moved], vc2[moved] = kc, vc
     assert torch.equal(tk.triton_attention(q, kc2, vc2, moved[tables], pos, 0.25, gate), o), "wherever the blocks lie"
+    by_column = tables.t().contiguous().t()  # a bucket's tables are laid out so
+    assert torch.equal(tk.triton_attention(q, kc, vc, by_column, pos, 0.25, gate), o), "tables by column"
     # a long context: longer key splits (17 of 512 keys at position 8703), the same softmax; the partials' size does
     # not depend on the context
     assert tk.attention_split(8191) == tk.CHUNK and tk.attention_split(8192) == 2 * tk.CHUNK
