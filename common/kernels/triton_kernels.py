@@ -97,16 +97,17 @@ def _attention() -> SimpleNamespace:
         b, t = row // T, row % T
         keys = tl.load(positions + row) + 1
         span = (((keys + CH - 1) // CH + SPLITS - 1) // SPLITS) * CH  # keys per split of this row
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        heads = kv * G + g
-        qv = tl.load(q + b * sq_b + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=g[:, None] < G, other=0.0)
-        m = tl.full((GP,), float("-inf"), tl.float32)
-        s_sum = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, D), tl.float32)
         start = s * span
         end = tl.minimum(start + span, keys)
         tiles = (end - start + BN - 1) // BN  # none in a split past the row's keys: work follows the context
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        heads = kv * G + g
+        qv = tl.load(q + b * sq_b + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=(g[:, None] < G) & (tiles > 0),
+                     other=0.0)  # an empty split reads nothing
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        s_sum = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
         table = tables + b.to(tl.int64) * st_b
         n0 = 0
         while n0 < tiles:
