@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from blockspec.common.argtypes import check_device_name
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.common.wire.auth import DEFAULT_TENANT, ApiKeys
 
 # Bounds the command line's flags of the same names share (services/cli.py).
@@ -235,9 +236,20 @@ class ModelSection(_Section):
         "ranks the target is split over (dense, hybrid and MoE targets; docs/operations.md#tensor-parallelism): "
         "on CUDA one GPU each, from the device's index on; on the CPU processes"))
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
-        "share of each GPU's memory the roles may hold, split between verifier and drafter and checked at start"))
+        "share of each GPU's memory the roles may hold: the drafter's part is what it holds, the verifier's the rest "
+        "(docs/operations.md#memory-planning)"))
+    drafter_memory_fraction: float | None = Field(None, gt=0.0, lt=1.0, description=(
+        "each replica's drafter role's share of a GPU's memory, out of gpu_memory_utilization; unset: what it holds "
+        "(weights, its KV cache for server.max_batch requests of max_model_len, captured steps) with a margin"))
     max_model_len: int | None = Field(None, ge=MIN_MODEL_LEN, description=(
-        f"tokens per request (its KV cache slot); unset: the model's context, at most {DEFAULT_MAX_LEN}"))
+        f"the longest request in tokens (prompt and output); unset: the model's context, at most {DEFAULT_MAX_LEN}"))
+    kv_cache_tokens: int | None = Field(None, ge=MIN_MODEL_LEN, description=(
+        "positions the verifier's paged KV cache holds, shared by its requests; unset: on a GPU what its memory share "
+        "leaves, on the CPU server.max_batch x max_model_len"))
+    kv_block_size: int = Field(BLOCK_TOKENS, ge=1, le=1024, description=(
+        "positions a KV cache block holds (a power of two): the unit a request takes, and a cached prefix's"))
+    prefix_caching: bool = Field(True, description=(
+        "a prompt starts from the cached KV blocks of an earlier one with the same leading tokens (and tenant)"))
     device: str = Field("cpu", description="both roles of a replica: cpu, cuda or cuda:N")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
         "target and drafter (the drafter reads the target's tensors)"))
@@ -255,6 +267,13 @@ class ModelSection(_Section):
             return check_device_name(value, "model.device")
         except InvalidArgument as e:
             raise ValueError(e.message) from None
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("a power of two (a position's block and offset are a shift and a mask)")
+        return value
 
     @model_validator(mode="after")
     def _ranks_on_devices(self) -> ModelSection:

@@ -1,6 +1,6 @@
 """What a target holds, from its config alone: parameters (all, and those a token reads in an MoE) and the bytes of
-one request slot at a context length and dtype. `blockspec info` prints them; the verifier's start-up memory check
-(`Verifier.static_bytes`) adds them up the same way."""
+one request slot at a context length and dtype, and a verifier's parts by what they scale with (fixed, a slot, a KV
+block). `blockspec info` prints them; the verifier's start-up memory check and `blockspec plan` add them up."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import torch
 from blockspec.common.models.kv_cache import SlotKVCache
 from blockspec.common.models.model_config import ModelConfig
 from blockspec.common.models.state_cache import SlotStates
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 
 SPECULATIVE_BLOCK = 16  # the widest verify a slot keeps rollback inputs for, in info's figures (k = 15)
-SPARE_BLOCK = 16  # the CUDA runner's KV block size, where its captured steps' padding rows write
+# Bytes of a GPU share the verifier's KV blocks leave free for a step's intermediates (activations, gathered keys,
+# logits), which no tensor holds between steps; an estimate, not measured per model.
+STEP_RESERVE = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -65,30 +68,62 @@ def slot_bytes(cfg: ModelConfig, context: int, dtype: torch.dtype, tap_layers: i
     }
 
 
-def verifier_bytes(cfg: ModelConfig, weights: int, num_slots: int, max_len: int, n_taps: int, dtype: torch.dtype,
-                   graphs: bool = False, world: int = 1, vocab_bytes: int = 0) -> int:
-    """What a verifier holds once built: its weights' bytes, and per slot the KV cache, states and tap features;
-    graphs (the CUDA runner): also its spare block (and a hybrid's spare state row) and what its captured steps keep
-    (their outputs, the block tables). The start-up check
-    (`Verifier.static_bytes`) and `blockspec plan` both count with this. world > 1 (model.tensor_parallel_size): the
-    lead rank's part - a world-th of the layers' weights, of the KV cache and of a hybrid's states, and the embedding
-    and LM head (`vocab_bytes`) and the tap features whole, which the drafter reads in place (the other ranks hold a
-    world-th of the first two, and no taps)."""
+@dataclass(frozen=True)
+class VerifierLayout:
+    """What a verifier holds, by what each part scales with: fixed bytes (weights, the CUDA runner's buffers), bytes a
+    request slot (a hybrid's states and rollback inputs), and bytes a KV block (the K/V of every attention layer for
+    block_size positions, and those positions' tap features, which lie in the same blocks)."""
+
+    weights: int
+    buffers: int  # the CUDA runner's captured steps' outputs, and its spare slot's state and block for padding rows
+    slot: int  # one request slot's fixed state
+    kv_block: int
+    tap_block: int
+    block_size: int
+    slots: int
+
+    @property
+    def block(self) -> int:
+        return self.kv_block + self.tap_block
+
+    @property
+    def fixed(self) -> int:
+        """Bytes held whatever the KV cache's size: weights, buffers and the slots' states."""
+        return self.weights + self.buffers + self.slots * self.slot
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def held(self, num_blocks: int) -> int:
+        return self.fixed + num_blocks * self.block
+
+    def blocks_in(self, share: int) -> int:
+        """The KV blocks that fit `share` bytes beside the fixed part and STEP_RESERVE (0 where none does)."""
+        return max(0, (share - STEP_RESERVE - self.fixed) // self.block)
+
+
+def verifier_layout(cfg: ModelConfig, weights: int, num_slots: int, n_taps: int, dtype: torch.dtype,
+                    block_size: int = BLOCK_TOKENS, graphs: bool = False, world: int = 1,
+                    vocab_bytes: int = 0, max_len: int = 0) -> VerifierLayout:
+    """The parts of a verifier of `num_slots` request slots (`VerifierLayout`); the start-up check
+    (`Verifier.layout`) and `blockspec plan` both count with this. graphs (the CUDA runner): also what its captured
+    steps keep (`CudaRunner.graph_bytes`: their outputs, and block tables of max_len positions) and the spare state
+    row and block its padding rows write. world > 1
+    (model.tensor_parallel_size): the lead rank's part - a world-th of the layers' weights, of the KV cache and of a
+    hybrid's states, and the embedding and LM head (`vocab_bytes`) and the tap features whole, which the drafter reads
+    in place (the other ranks hold a world-th of the first two, and no taps)."""
     from blockspec.common.runtime.cuda_runner import CudaRunner
 
-    slots = slot_bytes(cfg, max_len, dtype, n_taps)
+    per_slot = slot_bytes(cfg, block_size, dtype)  # a block's K/V, and the slot's states and rollback inputs
+    kv, states = per_slot["kv"], per_slot["conv"] + per_slot["recurrent"] + per_slot["speculative"]
     if world > 1:  # a rank's heads: its part of the KV cache (a KV head each where there are fewer than ranks) and of
         # a hybrid's states and their rollback inputs; the tap features (whole hidden states) stay whole on rank 0
-        taps = max_len * n_taps * cfg.hidden_size * dtype.itemsize
-        kv_heads = max(1, cfg.num_kv_heads // world)
-        slots = {"kv": slots["kv"] * kv_heads // cfg.num_kv_heads, "conv": slots["conv"] // world,
-                 "recurrent": slots["recurrent"] // world, "speculative": (slots["speculative"] - taps) // world + taps}
-    per_slot = sum(slots.values())
-    weights = (weights - vocab_bytes) // world + vocab_bytes
-    if not graphs:
-        return weights + num_slots * per_slot
-    spare = sum(slot_bytes(cfg, SPARE_BLOCK, dtype, n_taps).values())  # the block (and state row) padding rows write
-    return weights + num_slots * per_slot + spare + CudaRunner.graph_bytes(cfg, num_slots, max_len, SPARE_BLOCK)
+        kv = kv * max(1, cfg.num_kv_heads // world) // cfg.num_kv_heads
+        states //= world
+    taps = block_size * n_taps * cfg.hidden_size * dtype.itemsize
+    buffers = states + kv + taps + CudaRunner.graph_bytes(cfg, num_slots, max_len, block_size) if graphs else 0
+    return VerifierLayout((weights - vocab_bytes) // world + vocab_bytes, buffers, states, kv, taps, block_size,
+                          num_slots)
 
 
 def drafter_bytes(weights: int, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,

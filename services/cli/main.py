@@ -102,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         device = torch.device(cfg.model.device).type
         memory, source = machine_memory(cfg.model.device)
-    result = plan_capacity(cfg, memory, args.replicas, device, source)
+    result = plan_capacity(cfg, memory, args.replicas, device, source, tuple(args.avg_len or ()))
     print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
     return 0 if result.fits else 1
 
@@ -178,12 +178,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     cf.add_argument("config", nargs="?", help="config.yaml to check")
     cf.add_argument("--reference", action="store_true", help="print every key (docs/configuration.md)")
     cf.set_defaults(func=cmd_config)
-    pl = sub.add_parser("plan", help="whether a config's target, drafter and request slots fit a GPU (a CPU config: "
-                                     "this machine's RAM), and what to lower")
+    pl = sub.add_parser("plan", help="how a config's roles split a GPU (a CPU config: this machine's RAM), the KV "
+                                     "tokens that fit, requests at once and the longest context, and what to lower")
     pl.add_argument("--config", required=True, help="the server's config.yaml")
     pl.add_argument("--gpu-memory", help="plan on a GPU of this memory, e.g. 80GB, 141GB or 80GiB, whatever "
                     "model.device says (default: model.device's memory here: the GPU's, or the RAM available)")
     pl.add_argument("--replicas", type=bounded(1, 64), default=1, help="replicas sharing the memory (default 1)")
+    pl.add_argument("--avg-len", type=bounded(1), action="append",
+                    help="an average request length (prompt and output tokens) to count requests at once at; "
+                         "repeatable (default: max_model_len and half of it)")
     pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     pl.set_defaults(func=cmd_plan)
     add_validate_command(sub)

@@ -11,10 +11,12 @@ import torch
 from blockspec.common.config import DEFAULT_K, DEFAULT_MAX_LEN, MIN_MODEL_LEN
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import load_checkpoint
+from blockspec.common.runtime.backends import uses_cuda_runner
+from blockspec.common.runtime.device import kv_cache_blocks
 from blockspec.common.runtime.runner import Runner
 from blockspec.common.runtime.threads import ThreadGovernor
-from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.common.sampling import GREEDY, SamplingParams, checked
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.services.drafter.proposers import TargetView, build_proposer, check_method, verifier_needs
 from blockspec.services.router.messages import ModelFacts
 from blockspec.services.router.step_loop import DEFAULT_PREFILL_CHUNK, FinishEvent, Request, StepLoop, TokenEvent
@@ -81,6 +83,7 @@ class Engine:
         kv_cache_tokens: int | None = None,  # positions the paged KV cache holds (None: max_batch x max_len)
         kv_block_size: int = BLOCK_TOKENS,  # positions a KV block holds
         prefix_caching: bool = True,  # prompts start from cached blocks of earlier ones (services/verifier)
+        verifier_fraction: float | None = None,  # of the GPU's memory: its KV cache takes what the rest leaves
     ) -> None:
         check_method(method, drafter)
         draft_tree = check_draft_tree(draft_tree, method, invariant, adaptive_k, prompt_lookup)
@@ -103,10 +106,11 @@ class Engine:
         tap_layers, max_k = verifier_needs(method, dflash_model.cfg if dflash_model is not None else None)
         # Invariant mode: decode and verify share one query width, the widest verify.
         query_width = max_k + 1 if invariant else None
+        kv_blocks = self._kv_blocks(checkpoint, max_batch, max_len, tap_layers, dtype, torch.device(device), backend,
+                                    tensor_parallel_size, kv_cache_tokens, kv_block_size, verifier_fraction)
         self.verifier = Verifier(checkpoint, max_batch, max_len, query_width, tap_layers=tap_layers, dtype=dtype,
                                  device=device, threads=governor, backend=backend,
-                                 tensor_parallel_size=tensor_parallel_size,
-                                 kv_blocks=-(-kv_cache_tokens // kv_block_size) if kv_cache_tokens else None,
+                                 tensor_parallel_size=tensor_parallel_size, kv_blocks=kv_blocks,
                                  block_size=kv_block_size, prefix_caching=prefix_caching)
         view = TargetView(self.verifier.runner.embedding, self.verifier.runner.lm_head, self.verifier.features,
                           self.verifier.tap_buffer)
@@ -123,6 +127,18 @@ class Engine:
         self.target_path, self.drafter_path = Path(target), drafter
         self.loop = StepLoop(self.verifier, self.proposer, max_batch, adaptive_k, prefill_chunk, prompt_lookup,
                              prompt_lookup_tokens)
+
+    @staticmethod
+    def _kv_blocks(checkpoint, max_batch: int, max_len: int, tap_layers, dtype: torch.dtype, device: torch.device,
+                   backend: str, world: int, tokens: int | None, block_size: int, fraction: float | None) -> int | None:
+        """The verifier's KV blocks (`device.kv_cache_blocks`): kv_cache_tokens', else on a GPU with a memory share
+        what it leaves, else max_batch requests of max_len."""
+        if world > 1 or device.type != "cuda" or fraction is None:
+            return -(-tokens // block_size) if tokens else None
+        graphs = uses_cuda_runner(checkpoint.config, device, backend)
+        layout = Verifier.layout(checkpoint, max_batch, tap_layers, dtype, graphs, world, block_size, max_len)
+        return kv_cache_blocks(layout, max_len, torch.cuda.get_device_properties(device).total_memory, fraction,
+                               tokens)
 
     @property
     def context_len(self) -> int:

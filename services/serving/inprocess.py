@@ -13,7 +13,7 @@ import torch
 
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.runtime.device import claim_gpu_share
+from blockspec.common.runtime.device import claim_gpu_share, role_fraction
 from blockspec.common.runtime.device import resolve as resolve_device
 from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.services.engine.engine import Engine
@@ -51,14 +51,17 @@ def serve_inprocess(cfg: BlockspecConfig, host: str, port: int, grpc_port: int) 
 
 
 def build_engine(cfg: BlockspecConfig, p: Startup, device: torch.device | str, dtype: torch.dtype) -> Engine:
-    """The engine of a config: the keys the role command lines carry (`plan.plan`), and the router's."""
+    """The engine of a config: the keys the role command lines carry (`startup.resolve_startup`), and the router's."""
     m, spec = cfg.model, cfg.model.spec_decode
     log.info("loading %s (%s%s) in this process", m.target_model_path, p.method,
              f", drafter {p.drafter}" if p.drafter else "")
+    # on a GPU the verifier's KV cache takes what the drafter's part of gpu_memory_utilization leaves
+    fraction = role_fraction(torch.device(device), p.memory, "verifier")
     return Engine(m.target_model_path, p.drafter, p.method, max_batch=cfg.server.max_batch, max_len=m.max_model_len,
                   invariant=m.invariant, use_dynamic_conv=spec.use_dynamic_conv,
                   use_path_selector=spec.use_path_selector,
                   adaptive_k=spec.adaptive_k, prompt_lookup=spec.prompt_lookup,
                   prompt_lookup_tokens=spec.prompt_lookup_tokens, prefill_chunk=cfg.server.prefill_chunk_tokens,
                   device=device, dtype=dtype, backend=m.runner, tensor_parallel_size=m.tensor_parallel_size,
-                  draft_tree=spec.draft_tree)
+                  draft_tree=spec.draft_tree, kv_cache_tokens=m.kv_cache_tokens, kv_block_size=m.kv_block_size,
+                  prefix_caching=m.prefix_caching, verifier_fraction=fraction)

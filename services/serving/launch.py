@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +24,12 @@ from blockspec.common.config import DEFAULT_K, RoutingConfig
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.backends import uses_cuda_runner
-from blockspec.common.runtime.device import claim_gpu_share
+from blockspec.common.runtime.device import MemorySplit, claim_gpu_share, kv_cache_blocks, role_fraction
 from blockspec.common.runtime.device import resolve as resolve_device
+from blockspec.common.runtime.footprint import STEP_RESERVE
 from blockspec.common.telemetry import tracing
 from blockspec.common.telemetry.metrics import DEFAULT_VERSION, RouterMetrics
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.common.wire.auth import ENV_ROLE_KEY, ApiKeys, role_interceptors
 from blockspec.common.wire.grpc_server import start_server
 from blockspec.common.wire.tensor_share import remove_orphans
@@ -68,19 +71,33 @@ def role_service(args) -> VerifierService | DrafterService:
         raise InvalidArgument("--method", "a drafter role with method 'none' would draft nothing; choose one of "
                                           f"{', '.join(m for m in METHODS if m != 'none')}")
     device, dtype = resolve_device(args.device, args.dtype)
+    fraction = role_fraction(torch.device(device), MemorySplit.from_args(args), args.role)
     if args.role == "verifier":
-        return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device, dtype,
-                                args.invariant, args.gpu_memory_fraction, args.runner, args.tensor_parallel_size)
-    return DrafterService(args.method, args.drafter, args.target, args.max_batch, context_len(args.target, args.max_model_len),
-                          not args.no_dynamic_conv, not args.no_path_selector, device, dtype, args.gpu_memory_fraction)
+        return verifier_service(args.target, args.method, args.drafter, args.max_batch, args.max_model_len, device,
+                                dtype, args.invariant, fraction, args.runner, args.tensor_parallel_size,
+                                KvCacheConfig(args.kv_cache_tokens, args.kv_block_size, not args.no_prefix_caching))
+    return DrafterService(args.method, args.drafter, args.target, args.max_batch,
+                          context_len(args.target, args.max_model_len), not args.no_dynamic_conv,
+                          not args.no_path_selector, device, dtype, fraction)
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """The verifier's paged KV cache (model.kv_cache_tokens, model.kv_block_size, model.prefix_caching)."""
+
+    tokens: int | None = None  # unset: on a GPU what the verifier's share leaves, on the CPU max_batch x max_len
+    block_size: int = BLOCK_TOKENS
+    prefix_caching: bool = True
 
 
 def verifier_service(target: str, method: str, drafter: str | None, max_batch: int, max_len: int | None,
                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                      invariant: bool = False, gpu_fraction: float | None = None,
-                     runner: str = "auto", tensor_parallel_size: int = 1) -> VerifierService:
-    """The verifier role; on a GPU with a memory share (`gpu_fraction`), refused before it allocates if its
-    weights, KV cache and tap buffer do not fit the share (tensor_parallel_size > 1: the lead rank's part)."""
+                     runner: str = "auto", tensor_parallel_size: int = 1,
+                     kv: KvCacheConfig = KvCacheConfig()) -> VerifierService:
+    """The verifier role; on a GPU with a memory share (`gpu_fraction`), its KV blocks are what the share leaves
+    beside its weights, states and buffers (or kv.tokens'), refused before it allocates where they do not hold one
+    request of max_len (tensor_parallel_size > 1: the lead rank's part, a slot of max_len a request)."""
     dflash_cfg = None
     if method == "dflash":
         from blockspec.services.drafter.dflash.checkpoint import load_drafter
@@ -88,12 +105,23 @@ def verifier_service(target: str, method: str, drafter: str | None, max_batch: i
         dflash_cfg = load_drafter(drafter).cfg
     tap_layers, max_k = verifier_needs(method, dflash_cfg)
     checkpoint, length = load_checkpoint(target), context_len(target, max_len)
-    graphs = uses_cuda_runner(checkpoint.config, torch.device(device), runner)
-    need = Verifier.static_bytes(checkpoint, max_batch, length, tap_layers, dtype, graphs, tensor_parallel_size)
-    claim_gpu_share(torch.device(device), gpu_fraction, need, "verifier")
+    dev = torch.device(device)
+    graphs = uses_cuda_runner(checkpoint.config, dev, runner)
+    layout = Verifier.layout(checkpoint, max_batch, tap_layers, dtype, graphs, tensor_parallel_size, kv.block_size,
+                             length)
+    on_gpu = dev.type == "cuda" and gpu_fraction is not None
+    if tensor_parallel_size > 1:  # the ranks keep a slot of max_len a request
+        blocks = max_batch * layout.blocks_for(length)
+        claim_gpu_share(dev, gpu_fraction, layout.held(blocks) + STEP_RESERVE, "verifier")
+    else:
+        total = torch.cuda.get_device_properties(dev).total_memory if on_gpu else None
+        blocks = kv_cache_blocks(layout, length, total, gpu_fraction, kv.tokens)
+        held = layout.held(blocks or max_batch * layout.blocks_for(length))
+        claim_gpu_share(dev, gpu_fraction, held + STEP_RESERVE, "verifier")
     verifier = Verifier(checkpoint, max_batch, length, max_k + 1 if invariant else None,
                         tap_layers=tap_layers, dtype=dtype, device=device, backend=runner,
-                        tensor_parallel_size=tensor_parallel_size)
+                        tensor_parallel_size=tensor_parallel_size, kv_blocks=blocks, block_size=kv.block_size,
+                        prefix_caching=kv.prefix_caching)
     return VerifierService(verifier, str(target))
 
 

@@ -1,8 +1,8 @@
-"""`blockspec plan`: whether a config's roles fit their shares of a GPU (or of a CPU machine's RAM), and what to lower
-where they do not, from the configs alone (no weights read, no GPU needed). The figures are the start-up checks' own:
-each role's bytes come from `footprint.verifier_bytes` / `footprint.drafter_bytes` (what `Verifier.static_bytes` and
-the drafter role count before they allocate), its share from `device.role_fractions`, the verdict from
-`device.check_fits`' rule."""
+"""`blockspec plan`: how a config's roles split a GPU (or a CPU machine's RAM), what the verifier's KV cache holds in
+its share - tokens, requests at once at an average length, the longest context - and what to change where one request
+of max_model_len does not fit; from the configs alone (no weights read, no GPU needed). The figures are the start-up
+checks' own: the split from `device.MemorySplit`, the drafter's bytes from `startup.drafter_footprint`, the verifier's
+parts from `footprint.verifier_layout` and its KV blocks by `device.kv_cache_blocks`' rule."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from pathlib import Path
 
 import torch
 
-from blockspec.common.config import MIN_MODEL_LEN, BlockspecConfig
+from blockspec.common.config import MAX_BATCH, MIN_MODEL_LEN, BlockspecConfig
 from blockspec.common.errors import InvalidArgument
 from blockspec.common.models.checkpoint import load_checkpoint, read_config
-from blockspec.common.models.kv_cache import SlotKVCache
-from blockspec.common.runtime.device import DTYPES, role_fractions
-from blockspec.common.runtime.footprint import drafter_bytes, parameters, slot_bytes, verifier_bytes
+from blockspec.common.runtime.device import DTYPES, drafter_fraction
+from blockspec.common.runtime.footprint import STEP_RESERVE, parameters, verifier_layout
 
-GIB = 2**30
+GIB, MIB, KIB = 2**30, 2**20, 2**10
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
 
 
@@ -34,21 +33,63 @@ def parse_size(text: str, field: str = "--gpu-memory") -> int:
 
 
 @dataclass
-class RolePlan:
-    role: str
+class DrafterPlan:
     weights: int  # bytes
-    per_slot: int  # bytes of one request slot at max_len (KV cache, states, tap features)
-    slots: int
-    max_len: int
-    need: int  # what the start-up check counts
-    share: int  # its part of the GPU: gpu bytes x its fraction
+    kv: int  # its own KV cache: a slot of max_model_len for each of server.max_batch requests (a spare where captured)
+    need: int
+    share: int
     fraction: float
-    max_slots: int  # slots that fit at max_len (0: not even one)
-    longest: int  # the longest max_model_len that fits `slots` slots (0: none)
+    fixed: bool  # the share is model.drafter_memory_fraction (else: the need with a margin)
+    limit: int  # the replica's part of the memory: the drafter must leave the verifier some of it
 
     @property
     def fits(self) -> bool:
-        return self.need <= self.share
+        return self.need <= self.share < self.limit
+
+
+@dataclass
+class Concurrency:
+    length: int  # a request's average tokens
+    at_max_batch: int  # requests at once at server.max_batch: the KV blocks' (at most max_batch)
+    best: int  # requests at once with server.max_batch set to them (the drafter and the slots' states counted at it)
+
+
+@dataclass
+class VerifierPlan:
+    role: str
+    share: int  # bytes: the GPU x its fraction (0: the drafter leaves it nothing)
+    fraction: float
+    weights: int
+    buffers: int  # the CUDA runner's captured steps' outputs, its spare slot's state and block
+    slot: int  # a request slot's fixed state (a hybrid's conv and recurrent states, rollback inputs)
+    slots: int  # server.max_batch
+    kv_token: int  # bytes of one position's K/V, every attention layer
+    tap_token: int  # bytes of one position's tap features (what the DFlash drafter reads)
+    block_size: int
+    num_blocks: int
+    # "share": what the share leaves (a GPU); "kv_cache_tokens"; "slots": max_batch x max_model_len (the CPU);
+    # "ranks": the tensor-parallel ranks' slot of max_model_len a request
+    kv_from: str
+    max_len: int
+    longest: int  # the longest max_model_len one request of which fits (0: none)
+    reserve: int = STEP_RESERVE  # kept free in the share for a step's intermediates
+
+    @property
+    def fixed(self) -> int:
+        """Held whatever the KV cache's size: weights, buffers, the slots' states, and the step's reserve."""
+        return self.weights + self.buffers + self.slots * self.slot + self.reserve
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def need(self) -> int:
+        return self.fixed + self.num_blocks * self.block_size * (self.kv_token + self.tap_token)
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.share and self.kv_tokens >= self.max_len
 
 
 @dataclass
@@ -63,58 +104,26 @@ class CapacityPlan:
     utilization: float
     replicas: int
     graphs: bool  # the CUDA runner (its spare slot and captured outputs counted)
-    roles: list[RolePlan]
+    verifier: VerifierPlan
+    drafter: DrafterPlan | None
+    concurrency: list[Concurrency]
+    advice: list[str]
 
     @property
     def fits(self) -> bool:
-        return all(r.fits for r in self.roles)
-
-    def advice(self) -> list[str]:
-        """What to lower (or raise) for each role that does not fit."""
-        out = []
-        for r in self.roles:
-            if r.fits:
-                continue
-            if r.weights > r.share:
-                where = "GPU" if self.device == "cuda" else "machine"
-                out.append(f"{r.role}: its weights alone ({r.weights / GIB:.1f} GiB) exceed its share "
-                           f"({r.share / GIB:.1f} GiB): a {where} with more memory, a raised gpu_memory_utilization, "
-                           f"or fewer replicas on the {where}")
-                continue
-            options = []
-            if r.max_slots:
-                options.append(f"server.max_batch {r.max_slots} (at max_model_len {r.max_len})")
-            if r.longest:
-                options.append(f"model.max_model_len {r.longest} (at max_batch {r.slots})")
-            needed = r.need / (self.memory_bytes * r.fraction / self.utilization) if r.fraction else float("inf")
-            if needed <= 1.0:
-                options.append(f"model.gpu_memory_utilization {min(1.0, needed + 0.005):.2f}")
-            out.append(f"{r.role}: needs {r.need / GIB:.2f} GiB of its {r.share / GIB:.2f} GiB share; lower to "
-                       + (" or ".join(options) if options else "a smaller configuration"))
-        return out
+        return self.verifier.fits and (self.drafter is None or self.drafter.fits)
 
     def table(self) -> str:
-        notes = (["the CUDA runner"] if self.graphs else []) + (
-            ["the roles' shares as on a GPU (nothing enforces them on the CPU)"] if self.device == "cpu" else [])
-        head = (f"Target {self.target} ({self.family}), method {self.method}, {self.dtype}; "
-                f"{'GPU' if self.device == 'cuda' else 'RAM'} {self.memory_bytes / GIB:.1f} GiB ({self.memory}), "
-                f"gpu_memory_utilization {self.utilization}, {self.replicas} replica(s) on it"
-                + "".join(f"; {note}" for note in notes))
-        columns = ("| role | weights GiB | per slot MiB | slots | max_model_len | needs GiB | share GiB | fits | "
-                   "slots that fit | longest context at these slots |")
-        lines = [head, "", columns, "|---" * 10 + "|"]
-        for r in self.roles:
-            lines.append(f"| {r.role} | {r.weights / GIB:.2f} | {r.per_slot / 2**20:.1f} | {r.slots} | {r.max_len} | "
-                         f"{r.need / GIB:.2f} | {r.share / GIB:.2f} | {'yes' if r.fits else 'no'} | {r.max_slots} | "
-                         f"{r.longest or '-'} |")
-        return "\n".join(lines + [""] + (self.advice() or ["Every role fits."]))
+        return table(self)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "fits": self.fits, "advice": self.advice(),
-                "roles": [{**asdict(r), "fits": r.fits} for r in self.roles]}
+        v = self.verifier
+        return {**asdict(self), "fits": self.fits,
+                "verifier": {**asdict(v), "fits": v.fits, "need": v.need, "kv_tokens": v.kv_tokens},
+                "drafter": None if self.drafter is None else {**asdict(self.drafter), "fits": self.drafter.fits}}
 
 
-def _largest(fits, low: int, high: int) -> int:
+def largest(fits, low: int, high: int) -> int:
     """The largest n in [low, high] with fits(n) (fits monotone, true then false), or 0."""
     if high < low or not fits(low):
         return 0
@@ -122,14 +131,6 @@ def _largest(fits, low: int, high: int) -> int:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low
-
-
-def _role(role: str, weights: int, per_slot: int, need_at, slots: int, max_len: int, limit: int, share: int,
-          fraction: float) -> RolePlan:
-    """need_at(slots, max_len) -> bytes; limit: the model's context (the longest max_model_len there is)."""
-    return RolePlan(role, weights, per_slot, slots, max_len, need_at(slots, max_len), share, fraction,
-                    _largest(lambda s: need_at(s, max_len) <= share, 1, 4096),
-                    _largest(lambda n: need_at(slots, n) <= share, MIN_MODEL_LEN, limit))
 
 
 def machine_memory(device: str) -> tuple[int, str]:
@@ -148,62 +149,166 @@ def machine_memory(device: str) -> tuple[int, str]:
 
 
 def plan_capacity(cfg: BlockspecConfig, memory_bytes: int, replicas: int = 1, device: str = "cuda",
-                  memory: str = "given") -> CapacityPlan:
-    """The plan of a config (`plan.plan` resolves the method and the drafter as serving does) on `memory_bytes`:
-    device "cuda" as on a GPU, whatever model.device says (the CUDA runner, the drafter's captured proposals); "cpu"
-    in RAM (the CPU runner), split between the roles as a GPU is, though nothing enforces it there."""
+                  memory: str = "given", lengths: tuple[int, ...] = ()) -> CapacityPlan:
+    """The plan of a config (`startup.resolve_startup` resolves the method and the drafter as serving does) on
+    `memory_bytes`: device "cuda" as on a GPU, whatever model.device says (the CUDA runner, the drafter's captured
+    proposals, the KV cache sized from the share); "cpu" in RAM (the CPU runner, its KV cache max_batch requests of
+    max_model_len), split between the roles as a GPU is, though nothing enforces it there. lengths: the average
+    request lengths to count requests at once at (default: max_model_len and half of it)."""
     from blockspec.common.runtime.backends import uses_cuda_runner
     from blockspec.services.drafter.proposers import verifier_needs
     from blockspec.services.engine.engine import serving_len
-    from blockspec.services.serving.startup import resolve_startup
+    from blockspec.services.serving.startup import drafter_footprint, memory_split, resolve_startup
 
     m = cfg.model
     p = resolve_startup(cfg, replicas)
     dtype = DTYPES[m.dtype]
     target = load_checkpoint(m.target_model_path, with_weights=False).config
     max_len = serving_len(target.max_position_embeddings, m.max_model_len)
-    slots = cfg.server.max_batch
+    slots, context = cfg.server.max_batch, target.max_position_embeddings
     graphs = uses_cuda_runner(target, torch.device(device), m.runner)
-    dflash_cfg, drafter_weights, drafter_shape = None, 0, None
+    dflash_cfg = None
     if p.method == "dflash":
         from blockspec.services.drafter.dflash.config import DFlashConfig
-        from blockspec.services.drafter.dflash.model import DFlashDrafter
 
         dflash_cfg = DFlashConfig.from_hf(read_config(Path(p.drafter)), p.drafter)
-        with torch.device("meta"):
-            drafter_weights = sum(t.numel() for t in DFlashDrafter(dflash_cfg).parameters()) * dtype.itemsize
-        drafter_shape = (dflash_cfg.num_layers, dflash_cfg.num_kv_heads, dflash_cfg.head_dim)
-    elif p.method == "draft_model":
-        draft = load_checkpoint(p.drafter, with_weights=False).config
-        drafter_weights = parameters(draft).total * dtype.itemsize
-        drafter_shape = (draft.num_layers, draft.num_kv_heads, draft.head_dim)
     taps, _ = verifier_needs(p.method, dflash_cfg)
-    verifier_fraction, drafter_fraction = role_fractions(m.gpu_memory_utilization, p.method != "none", replicas)
+    foot = drafter_footprint(p.method, p.drafter, dtype, gpu=device == "cuda")
     weights = parameters(target).total * dtype.itemsize
     vocab = target.vocab_size * target.hidden_size * (1 if target.tie_word_embeddings else 2) * dtype.itemsize
     world = m.tensor_parallel_size  # the lead rank's part; the other ranks' is smaller
+    paged = world == 1  # the tensor-parallel ranks keep a slot of max_len a request
+    kv_from = ("ranks" if not paged else "kv_cache_tokens" if m.kv_cache_tokens else "share" if device == "cuda"
+               else "slots")
 
-    def verifier_need(s: int, n: int) -> int:
-        return verifier_bytes(target, weights, s, n, len(taps), dtype, graphs, world, vocab)
+    def shares(n: int, length: int) -> tuple[float, float]:
+        """(verifier, drafter) fractions at max_batch n and max_model_len `length`; verifier 0 where none is left."""
+        split = memory_split(m, foot, n, length, replicas)
+        try:
+            return split.fractions(memory_bytes)
+        except InvalidArgument:  # the drafter's share is all of it, or more
+            fixed = split.drafter_fixed
+            return 0.0, drafter_fraction(split.drafter_need, memory_bytes) if fixed is None else fixed
 
-    per_slot, held, name = sum(slot_bytes(target, max_len, dtype, len(taps)).values()), weights, "verifier"
-    if world > 1:  # the lead rank's part, on the GPU it shares with the drafter
-        name = f"verifier (rank 0 of {world})"
-        held = (weights - vocab) // world + vocab
-        per_slot = (verifier_bytes(target, weights, 1, max_len, len(taps), dtype, False, world, vocab)
-                    - verifier_bytes(target, weights, 0, max_len, len(taps), dtype, False, world, vocab))
-    roles = [_role(name, held, per_slot, verifier_need, slots, max_len, target.max_position_embeddings,
-                   int(memory_bytes * verifier_fraction), verifier_fraction)]
-    if drafter_shape is not None:
-        captured = p.method == "dflash" and device == "cuda"  # on a GPU its proposals are captured: a spare slot
+    def layout(n: int):
+        return verifier_layout(target, weights, n, len(taps), dtype, m.kv_block_size, graphs, world, vocab, max_len)
 
-        def drafter_need(s: int, n: int) -> int:
-            return drafter_bytes(drafter_weights, *drafter_shape, s, n, dtype, captured)
+    fixed_blocks = -(-m.kv_cache_tokens // m.kv_block_size) if kv_from == "kv_cache_tokens" else 0
 
-        per_slot = SlotKVCache.nbytes(drafter_shape[0], 1, drafter_shape[1], max_len, drafter_shape[2], dtype)
-        roles.append(_role("drafter", drafter_weights, per_slot, drafter_need, slots, max_len,
-                           target.max_position_embeddings,
-                           int(memory_bytes * drafter_fraction), drafter_fraction))
-    return CapacityPlan(str(m.target_model_path), target.family, p.method, m.dtype, device, memory_bytes, memory,
-                        m.gpu_memory_utilization, replicas, graphs, roles)
+    def fits(n: int, requests: int, length: int, max_model_len: int) -> bool:
+        """Whether `requests` requests of `length` tokens fit at max_batch n and max_model_len, in the KV blocks serving
+        would take: what they take (sized from the share), model.kv_cache_tokens', or a slot of max_model_len each."""
+        lay = layout(n)
+        blocks = requests * lay.blocks_for(length)
+        if kv_from == "kv_cache_tokens":
+            blocks = fixed_blocks if blocks <= fixed_blocks else None
+        elif kv_from in ("slots", "ranks"):
+            blocks = n * lay.blocks_for(max_model_len)
+        return blocks is not None and lay.held(blocks) + STEP_RESERVE <= int(memory_bytes * shares(n, max_model_len)[0])
 
+    fraction, d_fraction = shares(slots, max_len)
+    share, lay = int(memory_bytes * fraction), layout(slots)
+    num_blocks = {"share": lay.blocks_in(share), "kv_cache_tokens": fixed_blocks}.get(kv_from,
+                                                                                      slots * lay.blocks_for(max_len))
+    longest = largest(lambda n: fits(slots, 1, n, n), MIN_MODEL_LEN, context)
+    name = "verifier" if world == 1 else f"verifier (rank 0 of {world})"
+    per_block = (lay.kv_block // lay.block_size, lay.tap_block // lay.block_size)
+    verifier = VerifierPlan(name, share, fraction, lay.weights, lay.buffers, lay.slot, slots, *per_block,
+                            lay.block_size, num_blocks, kv_from, max_len, longest)
+    drafter = None
+    if foot is not None:
+        need = foot.bytes(slots, max_len, dtype)
+        drafter = DrafterPlan(foot.weights, need - foot.weights, need, int(memory_bytes * d_fraction),
+                              d_fraction, m.drafter_memory_fraction is not None,
+                              int(memory_bytes * m.gpu_memory_utilization / replicas))
+    concurrency = []
+    for length in sorted(set(lengths or (max_len, max_len // 2)), reverse=True):
+        per = lay.blocks_for(length if kv_from in ("share", "kv_cache_tokens") else max_len)
+        concurrency.append(Concurrency(length, min(slots, num_blocks // per),
+                                       largest(lambda n: fits(n, n, length, max_len), 1, MAX_BATCH)))
+    plan = CapacityPlan(str(m.target_model_path), target.family, p.method, m.dtype, device, memory_bytes, memory,
+                        m.gpu_memory_utilization, replicas, graphs, verifier, drafter, concurrency, [])
+    plan.advice = advice(plan, lambda n: fits(n, 1, max_len, max_len))
+    return plan
+
+
+def advice(plan: CapacityPlan, fits_at) -> list[str]:
+    """What to change for each role that does not fit; fits_at(n): whether a request of max_model_len fits at
+    server.max_batch n."""
+    from blockspec.common.runtime.device import DRAFTER_MARGIN, DRAFTER_SLACK
+
+    out, v, d = [], plan.verifier, plan.drafter
+    where = "GPU" if plan.device == "cuda" else "machine"
+    if d is not None and d.need > d.share:
+        needed = (d.need * (1 + DRAFTER_MARGIN) + DRAFTER_SLACK) / plan.memory_bytes
+        out.append(f"drafter: needs {d.need / GIB:.2f} GiB of its {d.share / GIB:.2f} GiB share "
+                   f"(model.drafter_memory_fraction {d.fraction}); raise it to {needed:.3f} or unset it (its share "
+                   "is then what it holds)")
+    if v.fits:
+        return out
+    block = v.block_size * (v.kv_token + v.tap_token)
+    room = max(0, v.share - v.fixed) // block * v.block_size  # the tokens its share holds
+    options = [f"model.max_model_len {v.longest} (at max_batch {v.slots})"] if v.longest else []
+    fewer = largest(fits_at, 1, v.slots - 1)
+    options += [f"server.max_batch {fewer}"] if fewer else []
+    options += [f"model.kv_cache_tokens {room}"] if v.kv_from == "slots" and room >= v.max_len else []
+    lower = f"lower to {' or '.join(options)}, or " if options else ""
+    if not room:
+        held = (f"the drafter's share ({d.share / GIB:.2f} GiB) leaves it {v.share / GIB:.2f} GiB"
+                if d is not None and not v.share else f"its share is {v.share / GIB:.2f} GiB")
+        out.append(f"{v.role}: no KV cache fits: {held}, and its weights, states, buffers and step reserve are "
+                   f"{v.fixed / GIB:.2f} GiB; {lower}a {where} with more memory, a raised gpu_memory_utilization, "
+                   f"fewer replicas on the {where}")
+        return out
+    asked = max(v.kv_tokens, v.max_len)
+    need = v.fixed + asked * (v.kv_token + v.tap_token)
+    out.append(f"{v.role}: {asked} KV cache tokens (max_model_len {v.max_len}) and {v.fixed / GIB:.2f} GiB of weights, "
+               f"states, buffers and step reserve need {need / GIB:.2f} GiB; its "
+               f"{v.share / GIB:.2f} GiB share holds {room} tokens; {lower}raise model.gpu_memory_utilization")
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def table(plan: CapacityPlan) -> str:
+    """The plan as text: the split, the verifier's arithmetic, requests at once, the longest context, the verdict."""
+    v, d = plan.verifier, plan.drafter
+    notes = (["the CUDA runner"] if plan.graphs else []) + (
+        ["the roles' shares as on a GPU (nothing enforces them on the CPU)"] if plan.device == "cpu" else [])
+    lines = [f"Target {plan.target} ({plan.family}), method {plan.method}, {plan.dtype}; "
+             f"{'GPU' if plan.device == 'cuda' else 'RAM'} {plan.memory_bytes / GIB:.1f} GiB ({plan.memory}), "
+             f"gpu_memory_utilization {plan.utilization}, {plan.replicas} replica(s) on it"
+             + "".join(f"; {note}" for note in notes), ""]
+    usable = plan.memory_bytes * plan.utilization / plan.replicas
+    split = f"{plan.utilization} x {plan.memory_bytes / GIB:.1f} GiB" + (
+        f" / {plan.replicas} replicas" if plan.replicas > 1 else "") + f" = {usable / GIB:.2f} GiB"
+    if d is not None:
+        why = "model.drafter_memory_fraction" if d.fixed else "what it holds, with a margin"
+        lines.append(f"Split: {split}; the drafter {_gib(d.share)} ({d.fraction} of the memory: {why}), the "
+                     f"verifier the rest, {_gib(v.share)}.")
+        lines.append(f"Drafter: {_gib(d.weights)} of weights + {_gib(d.kv)} of KV cache (a slot of {v.max_len} tokens "
+                     f"for each of {v.slots} requests{', and a spare' if plan.device == 'cuda' else ''}) = "
+                     f"{_gib(d.need)}: {'fits' if d.fits else 'does not fit'}.")
+    else:
+        lines.append(f"Split: {split}, all the verifier's (no drafter model).")
+    block = v.block_size * (v.kv_token + v.tap_token)
+    cache = {"share": "what its share leaves", "kv_cache_tokens": "model.kv_cache_tokens",
+             "slots": f"{v.slots} requests of {v.max_len}",
+             "ranks": f"{v.slots} requests of {v.max_len}: the ranks keep a slot of it a request"}[v.kv_from]
+    lines += [f"{v.role.capitalize()}: {_gib(v.share)} - {_gib(v.weights)} of weights - {_gib(v.buffers)} of buffers"
+              f" - {_gib(v.slots * v.slot)} of states ({v.slots} slots of {v.slot / MIB:.1f} MiB) - "
+              f"{_gib(v.reserve)} kept for a step's intermediates = "
+              f"{_gib(max(0, v.share - v.fixed))} for KV blocks;",
+              f"  a block of {v.block_size} tokens is {block / MIB:.2f} MiB (a token: {v.kv_token / KIB:.1f} KiB of "
+              f"K/V + {v.tap_token / KIB:.1f} KiB of tap features); its KV cache ({cache}): {v.num_blocks} blocks = "
+              f"{v.kv_tokens} tokens, {_gib(v.num_blocks * block)}.", "",
+              f"| average request length | requests at once at max_batch {v.slots} | with server.max_batch set to "
+              "them |", "|---|---|---|"]
+    lines += [f"| {c.length} | {c.at_max_batch} | {c.best} |" for c in plan.concurrency]
+    fits = "fits" if v.kv_tokens >= v.max_len else f"does not fit: {v.kv_tokens} tokens do"
+    whole = f"{v.slots} requests of it" if v.kv_from in ("slots", "ranks") else "one request"
+    lines += ["", f"Longest context: max_model_len {v.longest or '-'} ({whole}); max_model_len {v.max_len}: {fits}.",
+              ""]
+    return "\n".join(lines + (plan.advice or ["Every role fits."]))

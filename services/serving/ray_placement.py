@@ -16,7 +16,6 @@ import threading
 
 from blockspec.common.config import BlockspecConfig
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.runtime.device import VERIFIER_SHARE
 from blockspec.common.wire.auth import ensure_role_key
 from blockspec.common.wire.tensor_share import cleanup_stale
 from blockspec.services.serving.launch import remove_role_sockets, role_env, role_socket
@@ -28,6 +27,9 @@ log = logging.getLogger(__name__)
 ALIVE_TIMEOUT_S = 5.0  # RayRole.alive: how long a verifier actor may take to answer before it counts as busy
 ROLE_START_TIMEOUT_S = 300.0  # how long a role actor may load before the start is given up
 PLACEMENT_TIMEOUT_S = 300.0  # how long the replicas' placement groups may wait for the cluster's resources
+# The verifier actor's part of a replica's bundle in Ray's GPU count. Both actors sit in one bundle, so the split only
+# tells Ray each actor uses the GPU; their memory shares are the roles' own (device.MemorySplit).
+RAY_VERIFIER_PART = 0.8
 
 
 class RoleActor:
@@ -92,7 +94,7 @@ def ray_gpus(cfg: BlockspecConfig, with_drafter: bool, per_gpu: int) -> tuple[fl
     bundle = math.floor(1e4 / per_gpu) / 1e4
     if not with_drafter:
         return bundle, bundle, 0.0
-    verifier = math.floor(bundle * VERIFIER_SHARE * 1e4) / 1e4
+    verifier = math.floor(bundle * RAY_VERIFIER_PART * 1e4) / 1e4
     return bundle, verifier, round(bundle - verifier, 4)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from blockspec.common.argtypes import bounded, port
 from blockspec.common.config import MAX_BATCH, MIN_MODEL_LEN, ServerConfig
 from blockspec.common.runtime.device import add_device_args
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.services.drafter.proposers import METHODS
 
 
@@ -27,8 +28,20 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verifier: the target's runner (docs/gpu.md)")
     parser.add_argument("--tensor-parallel-size", type=bounded(1, 8), default=1,
                         help="verifier: ranks the target is split over (this process leads, the others are its children)")
-    parser.add_argument("--gpu-memory-fraction", type=float, help="this role's share of the GPU's memory (checked at "
-                                                                  "start)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="this replica's part of the GPU's memory, both roles (model.gpu_memory_utilization over "
+                             "the replicas on the GPU); unset: no share, nothing checked")
+    drafter = parser.add_mutually_exclusive_group()
+    drafter.add_argument("--drafter-memory", type=bounded(0),
+                         help="bytes the drafter role holds: its share is that with a margin, the verifier's the rest")
+    drafter.add_argument("--drafter-memory-fraction", type=float,
+                         help="the drafter role's share of the GPU's memory (model.drafter_memory_fraction)")
+    parser.add_argument("--kv-cache-tokens", type=bounded(MIN_MODEL_LEN),
+                        help="verifier: positions its paged KV cache holds (default: on a GPU what its share leaves, "
+                             "on the CPU max-batch x max-model-len)")
+    parser.add_argument("--kv-block-size", type=int, default=BLOCK_TOKENS, help="verifier: positions a KV block holds")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="verifier: no prompt starts from an earlier one's cached KV blocks")
     add_device_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port, default=0)

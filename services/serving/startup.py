@@ -7,10 +7,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockspec.common.config import BlockspecConfig
+import torch
+
+from blockspec.common.config import BlockspecConfig, ModelSection
 from blockspec.common.errors import InvalidArgument
-from blockspec.common.models.checkpoint import read_config
-from blockspec.common.runtime.device import role_fractions
+from blockspec.common.models.checkpoint import load_checkpoint, read_config
+from blockspec.common.models.model_config import ModelConfig
+from blockspec.common.runtime.device import DTYPES, MemorySplit
+from blockspec.common.runtime.footprint import drafter_bytes, parameters
 from blockspec.services.drafter.proposers import check_method, default_method
 
 log = logging.getLogger(__name__)
@@ -24,6 +28,7 @@ class Startup:
     drafter: str | None
     verifier_argv: tuple[str, ...]
     drafter_argv: tuple[str, ...] | None
+    memory: MemorySplit | None = None  # each replica's part of a GPU (model.device cuda)
 
 
 def _check_dir(key: str, path: str) -> None:
@@ -61,8 +66,16 @@ def resolve_startup(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: 
         except InvalidArgument as e:
             raise InvalidArgument("model.draft_model_path", e.message) from None
         _check_drafter(cfg, method, drafter)
+    _check_kv_cache(cfg)
+    memory = None
+    if m.device.startswith("cuda"):
+        from blockspec.services.engine.engine import serving_len
+
+        max_len = serving_len(read_model_config(m.target_model_path).max_position_embeddings, m.max_model_len)
+        foot = drafter_footprint(method, drafter, DTYPES[m.dtype])
+        memory = memory_split(m, foot, cfg.server.max_batch, max_len, replicas_per_gpu)
     common = ["--target", m.target_model_path, "--max-batch", str(cfg.server.max_batch), "--device", m.device,
-              "--dtype", m.dtype]
+              "--dtype", m.dtype, *(memory.argv() if memory else [])]
     if m.max_model_len:
         common += ["--max-model-len", str(m.max_model_len)]
     if method != "none" and "draft_model_dtype" in spec.model_fields_set and spec.draft_model_dtype != m.dtype:
@@ -72,17 +85,87 @@ def resolve_startup(cfg: BlockspecConfig, replicas_per_gpu: int = 1, inprocess: 
     verifier += ["--invariant"] if m.invariant else []
     verifier += ["--runner", m.runner] if m.runner != "auto" else []
     verifier += ["--tensor-parallel-size", str(m.tensor_parallel_size)] if m.tensor_parallel_size > 1 else []
-    shares = (role_fractions(m.gpu_memory_utilization, method != "none", replicas_per_gpu)
-              if m.device.startswith("cuda") else None)
-    verifier += ["--gpu-memory-fraction", str(shares[0])] if shares else []
+    verifier += ["--kv-cache-tokens", str(m.kv_cache_tokens)] if m.kv_cache_tokens else []
+    verifier += ["--kv-block-size", str(m.kv_block_size)] + ([] if m.prefix_caching else ["--no-prefix-caching"])
     drafter_argv = None
     if method != "none":
         drafter_argv = ["role", "drafter", *common, "--method", method]
-        drafter_argv += ["--gpu-memory-fraction", str(shares[1])] if shares else []
         drafter_argv += ["--drafter", drafter] if drafter else []
         drafter_argv += [] if spec.use_dynamic_conv else ["--no-dynamic-conv"]
         drafter_argv += [] if spec.use_path_selector else ["--no-path-selector"]
-    return Startup(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None)
+    return Startup(method, drafter, tuple(verifier), tuple(drafter_argv) if drafter_argv else None, memory)
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """A checkpoint directory's model config (no weights read)."""
+    from blockspec.common.models.model_config import parse_config as parse_model_config
+
+    return parse_model_config(read_config(Path(path)), Path(path))
+
+
+@dataclass(frozen=True)
+class DrafterFootprint:
+    """A drafter's weights and KV cache shape, from its config alone (no weights read)."""
+
+    weights: int  # bytes in the serving dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    captured: bool  # its proposals captured on a GPU (a dflash drafter): a spare slot
+
+    def bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        """What its role holds for `slots` requests of max_len (`footprint.drafter_bytes`, its start-up check's)."""
+        return drafter_bytes(self.weights, self.num_layers, self.num_kv_heads, self.head_dim, slots, max_len, dtype,
+                             self.captured)
+
+
+def drafter_footprint(method: str, drafter: str | None, dtype: torch.dtype,
+                      gpu: bool = True) -> DrafterFootprint | None:
+    """The drafter role's footprint, on a GPU or (gpu False) the CPU; None where the method has no drafter model
+    (ngram, none)."""
+    if method == "dflash":
+        from blockspec.services.drafter.dflash.config import DFlashConfig
+        from blockspec.services.drafter.dflash.model import DFlashDrafter
+
+        cfg = DFlashConfig.from_hf(read_config(Path(drafter)), drafter)
+        with torch.device("meta"):
+            weights = sum(t.numel() for t in DFlashDrafter(cfg).parameters()) * dtype.itemsize
+        return DrafterFootprint(weights, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, gpu)
+    if method == "draft_model":
+        cfg = load_checkpoint(drafter, with_weights=False).config
+        return DrafterFootprint(parameters(cfg).total * dtype.itemsize, cfg.num_layers, cfg.num_kv_heads,
+                                cfg.head_dim, False)
+    return None
+
+
+def memory_split(m: ModelSection, drafter: DrafterFootprint | None, slots: int, max_len: int,
+                 replicas_per_gpu: int = 1) -> MemorySplit:
+    """Each replica's part of a GPU (`device.MemorySplit`): the drafter's share from what it holds for `slots`
+    requests of max_len (server.max_batch, model.max_model_len), or model.drafter_memory_fraction; the verifier's the
+    rest."""
+    utilization = round(m.gpu_memory_utilization / replicas_per_gpu, 4)
+    if drafter is None:
+        return MemorySplit(utilization)
+    if m.drafter_memory_fraction is not None:
+        if m.drafter_memory_fraction >= utilization:
+            raise InvalidArgument("model.drafter_memory_fraction", f"{m.drafter_memory_fraction} leaves the verifier "
+                                                                   f"nothing of a replica's {utilization} of the GPU "
+                                                                   "(model.gpu_memory_utilization over its replicas)")
+        return MemorySplit(utilization, drafter_fixed=m.drafter_memory_fraction)
+    return MemorySplit(utilization, drafter.bytes(slots, max_len, DTYPES[m.dtype]))
+
+
+def _check_kv_cache(cfg: BlockspecConfig) -> None:
+    """model.kv_cache_tokens holds one request of max_model_len (a shorter cache would cut every request's context)."""
+    from blockspec.services.engine.engine import serving_len
+
+    m = cfg.model
+    if m.kv_cache_tokens is None:
+        return
+    max_len = serving_len(read_model_config(m.target_model_path).max_position_embeddings, m.max_model_len)
+    if m.kv_cache_tokens < max_len:
+        raise InvalidArgument("model.kv_cache_tokens", f"{m.kv_cache_tokens} is less than one request of "
+                                                       f"max_model_len {max_len}")
 
 
 def _check_lookup_tokens(cfg: BlockspecConfig) -> None:

@@ -17,7 +17,7 @@ from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.backends import make_runner
 from blockspec.common.runtime.distributions import DraftDist, LogProbRows, process
-from blockspec.common.runtime.footprint import verifier_bytes
+from blockspec.common.runtime.footprint import VerifierLayout, verifier_layout
 from blockspec.common.runtime.runner import Segment
 from blockspec.common.runtime.threads import ThreadGovernor
 from blockspec.common.runtime.timing import interleaved
@@ -111,17 +111,27 @@ class Verifier:
         self._requests: dict[str, _State] = {}
 
     @staticmethod
-    def static_bytes(checkpoint: Checkpoint, num_slots: int, max_len: int, tap_layers: Sequence[int],
-                     dtype: torch.dtype, graphs: bool = False, tensor_parallel_size: int = 1) -> int:
-        """What a verifier of these dimensions holds once built (weights, and per slot the KV cache, a hybrid's
-        linear-layer states and the tap buffer: `footprint.slot_bytes`), before it is: a GPU memory share is
-        checked against it. graphs (the CUDA runner): also its spare block and what its captured steps keep
-        (`CudaRunner.graph_bytes`)."""
+    def layout(checkpoint: Checkpoint, num_slots: int, tap_layers: Sequence[int], dtype: torch.dtype,
+               graphs: bool = False, tensor_parallel_size: int = 1, block_size: int = BLOCK_TOKENS,
+               max_len: int = 0) -> VerifierLayout:
+        """What a verifier of these dimensions holds once built, by part (`footprint.verifier_layout`: weights counted
+        from the checkpoint's tensors), before it is: its KV blocks are sized and a GPU memory share checked with it.
+        graphs (the CUDA runner): also its spare block and what its captured steps keep (`CudaRunner.graph_bytes`, with
+        block tables of max_len positions)."""
         weights = sum(t.numel() for t in checkpoint.weights.values()) * dtype.itemsize
         vocab = sum(t.numel() for name, t in checkpoint.weights.items()
                     if name.endswith(("embed_tokens.weight", "lm_head.weight"))) * dtype.itemsize
-        return verifier_bytes(checkpoint.config, weights, num_slots, max_len, len(tap_layers), dtype, graphs,
-                              tensor_parallel_size, vocab)
+        return verifier_layout(checkpoint.config, weights, num_slots, len(tap_layers), dtype, block_size, graphs,
+                               tensor_parallel_size, vocab, max_len)
+
+    @staticmethod
+    def static_bytes(checkpoint: Checkpoint, num_slots: int, max_len: int, tap_layers: Sequence[int],
+                     dtype: torch.dtype, graphs: bool = False, tensor_parallel_size: int = 1,
+                     block_size: int = BLOCK_TOKENS, num_blocks: int | None = None) -> int:
+        """What `layout` holds with `num_blocks` KV blocks (unset: num_slots requests of max_len)."""
+        layout = Verifier.layout(checkpoint, num_slots, tap_layers, dtype, graphs, tensor_parallel_size, block_size,
+                                 max_len)
+        return layout.held(num_slots * layout.blocks_for(max_len) if num_blocks is None else num_blocks)
 
     @property
     def max_len(self) -> int:

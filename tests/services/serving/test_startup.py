@@ -3,11 +3,14 @@ and every wrong value is refused with the flag or key named (the GPU runs themse
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from blockspec.common.config import parse_config
 from blockspec.common.errors import InvalidArgument
+from blockspec.common.models.checkpoint import load_checkpoint
 from blockspec.common.runtime.device import resolve
 from blockspec.services.serving.role_args import parse_role_args
 from blockspec.services.serving.startup import resolve_startup
@@ -100,17 +103,39 @@ def test_a_drafter_the_roles_would_refuse_is_refused_by_the_plan(tiny_models, df
     assert message.startswith("model.spec_decode.num_speculative_tokens: 16 is not allowed: the dflash drafter supports 1..")
 
 
-def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tiny_models, dflash_drafters):
-    """model.gpu_memory_utilization splits one GPU between the roles (as Ray's bundles do); a role whose
-    weights and KV cache exceed its share is refused at start with the key, the sizes and what to change."""
+def test_each_role_gets_its_memory_share_from_need_and_is_refused_when_it_does_not_fit(tiny_models, dflash_drafters):
+    """model.gpu_memory_utilization splits one GPU between the roles: the drafter's share is what it holds (its
+    weights, a slot of max_model_len for each of server.max_batch requests and a spare, as its start-up check counts)
+    with a margin, or model.drafter_memory_fraction; the verifier's the rest. Both roles' command lines carry the
+    split and resolve it on the GPU they find; a role whose memory exceeds its share is refused at start with the
+    key, the sizes and what to change."""
     from blockspec.common.models.kv_cache import SlotKVCache
-    from blockspec.common.runtime.device import check_fits, claim_gpu_share, role_fractions
+    from blockspec.common.runtime.device import DRAFTER_MARGIN, DRAFTER_SLACK, MemorySplit, check_fits, claim_gpu_share
+    from blockspec.services.drafter.dflash.checkpoint import load_drafter
 
     p = resolve_startup(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5))
-    fractions = [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv)]
-    assert fractions == list(role_fractions(0.5)) == [0.4, 0.1]
-    assert parse_role_args(list(resolve_startup(config(tiny_models, dflash_drafters)).verifier_argv)).gpu_memory_fraction is None
+    splits = [MemorySplit.from_args(parse_role_args(list(argv))) for argv in (p.verifier_argv, p.drafter_argv)]
+    drafter = load_drafter(dflash_drafters["qwen3-trained"])
+    cfg = drafter.cfg
+    max_len = load_checkpoint(tiny_models["qwen3"]["target"], with_weights=False).config.max_position_embeddings
+    need = (sum(t.numel() for t in drafter.parameters()) * 4
+            + SlotKVCache.nbytes(cfg.num_layers, 16 + 1, cfg.num_kv_heads, min(max_len, 4096), cfg.head_dim))
+    assert splits == [p.memory, p.memory] == [MemorySplit(0.5, need)] * 2
     gib = 2**30
+    drafter_share = math.ceil((need * (1 + DRAFTER_MARGIN) + DRAFTER_SLACK) / (80 * gib) * 1e4) / 1e4
+    assert p.memory.fractions(80 * gib) == (round(0.5 - drafter_share, 4), drafter_share)
+    fixed = resolve_startup(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5,
+                                   drafter_memory_fraction=0.1))
+    args = parse_role_args(list(fixed.verifier_argv))
+    assert (args.drafter_memory_fraction, args.drafter_memory) == (0.1, None)
+    assert MemorySplit.from_args(args).fractions(80 * gib) == (0.4, 0.1)
+    with pytest.raises(InvalidArgument, match="model.drafter_memory_fraction: 0.5 leaves the verifier nothing"):
+        resolve_startup(config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.5,
+                               drafter_memory_fraction=0.5))
+    with pytest.raises(InvalidArgument, match=r"model.gpu_memory_utilization: the drafter's .* leaves the verifier "
+                                              r"nothing of a replica's 0.5000"):
+        MemorySplit(0.5, 60 * gib).fractions(80 * gib)
+    assert "--gpu-memory-utilization" not in resolve_startup(config(tiny_models, dflash_drafters)).verifier_argv
     check_fits("verifier", 50 * gib, 141 * gib, 0.4)  # 56.4 GiB share: fits
     with pytest.raises(InvalidArgument, match=r"model.gpu_memory_utilization: the drafter role needs 20.00 GiB .* share is "
                                               r"0.100 of the GPU's 141.0 GiB = 14.10 GiB; raise gpu_memory_utilization"):
@@ -121,15 +146,64 @@ def test_each_role_gets_its_memory_share_and_is_refused_when_it_does_not_fit(tin
 
 
 def test_replicas_sharing_a_gpu_split_it_and_plain_decoding_gives_the_verifier_all(tiny_models, dflash_drafters):
-    """--no-ray puts every replica on model.device: their shares add up to gpu_memory_utilization, not each to it.
-    Without a drafter the verifier's share is the whole of it (not 80% of it)."""
-    def fractions(p):
-        return [parse_role_args(list(argv)).gpu_memory_fraction for argv in (p.verifier_argv, p.drafter_argv) if argv]
-
+    """--no-ray puts every replica on model.device: their parts add up to gpu_memory_utilization, not each to it.
+    Without a drafter the verifier's share is the whole of a replica's part."""
+    gib = 2**30
     cfg = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9)
-    assert fractions(resolve_startup(cfg, replicas_per_gpu=2)) == [0.36, 0.09]
-    plain = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9, spec_decode={"enabled": False})
-    assert fractions(resolve_startup(plain)) == [0.9] and fractions(resolve_startup(plain, replicas_per_gpu=3)) == [0.3]
+    two = resolve_startup(cfg, replicas_per_gpu=2).memory
+    assert two.utilization == 0.45 and sum(two.fractions(80 * gib)) == pytest.approx(0.45)
+    plain = config(tiny_models, dflash_drafters, device="cuda", gpu_memory_utilization=0.9,
+                   spec_decode={"enabled": False})
+    assert resolve_startup(plain).memory.fractions(80 * gib) == (0.9, 0.0)
+    assert resolve_startup(plain, replicas_per_gpu=3).memory.fractions(80 * gib) == (0.3, 0.0)
+
+
+def test_the_verifiers_kv_cache_is_what_its_share_leaves_on_a_gpu(tiny_models):
+    """On a GPU the verifier's KV blocks are what its share leaves beside its weights, states and buffers; a share
+    that does not hold one request of max_len is refused naming model.max_model_len and the tokens it holds, and
+    model.kv_cache_tokens past the share naming that key. On the CPU the blocks are max_batch requests of max_len."""
+    from blockspec.common.runtime.device import kv_cache_blocks
+    from blockspec.common.runtime.footprint import STEP_RESERVE
+    from blockspec.services.verifier.verifier import Verifier
+
+    checkpoint = load_checkpoint(tiny_models["qwen3"]["target"])
+    layout = Verifier.layout(checkpoint, 4, (0, 1), torch.bfloat16, graphs=True)
+    total = 2**30
+    share = layout.held(100) + STEP_RESERVE + layout.block - 1  # 100 blocks and not quite one more, and the reserve
+    fraction = share / total
+    assert kv_cache_blocks(layout, 96, total, fraction) == layout.blocks_in(int(total * fraction)) in (99, 100)
+    assert kv_cache_blocks(layout, 96) is None and kv_cache_blocks(layout, 96, kv_tokens=200) == 13  # the CPU
+    with pytest.raises(InvalidArgument, match=r"model.max_model_len: the verifier's share.* KV blocks for 16.. "
+                                              r"tokens; 2000 were asked \(max_model_len 2000\)"):
+        kv_cache_blocks(layout, 2000, total, fraction)
+    with pytest.raises(InvalidArgument, match=r"model.kv_cache_tokens: .*were asked \(max_model_len 96, "
+                                              r"kv_cache_tokens 4000\)"):
+        kv_cache_blocks(layout, 96, total, fraction, 4000)
+
+
+def test_the_kv_cache_keys_reach_the_verifier_and_a_cpu_serve_keeps_its_default_memory(tiny_models, dflash_drafters):
+    """On the CPU the verifier role and the in-process engine keep max_batch requests of max_model_len in blocks
+    (nothing sized from a share); model.kv_cache_tokens, kv_block_size and prefix_caching reach both, and a
+    kv_cache_tokens under one request of max_model_len is refused before any role starts."""
+    from blockspec.services.serving.inprocess import build_engine
+    from blockspec.services.serving.launch import role_service
+
+    def verifier_of(**model):
+        cfg = config(tiny_models, dflash_drafters, max_model_len=96, **model)
+        p = resolve_startup(cfg, inprocess=True)
+        assert p.memory is None and "--gpu-memory-utilization" not in p.verifier_argv
+        role = role_service(parse_role_args(list(p.verifier_argv))).verifier
+        engine = build_engine(cfg, p, "cpu", torch.float32).verifier
+        return role, engine
+
+    for v in verifier_of():
+        assert (v.num_blocks, v.block_size, v.max_len, v.prefix_caching) == (16 * 6, 16, 96, True)
+    for v in verifier_of(kv_cache_tokens=200, kv_block_size=32, prefix_caching=False):
+        assert (v.num_blocks, v.block_size, v.max_len, v.prefix_caching) == (7, 32, 96, False)
+    with pytest.raises(InvalidArgument, match="model.kv_cache_tokens: 64 is less than one request of max_model_len 96"):
+        resolve_startup(config(tiny_models, dflash_drafters, max_model_len=96, kv_cache_tokens=64))
+    with pytest.raises(InvalidArgument, match="model.kv_block_size: 24 is not allowed: a power of two"):
+        config(tiny_models, dflash_drafters, kv_block_size=24)
 
 
 def test_the_drafter_dtype_warning_is_for_a_dtype_the_operator_set(tiny_models, dflash_drafters, caplog):
@@ -143,7 +217,6 @@ def test_the_drafter_dtype_warning_is_for_a_dtype_the_operator_set(tiny_models, 
 
 def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_drafters):
     """The share check counts the verifier before it exists: the count must equal what it then holds."""
-    from blockspec.common.models.checkpoint import load_checkpoint
     from blockspec.services.verifier.verifier import Verifier
 
     checkpoint = load_checkpoint(tiny_models["qwen3"]["target"])
@@ -160,6 +233,12 @@ def test_the_verifiers_counted_bytes_are_what_it_allocates(tiny_models, dflash_d
     tables = (1 + 2 + 4) * 96 // 16 * 8  # each batch size's block tables
     assert outputs == (1 + 2 + 4) * 31 * checkpoint.config.vocab_size * 4 + 7 * (2 + 3 + 5 + 9 + 17) * 8 + tables
     assert Verifier.static_bytes(checkpoint, 4, 96, (0, 1), torch.bfloat16, graphs=True) == sum(merged.values()) + outputs
+    # a paged cache of another size: its blocks, K/V and tap features
+    verifier = Verifier(checkpoint, 4, 96, tap_layers=(0, 1), dtype=torch.bfloat16, kv_blocks=10, block_size=32)
+    held = {id(t): t for t in (*verifier.runner.model.parameters(), verifier.runner.cache.k, verifier.runner.cache.v,
+                               verifier.tap_buffer)}
+    assert Verifier.static_bytes(checkpoint, 4, 96, (0, 1), torch.bfloat16, block_size=32,
+                                 num_blocks=10) == sum(t.nbytes for t in held.values())
 
 
 def test_ray_asks_for_gpu_shares_that_fill_whole_gpus_and_refuses_a_gpu_index(tiny_models, dflash_drafters):
