@@ -158,7 +158,6 @@ class VerifierRole(Protocol):
 
     num_slots: int
     free_slots: int
-    paged: bool  # a paged KV cache: admission and preemption by its blocks
     num_blocks: int
     block_size: int
     free_blocks: int  # blocks requests can take now (free, or cached and evictable)

@@ -11,7 +11,7 @@ from torch import nn
 
 from blockspec.common.kernels import cpu_kernels
 from blockspec.common.kernels.cpu_kernels import Linear, attends_in_place, cached_attention, fused_linear
-from blockspec.common.models.kv_cache import SlotKVCache
+from blockspec.common.models.kv_cache import PagedKVCache
 from blockspec.common.models.mlp import mlp_of
 from blockspec.common.models.model_config import ModelConfig
 
@@ -136,7 +136,7 @@ class AttentionBatch:
 
     def __init__(
         self,
-        cache: SlotKVCache,
+        cache: PagedKVCache,
         slots: torch.Tensor,  # [B] cache slot of each row of the batch
         positions: torch.Tensor,  # [B, T] absolute position of each query token
         real: torch.Tensor,  # [B, T] bool: False for padding rows (computed, never stored or returned)
@@ -159,11 +159,7 @@ class AttentionBatch:
         tables = cache.tables(host_slots, key_len)
         self.tables = tables if tables.device == positions.device else tables.to(positions.device, non_blocking=True)
         self.states = None  # a hybrid model's linear layers: the forward's `state_cache.StateStep`
-        # one row of a slot cache: its keys are a view, no gather
-        self.slot0 = host_slots[0] if len(host_slots) == 1 and not cache.paged else None
-        # One row of real tokens in a slot cache: what `store` puts (K/V, tap features) is one slice of its slot.
         all_real = min(host_lengths) == positions.shape[1]
-        self.span0 = (host_slots[0], host_starts[0]) if self.slot0 is not None and all_real else None
         self.spans = (host_starts, host_lengths)  # `cpu_kernels.decoder_rows` stores the K/V by them
         self.cos_sin = cos_sin  # the tables [max_len, hd]; `cos` and `sin` gather them where torch's RoPE runs
         # Attention reads the cache in place (`cached_attention`) where it applies, else SDPA over the
@@ -201,36 +197,20 @@ class AttentionBatch:
         return x.reshape(-1, *x.shape[2:]) if self.all_real else x[self.rows]
 
     def store(self, dest: torch.Tensor, rows: torch.Tensor) -> None:
-        """The real tokens' rows [N, ...] into dest [blocks, block_len, ...] (laid out as the cache's blocks) at their
-        positions: one slice of the slot for a single row of real tokens in a slot cache, else one scatter."""
-        if self.span0 is not None:
-            slot, start = self.span0
-            dest[slot, start : start + rows.shape[0]] = rows
-        else:
-            dest[self._stored] = rows
+        """The real tokens' rows [N, ...] into dest [blocks, block_size, ...] (laid out as the cache's blocks) at their
+        positions: one scatter."""
+        dest[self._stored] = rows
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache ([blocks, kv_heads, block_len, hd]:
-        `store` with the layout's own indexing, which saves four view ops a layer on the hot path)."""
-        if self.span0 is not None:
-            slot, start = self.span0
-            end = start + k.shape[2]
-            self.cache.k[layer][slot, :, start:end] = k[0]
-            self.cache.v[layer][slot, :, start:end] = v[0]
-            return
+        """Store the real tokens' k, v [B, kv_heads, T, hd] in the cache ([blocks, kv_heads, block_size, hd]:
+        `store` with the layout's own indexing)."""
         blocks, offsets = self._stored
         for cache, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             cache[blocks, :, offsets] = self.real_rows(new.transpose(1, 2))  # [N, kv_heads, hd]
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values [B, kv_heads, key_len, hd] of each row."""
-        if self.cache.paged:
-            return self.cache.gather(layer, self.tables, self.key_len)
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if self.slot0 is not None:
-            s = self.slot0
-            return kc[s : s + 1, :, : self.key_len], vc[s : s + 1, :, : self.key_len]
-        return kc[self.slots, :, : self.key_len], vc[self.slots, :, : self.key_len]
+        """The keys and values [B, kv_heads, key_len, hd] of each row, gathered from its blocks."""
+        return self.cache.gather(layer, self.tables, self.key_len)
 
 
 class Decoder(nn.Module):

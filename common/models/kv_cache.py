@@ -1,10 +1,9 @@
 """KV caches: a request's row is its slot; a rollback sets the slot's length.
 
-`SlotKVCache` keeps one fixed buffer of max_len positions per slot (the drafters);
-`PagedKVCache` keeps blocks of block_size positions, taken as a request grows and given back as it ends, named by a
-table per slot, with a prefix cache over full blocks (block_pool.py). Both lay a layer out as
-[blocks, kv_heads, block_len, hd] (a slot cache: a block per slot of max_len positions), so the attention kernels
-read either through a block table: row position p lies in block table[p >> block_shift] at p & (block_len - 1)."""
+`PagedKVCache` (the verifier's, both runners) keeps blocks of block_size positions, taken as a request grows and given
+back as it ends, named by a table per slot, with a prefix cache over full blocks (block_pool.py): a layer's K/V lie in
+[blocks, kv_heads, block_size, hd], and position p of a slot in block table[p >> block_shift] at p & (block_size - 1).
+`SlotKVCache` keeps one fixed buffer of max_len positions per slot (the DFlash drafter's context)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from blockspec.common.models.block_pool import BlockPool, OutOfBlocks
 # first on an H200, cuDNN's, builds an execution plan for each new shape, and a decode's key length grows
 # by one every step: with spans there are at most max_len / CUDA_KEY_SPAN shapes to plan.
 CUDA_KEY_SPAN = 256
-WHOLE_SLOT = 40  # a slot cache's block_shift: every position of a slot lies in its one block
 
 
 class SlotKVCache:
@@ -26,9 +24,6 @@ class SlotKVCache:
     positions [length, length + n) and the caller then sets the length (advance, or roll back a
     rejected draft: the stale entries are simply overwritten by the next forward).
     """
-
-    block_shift = WHOLE_SLOT
-    paged = False
 
     def __init__(
         self,
@@ -96,27 +91,12 @@ class SlotKVCache:
         """Keys and values [len(slots), kv_heads, key_len, hd]."""
         return self.k[layer, slots, :, :key_len], self.v[layer, slots, :, :key_len]
 
-    def reserve(self, slot: int, end: int) -> None:
-        """Room for positions [0, end) of the slot: a slot cache has it up to max_len."""
-        if end > self.max_len:
-            raise ValueError(f"slot {slot}: position {end - 1} does not fit max_len {self.max_len}")
-
-    def tables(self, host_slots: list[int], key_len: int) -> torch.Tensor:
-        """The block table of each row [B, nb] covering positions [0, key_len): a slot cache's is the slot itself."""
-        return torch.tensor(host_slots, dtype=torch.long)[:, None]
-
-    def blocks_of(self, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where tokens lie, each at a position [N] of a row [N] of these tables [B, nb]: (block, offset), [N] each."""
-        return tables[rows, 0], positions
 
 
 class PagedKVCache(SlotKVCache):
     """K/V in blocks of `block_size` positions (a power of two), `num_blocks` of them shared by `num_slots` request
     rows. A slot takes blocks as it grows (`reserve`, before a forward writes), gives them back on release, and may
     start from a cached prefix's blocks (`attach`). Rolling back keeps the blocks (the next forward writes there)."""
-
-    paged = True
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
@@ -161,7 +141,8 @@ class PagedKVCache(SlotKVCache):
 
     def reserve(self, slot: int, end: int) -> None:
         """Blocks for positions [0, end) of the slot: OutOfBlocks where the pool has too few (none is taken then)."""
-        super().reserve(slot, end)
+        if end > self.max_len:
+            raise ValueError(f"slot {slot}: position {end - 1} does not fit max_len {self.max_len}")
         held = self.held[slot]
         more = self.blocks_for(end) - len(held)
         if more <= 0:
@@ -207,6 +188,7 @@ class PagedKVCache(SlotKVCache):
 
     def blocks_of(self, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where tokens lie, each at a position [N] of a row [N] of these tables [B, nb]: (block, offset), [N] each."""
         return tables[rows, positions >> self.block_shift], positions & (self.block_size - 1)
 
     def gather(self, layer: int, tables: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,11 +232,8 @@ class BlockRows:
         return self.buffer[blocks, (positions & (self.block_size - 1)).to(self.buffer.device)]
 
 
-def slot_rows(buffer: torch.Tensor, table: torch.Tensor | None) -> list:
-    """Each slot's rows of a per-position buffer: views of a slot-laid-out one ([slots, max_len, ...]; table None),
-    `BlockRows` of a block-laid-out one through its tables [slots, max_blocks]."""
-    if table is None:
-        return list(buffer.unbind(0))
+def slot_rows(buffer: torch.Tensor, table: torch.Tensor) -> list[BlockRows]:
+    """Each slot's rows of a buffer laid out in a paged cache's blocks, through its tables [slots, max_blocks]."""
     return [BlockRows(buffer, row) for row in table.unbind(0)]
 
 

@@ -110,8 +110,7 @@ class DrafterService(RoleStream, roles_grpc.DrafterServicer):
         if self.proposer is None:
             self._tap_buffer = open_pb(info.tap_buffer)
             # `_features`: each slot's rows, made once (through the shared block tables of a paged cache)
-            self._tap_rows = slot_rows(self._tap_buffer, open_pb(info.block_table) if info.HasField("block_table")
-                                       else None)
+            self._tap_rows = slot_rows(self._tap_buffer, open_pb(info.block_table))
             view = TargetView(open_pb(info.embedding), open_pb(info.lm_head), self._features, self._tap_buffer)
             self.proposer = build_proposer("dflash", self.target, self.drafter_path, self.num_slots,
                                            min(self.max_len, info.max_len), view, self.dflash_model, **self.modules)

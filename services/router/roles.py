@@ -79,9 +79,7 @@ class RemoteVerifier:
         self._active: dict[str, int] = {}  # request -> tap buffer row
         self._release: list[str] = []
         self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
-        self.paged = self.info.num_blocks > 0
-        self.num_blocks = self.info.num_blocks or self.info.num_slots
-        self.block_size = self.info.block_size or self.info.max_len
+        self.num_blocks, self.block_size = self.info.num_blocks, self.info.block_size
         self._free_blocks = self.num_blocks  # from the last response
         self._blocks: dict[str, tuple[int, int]] = {}  # request -> (committed tokens, blocks held), from its last result
         self.prefix_stats = PrefixStats()  # prompt tokens looked up and found cached, from the last response
@@ -96,12 +94,10 @@ class RemoteVerifier:
 
     @property
     def free_blocks(self) -> int:
-        return self._free_blocks if self.paged else self.free_slots
+        return self._free_blocks
 
     def blocks_needed(self, request_id: str, tokens: int) -> int:
         """As `Verifier.blocks_needed`, from the request's last result (its cache holds committed - 1 positions)."""
-        if not self.paged:
-            return 0
         committed, held = self._blocks.get(request_id, (1, 0))
         return max(0, -(-(committed - 1 + tokens) // self.block_size) - held)
 

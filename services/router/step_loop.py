@@ -262,11 +262,10 @@ class StepLoop:
         the prompts under way still take (a prefix cache hit may need fewer: counted as if it did not)."""
         self.last_report = None
         v = self.verifier
-        free = (v.free_blocks - sum(self._blocks_for(len(lv.token_ids)) for lv in self._prefilling.values())
-                if v.paged else 0)
+        free = v.free_blocks - sum(self._blocks_for(len(lv.token_ids)) for lv in self._prefilling.values())
         while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch and v.free_slots):
             live = self._waiting[0]
-            need = self._blocks_for(len(live.token_ids)) + 1 if v.paged else 0
+            need = self._blocks_for(len(live.token_ids)) + 1
             if need > free and (self._running or self._prefilling):
                 break  # it waits for blocks; alone it goes (the cache holds max_len tokens)
             free -= need
@@ -296,8 +295,6 @@ class StepLoop:
         frees its blocks in both roles and waits at the head of the queue, to resume with every token it had
         committed (its stream goes on from there: nothing is sent twice or lost)."""
         v = self.verifier
-        if not v.paged:
-            return
         while True:
             need = sum(v.blocks_needed(w.request_id, w.k + 1) for w in wants if w.request_id in self._running)
             if wants:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path: str) -> roles_pb2.VerifierInfo:
-    """Move the embedding, LM head, tap buffer and a paged cache's block tables into shared memory (the verifier keeps
+    """Move the embedding, LM head, tap buffer and the KV cache's block tables into shared memory (the verifier keeps
     using them)."""
     model = verifier.runner.model
     tied = model.lm_head.weight is model.embed_tokens.weight
@@ -38,14 +38,12 @@ def share_target_tensors(verifier: Verifier, shares: SharedTensors, target_path:
         tap_layers=verifier.runner.tap_layers, target_path=target_path,
     )
     cache = verifier.runner.cache
-    if cache.paged:
-        info.num_blocks, info.block_size = cache.num_blocks, cache.block_size
+    info.num_blocks, info.block_size = cache.num_blocks, cache.block_size
     if verifier.tap_buffer is not None:
         verifier.tap_buffer, taps_handle = shares.export(verifier.tap_buffer)
         info.tap_buffer.CopyFrom(handle_to_pb(taps_handle))
-        if cache.paged:  # the drafter reads a request's taps through its slot's table
-            cache.table, table_handle = shares.export(cache.table)
-            info.block_table.CopyFrom(handle_to_pb(table_handle))
+        cache.table, table_handle = shares.export(cache.table)  # the drafter reads taps through the slots' tables
+        info.block_table.CopyFrom(handle_to_pb(table_handle))
         verifier.share_taps()
     return info
 

@@ -12,7 +12,6 @@ import torch
 from blockspec.common.contracts import Draft, DraftTree, StepCosts, VerifyInput, VerifyResult
 from blockspec.common.kernels import cpu_kernels
 from blockspec.common.kernels.delta_rule import PREFILL_BLOCK
-from blockspec.common.models.block_pool import PrefixStats
 from blockspec.common.models.checkpoint import Checkpoint
 from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.backends import make_runner
@@ -87,8 +86,7 @@ class Verifier:
         self.runner = make_runner(checkpoint, num_slots, max_len, query_width, tap_layers, dtype, device, backend,
                                   tensor_parallel_size, kv_blocks, block_size, prefix_caching)
         cache = self.runner.cache
-        self.paged = cache.paged
-        self.prefix_caching = self.paged and cache.pool.caching
+        self.prefix_caching = cache.pool.caching
         # Tap features of every position the target has run, in the paged cache's blocks [blocks, block_size,
         # n_taps * hidden] (a CUDA runner's has a spare block after them, where its padding rows go).
         self.tap_buffer = self.runner.make_tap_buffer()
@@ -100,7 +98,7 @@ class Verifier:
         # and each token's K/V are then the same bits however the prompt was split (what a cached prefix relies on).
         self.prefill_rows = cpu_kernels.MAX_ROWS if self.runner.device.type == "cpu" else None
         self.max_prefill_tokens = min(max_prefill_tokens, self.prefill_rows or max_prefill_tokens)
-        self.prefix_stats = cache.pool.stats if self.paged else PrefixStats()
+        self.prefix_stats = cache.pool.stats
         # A hybrid's prompt is split into forwards on the chunked delta rule's block boundaries only, so that each of
         # its tokens runs the same arithmetic however it was split (`delta_rule.prefill_blocks`).
         self.prefill_align = PREFILL_BLOCK if checkpoint.config.hybrid and max_prefill_tokens >= PREFILL_BLOCK else 1
@@ -136,7 +134,7 @@ class Verifier:
     @property
     def max_len(self) -> int:
         """The longest context a request may reach: the runner's, within what the paged cache's blocks hold."""
-        return min(self.runner.max_len, self.num_blocks * self.block_size) if self.paged else self.runner.max_len
+        return min(self.runner.max_len, self.num_blocks * self.block_size)
 
     @property
     def num_slots(self) -> int:
@@ -148,23 +146,23 @@ class Verifier:
 
     @property
     def num_blocks(self) -> int:
-        """KV cache blocks (a slot cache: one a slot)."""
-        return self.runner.cache.num_blocks if self.paged else self.num_slots
+        """KV cache blocks (the pool's: a CUDA runner's spare is not one)."""
+        return self.runner.cache.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.runner.cache.block_size if self.paged else self.max_len
+        return self.runner.cache.block_size
 
     @property
     def free_blocks(self) -> int:
-        """Blocks a request can take now (free, or cached and evictable); a slot cache's: its free slots."""
-        return self.runner.cache.pool.free if self.paged else self.free_slots
+        """Blocks a request can take now (free, or cached and evictable)."""
+        return self.runner.cache.pool.free
 
     def share_taps(self) -> None:
         """Make `features`' per-slot rows again (after the tap buffer or the block tables moved, into shared memory)."""
         cache = self.runner.cache
         self._tap_rows = ([] if self.tap_buffer is None else
-                          slot_rows(self.tap_buffer, cache.table if self.paged else None))
+                          slot_rows(self.tap_buffer, cache.table))
 
     def slot_of(self, request_id: str) -> int:
         return self._requests[request_id].slot
@@ -209,8 +207,7 @@ class Verifier:
         return StepCosts(tuple(sizes), tuple(widths), tuple(tuple(row) for row in table))
 
     def features(self, request_id: str):
-        """Tap features of the request's slot, rows [max_len, n_taps * hidden] (a view of a slot's, or
-        `kv_cache.BlockRows` through a paged cache's table): its first committed_len - 1 rows are the committed tokens'
+        """Tap features of the request's slot by position, `kv_cache.BlockRows` through the slot's table: its first committed_len - 1 rows are the committed tokens'
         before the anchor (the rest is not theirs). The slot's rows are made once: indexing per call, right after a
         target forward, costs a visible share of a proposal."""
         return self._tap_rows[self._requests[request_id].slot]
@@ -258,13 +255,11 @@ class Verifier:
                                                    held // cache.block_size))
 
     def held_blocks(self, request_id: str) -> int:
-        """KV cache blocks the request holds (a slot cache's: 0)."""
-        return len(self.runner.cache.held[self._requests[request_id].slot]) if self.paged else 0
+        """KV cache blocks the request holds."""
+        return len(self.runner.cache.held[self._requests[request_id].slot])
 
     def blocks_needed(self, request_id: str, tokens: int) -> int:
-        """Blocks the request takes to grow by `tokens` positions (a paged cache; 0 for a slot cache)."""
-        if not self.paged:
-            return 0
+        """Blocks the request takes to grow by `tokens` positions."""
         cache, state = self.runner.cache, self._requests[request_id]
         return max(0, cache.blocks_for(cache.lengths[state.slot] + tokens) - len(cache.held[state.slot]))
 

@@ -169,7 +169,7 @@ def test_long_prompts_prefilled_by_the_chunked_rule_decode_as_the_recurrence(tar
     prompts = [ids[1000:1200], ids[3000:3090], ids[5000:5120]]
 
     def generate(method: str, k: int | None) -> list[list[int]]:
-        engine = Engine(targets[target], None, method, max_batch=3, threads=1)
+        engine = Engine(targets[target], None, method, max_batch=3, threads=1, prefix_caching=False)
         return [list(d.token_ids) for d in engine.complete([engine.request(str(i), p, 24, k)
                                                             for i, p in enumerate(prompts)])]
 
@@ -210,7 +210,8 @@ def test_a_prompt_split_on_block_boundaries_or_batched_prefills_the_same_bits(hy
 def test_the_verifier_splits_a_hybrids_prompt_on_block_boundaries(hybrids):
     from blockspec.services.verifier.verifier import Verifier
 
-    verifier = Verifier(load_checkpoint(hybrids["text"]), num_slots=2, max_len=256, max_prefill_tokens=100)
+    verifier = Verifier(load_checkpoint(hybrids["text"]), num_slots=2, max_len=256, max_prefill_tokens=100,
+                        prefix_caching=False)  # its saved states cut forwards too (test_prefix_cache.py)
     verifier.add("a", [(37 * i + 11) % 300 + 2 for i in range(150)])
     forwards = []
     forward = verifier.runner.forward
@@ -219,7 +220,8 @@ def test_the_verifier_splits_a_hybrids_prompt_on_block_boundaries(hybrids):
     verifier.prefill(["a"], budget=90)
     verifier.prefill(["a"])
     assert forwards == [[64], [86]]  # 90 tokens of room: the first forward stops at 64, a block boundary
-    small = Verifier(load_checkpoint(hybrids["text"]), num_slots=1, max_len=256, max_prefill_tokens=20)
+    small = Verifier(load_checkpoint(hybrids["text"]), num_slots=1, max_len=256, max_prefill_tokens=20,
+                     prefix_caching=False)
     small.add("b", list(range(2, 62)))
     assert len(small.prefill(["b"])) == 1  # forwards narrower than a block: unaligned, the prompt still completes
 

@@ -47,7 +47,7 @@ def stored_taps(runner, prompt: list[int]) -> torch.Tensor:
     runner.forward([Segment(slot, prompt[:-3])], dest)
     for token in prompt[-3:]:
         runner.forward([Segment(slot, [token])], dest)
-    return slot_rows(dest, runner.cache.table if runner.cache.paged else None)[slot][: len(prompt)]
+    return slot_rows(dest, runner.cache.table)[slot][: len(prompt)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

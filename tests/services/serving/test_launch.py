@@ -204,3 +204,37 @@ def test_bfloat16_roles_stream_what_the_engine_streams_in_bfloat16(tiny_models, 
         assert running["drafter"].proposer.embedding.dtype == torch.bfloat16
     finally:
         stop_split(running)
+
+
+def test_split_roles_preempt_and_resume_every_stream_exact(tiny_models, dflash_drafters, prompts):
+    """A verifier role whose paged cache holds 160 positions, 4 streams of up to 120 through the router at once:
+    admission waits for blocks, the router preempts the latest admitted as the others grow (its release and its
+    resumed prefill travel over the role stream, the drafter rebuilds its context from the shared taps), and every
+    stream is the target's greedy continuation with each token sent once."""
+    from prometheus_client import CollectorRegistry
+
+    from blockspec.common.telemetry.metrics import RouterMetrics
+    from blockspec.services.serving.launch import KvCacheConfig
+    from tests.helpers import hf_greedy
+
+    target, drafter = str(tiny_models["qwen3"]["target"]), str(dflash_drafters["qwen3-trained"])
+    registry = CollectorRegistry()
+    running = start_split("dflash", verifier_service(target, "dflash", drafter, max_batch=4, max_len=160,
+                                                     kv=KvCacheConfig(tokens=160)),
+                          DrafterService("dflash", drafter, target, num_slots=4, max_len=160),
+                          metrics=RouterMetrics(registry))
+    try:
+        def one(i):
+            req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts[6][i : i + 20]), max_tokens=100,
+                                          num_speculative_tokens=5)
+            return collect(running["stub"].Generate(req, timeout=120))
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(one, range(4)))
+        assert registry.get_sample_value("blockspec_num_preemptions_total", {"replica": "0", **AT}) > 0
+        for i, (ids, _, finish) in enumerate(results):
+            assert ids == hf_greedy(target, prompts[6][i : i + 20], 100), i
+            assert finish.usage.completion_tokens == len(ids) and finish.usage.prompt_tokens == 20
+        assert running["verifier"].held == 0 and running["drafter"].held == 0
+    finally:
+        stop_split(running)
