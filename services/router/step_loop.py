@@ -23,6 +23,7 @@ from blockspec.common.sampling import GREEDY, SamplingParams
 from blockspec.common.telemetry import tracing
 from blockspec.common.tokens.lookup import ContextTexts, lookup
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
+from blockspec.services.router.kv_blocks import KvBlocks
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class _Live:
         return len(self.token_ids) - len(self.request.prompt_ids)
 
 
-class StepLoop:
+class StepLoop(KvBlocks):
     """Steps all running requests together (one propose, one verify); new requests join between steps.
 
     Not thread-safe: call submit / cancel / step from one thread (the server runs them on one executor).
@@ -262,7 +263,7 @@ class StepLoop:
         the prompts under way still take (a prefix cache hit may need fewer: counted as if it did not)."""
         self.last_report = None
         v = self.verifier
-        free = v.free_blocks - sum(self._blocks_for(len(lv.token_ids)) for lv in self._prefilling.values())
+        free = self._admission_blocks()
         while (self._waiting and len(self._running) + len(self._prefilling) < self.max_batch and v.free_slots):
             live = self._waiting[0]
             need = self._blocks_for(len(live.token_ids)) + 1
@@ -285,36 +286,6 @@ class StepLoop:
                     live.stats.first_token_s = time.perf_counter() - live.stats.started
                 self._unsent.extend(self._commit(live, result))
             self._make_room(())  # prompts under way that found too few blocks
-
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.verifier.block_size)
-
-    def _make_room(self, wants: Sequence[ProposeInput]) -> None:
-        """Preempt the latest admitted requests until the step's verifies (k + 1 positions each of `wants`) find
-        their KV blocks, or, with nothing to verify, until the prompts under way can go on: each preempted request
-        frees its blocks in both roles and waits at the head of the queue, to resume with every token it had
-        committed (its stream goes on from there: nothing is sent twice or lost)."""
-        v = self.verifier
-        while True:
-            need = sum(v.blocks_needed(w.request_id, w.k + 1) for w in wants if w.request_id in self._running)
-            if wants:
-                short = need > v.free_blocks
-            else:  # prefill only: stuck where no prompt under way can take a block
-                short = bool(self._prefilling) and all(v.blocks_needed(r, 1) > v.free_blocks for r in self._prefilling)
-            holders = [*self._running.values(), *self._prefilling.values()]
-            if not short or len(holders) <= 1:
-                return
-            victim = max(holders, key=lambda lv: lv.admitted)
-            rid = victim.request.request_id
-            self._release(rid)
-            self._running.pop(rid, None) or self._prefilling.pop(rid)
-            victim.last_drafted = 0
-            victim.stats.preempted += 1
-            self.preemptions += 1
-            self._waiting.appendleft(victim)
-            wants = [w for w in wants if w.request_id != rid]
-            log.info("preempted request %s at %d tokens (KV blocks: %d free)", rid, len(victim.token_ids),
-                     v.free_blocks)
 
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
