@@ -48,6 +48,9 @@ class BlockPool:
     def cached(self) -> int:
         return len(self._cached)
 
+    def holders(self, block: int) -> int:
+        return self._refs[block]
+
     def take(self) -> int:
         """A block for new tokens, held once: a free one, else the least recently used cached one (its hash
         forgotten)."""
@@ -99,10 +102,3 @@ class BlockPool:
             self._hash_of[block] = h
             self._by_hash[h] = block
 
-    def reset(self) -> None:
-        """Forget every cached prefix (the weights changed, or an operator asked)."""
-        for block in list(self._cached):
-            self._free.append(block)
-        self._cached.clear()
-        self._hash_of.clear()
-        self._by_hash.clear()

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from blockspec.common.config import RoutingConfig
 from blockspec.common.telemetry.metrics import RouterMetrics
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS
 from blockspec.common.wire.auth import ApiKeys, AuthInterceptor
 from blockspec.common.wire.grpc_server import start_server
 from blockspec.common.wire.tls import ServerTls
@@ -128,7 +129,8 @@ async def start_version(step_loops: Sequence[StepLoop], facts: ModelFacts, metri
     schedulers = [Scheduler(loop, at, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
-    return Version(facts, schedulers, metrics=at, routing=prefix_router(routing))
+    block_size = step_loops[0].verifier.block_size if step_loops else BLOCK_TOKENS
+    return Version(facts, schedulers, metrics=at, routing=prefix_router(routing, block_size))
 
 
 def loopback_socket() -> str:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-
-from blockspec.common.contracts import ProposeInput
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +19,15 @@ class KvBlocks:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.verifier.block_size)
 
-    def _make_room(self, wants: Sequence[ProposeInput]) -> None:
-        """Preempt the latest admitted requests until the step's verifies (k + 1 positions each of `wants`) find
+    def _make_room(self, needs: dict[str, int]) -> None:
+        """Preempt the latest admitted requests until the step's verifies (`needs`: the new positions of each) find
         their KV blocks, or, with nothing to verify, until the prompts under way can go on: each preempted request
         frees its blocks in both roles and waits at the head of the queue, to resume with every token it had
         committed (its stream goes on from there: nothing is sent twice or lost)."""
         v = self.verifier
         while True:
-            need = sum(v.blocks_needed(w.request_id, w.k + 1) for w in wants if w.request_id in self._running)
-            if wants:
-                short = need > v.free_blocks
+            if needs:
+                short = sum(v.blocks_needed(r, n) for r, n in needs.items() if r in self._running) > v.free_blocks
             else:  # prefill only: stuck where no prompt under way can take a block
                 short = bool(self._prefilling) and all(v.blocks_needed(r, 1) > v.free_blocks for r in self._prefilling)
             holders = [*self._running.values(), *self._prefilling.values()]
@@ -45,6 +41,6 @@ class KvBlocks:
             victim.stats.preempted += 1
             self.preemptions += 1
             self._waiting.appendleft(victim)
-            wants = [w for w in wants if w.request_id != rid]
+            needs = {r: n for r, n in needs.items() if r != rid}
             log.info("preempted request %s at %d tokens (KV blocks: %d free)", rid, len(victim.token_ids),
                      v.free_blocks)

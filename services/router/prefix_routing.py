@@ -110,9 +110,10 @@ class PrefixRouter(Generic[R]):
             del self.memory[gone]
 
 
-def prefix_router(cfg: RoutingConfig) -> PrefixRouter | None:
-    """The router server.routing asks for; None: the least loaded replica takes each request."""
+def prefix_router(cfg: RoutingConfig, block_size: int = BLOCK_TOKENS) -> PrefixRouter | None:
+    """The router server.routing asks for, over the replicas' KV blocks of `block_size` positions; None: the least
+    loaded replica takes each request."""
     if cfg.policy == "least_loaded":
         return None
-    return PrefixRouter(cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
-                        balance_rel_threshold=cfg.balance_rel_threshold)
+    return PrefixRouter(block_size=block_size, cache_threshold=cfg.cache_threshold,
+                        balance_abs_threshold=cfg.balance_abs_threshold, balance_rel_threshold=cfg.balance_rel_threshold)

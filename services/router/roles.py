@@ -81,7 +81,8 @@ class RemoteVerifier:
         self.memory = (0, 0)  # (rss, gpu) bytes of the role, from its last response
         self.num_blocks, self.block_size = self.info.num_blocks, self.info.block_size
         self._free_blocks = self.num_blocks  # from the last response
-        self._blocks: dict[str, tuple[int, int]] = {}  # request -> (committed tokens, blocks held), from its last result
+        # request -> (committed tokens, blocks held, blocks only it holds), from its last result
+        self._blocks: dict[str, tuple[int, int, int]] = {}
         self.prefix_stats = PrefixStats()  # prompt tokens looked up and found cached, from the last response
 
     @property
@@ -98,7 +99,7 @@ class RemoteVerifier:
 
     def blocks_needed(self, request_id: str, tokens: int) -> int:
         """As `Verifier.blocks_needed`, from the request's last result (its cache holds committed - 1 positions)."""
-        committed, held = self._blocks.get(request_id, (1, 0))
+        committed, held, _ = self._blocks.get(request_id, (1, 0, 0))
         return max(0, -(-(committed - 1 + tokens) // self.block_size) - held)
 
     def measure_step_costs(self, max_width: int) -> StepCosts:
@@ -122,8 +123,8 @@ class RemoteVerifier:
         now: a verifier must not hold a request after its stream has ended."""
         if self._pending.pop(request_id, None) is not None:
             return  # the verifier never heard of it
-        _, held = self._blocks.pop(request_id, (0, 0))
-        self._free_blocks += held  # free once the verifier has the release (before the next op's forward)
+        *_, own = self._blocks.pop(request_id, (0, 0, 0))
+        self._free_blocks += own  # free once the verifier has the release (before the next op's forward)
         if self._active.pop(request_id, None) is not None or request_id in self._prefilling:
             self._prefilling.discard(request_id)
             self._release.append(request_id)
@@ -148,7 +149,7 @@ class RemoteVerifier:
         out = []
         for r in resp.results:
             self._active[r.request_id] = r.slot
-            self._blocks[r.request_id] = (r.committed_len, r.blocks)
+            self._blocks[r.request_id] = (r.committed_len, r.blocks, r.own_blocks)
             out.append(VerifyResult(r.request_id, r.num_accepted, tuple(r.token_ids), r.eos, r.committed_len))
         return out
 

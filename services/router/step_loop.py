@@ -285,7 +285,7 @@ class StepLoop(KvBlocks):
                 if not live.stats.first_token_s:
                     live.stats.first_token_s = time.perf_counter() - live.stats.started
                 self._unsent.extend(self._commit(live, result))
-            self._make_room(())  # prompts under way that found too few blocks
+            self._make_room({})  # prompts under way that found too few blocks
 
     def _k(self, live: _Live) -> int:
         # Never draft past max_tokens: a step commits at most k + 1 tokens.
@@ -314,11 +314,6 @@ class StepLoop(KvBlocks):
     def _step(self) -> Iterator[TokenEvent | FinishEvent]:
         lives = list(self._running.values())
         wants, looked_up, lookup_s = self._plan(lives)  # the lookup's time counts as drafting
-        self._make_room(wants)
-        if len(self._running) < len(lives):  # some were preempted: the step goes on without them
-            lives = [lv for lv in lives if lv.request.request_id in self._running]
-            wants = [w for w in wants if w.request_id in self._running]
-            looked_up = {r: d for r, d in looked_up.items() if r in self._running}
         span = tracing.step_span([lv.request.span_context for lv in lives]) if tracing.recording() else None
         # The role calls carry the step span as their parent.
         with tracing.use_span(span) if span is not None else contextlib.nullcontext():
@@ -331,6 +326,13 @@ class StepLoop(KvBlocks):
             t1 = time.perf_counter()
             inputs = [VerifyInput(w.request_id, drafted[w.request_id].head(w.k) if w.request_id in drafted else NO_DRAFT)
                       for w in wants]
+            # each verify's positions: the anchor and its drafts (a draft tree's every node)
+            self._make_room({i.request_id: 1 + len((i.draft.tree or i.draft).token_ids) for i in inputs})
+            if len(self._running) < len(lives):  # some were preempted: the step goes on without them
+                lives = [lv for lv in lives if lv.request.request_id in self._running]
+                wants = [w for w in wants if w.request_id in self._running]
+                inputs = [i for i in inputs if i.request_id in self._running]
+                looked_up = {r: d for r, d in looked_up.items() if r in self._running}
             results = self.verifier.verify(inputs)
             t2 = time.perf_counter()
             draft_s = t1 - t0 + lookup_s

@@ -58,9 +58,10 @@ def share_draft_q(num_slots: int, shares: SharedTensors, info: roles_pb2.Verifie
 
 
 def result_to_pb(verifier: Verifier, r) -> roles_pb2.VerifyResult:
+    blocks, own = verifier.held_blocks(r.request_id)
     return roles_pb2.VerifyResult(request_id=r.request_id, num_accepted=r.num_accepted, token_ids=r.token_ids, eos=r.eos,
-                                  committed_len=r.committed_len, slot=verifier.slot_of(r.request_id),
-                                  blocks=verifier.held_blocks(r.request_id))
+                                  committed_len=r.committed_len, slot=verifier.slot_of(r.request_id), blocks=blocks,
+                                  own_blocks=own)
 
 
 class VerifierService(RoleStream, roles_grpc.VerifierServicer):

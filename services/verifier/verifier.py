@@ -243,20 +243,22 @@ class Verifier:
         """Free the request's slot; its full blocks of committed tokens stay cached for later prompts."""
         state = self._requests.pop(request_id, None)
         if state is not None:
-            self._publish(state)
-            self.runner.cache.release(state.slot)
+            cache = self.runner.cache
+            self._publish(state, min(cache.lengths[state.slot], len(state.token_ids) - 1))
+            cache.release(state.slot)
 
-    def _publish(self, state: _State) -> None:
-        """Cache the full blocks of the request's committed tokens whose K/V the cache holds."""
+    def _publish(self, state: _State, positions: int) -> None:
+        """Cache the full blocks among the first `positions` of the request's committed tokens (their K/V written)."""
         if self.prefix_caching:
             cache = self.runner.cache
-            held = min(cache.lengths[state.slot], len(state.token_ids) - 1)
             cache.publish(state.slot, block_hashes(state.token_ids, cache.block_size, state.salt,
-                                                   held // cache.block_size))
+                                                   positions // cache.block_size))
 
-    def held_blocks(self, request_id: str) -> int:
-        """KV cache blocks the request holds."""
-        return len(self.runner.cache.held[self._requests[request_id].slot])
+    def held_blocks(self, request_id: str) -> tuple[int, int]:
+        """KV cache blocks the request holds, and of them those no other request holds (what its release frees)."""
+        cache = self.runner.cache
+        held = cache.held[self._requests[request_id].slot]
+        return len(held), sum(cache.pool.holders(b) == 1 for b in held)
 
     def blocks_needed(self, request_id: str, tokens: int) -> int:
         """Blocks the request takes to grow by `tokens` positions."""
@@ -310,7 +312,7 @@ class Verifier:
                     cache.snapshots.save(state.slot, block_hashes(state.token_ids, cache.block_size, state.salt,
                                                                   end // cache.block_size)[-1])
                 if end == state.prefill_len:
-                    self._publish(state)
+                    self._publish(state, end)
                     pending.remove(rid)
                     greedy = out.greedy[segments_of[rid]] if out.greedy else None
                     results.append(self._commit(rid, self._decide(state, logits[-1:], (), None, greedy)))

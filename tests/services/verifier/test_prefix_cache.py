@@ -229,3 +229,18 @@ def test_a_hybrid_resumes_cached_prefixes_from_saved_states(family, tmp_path, to
         if caching:
             assert engine.verifier.prefix_stats.hits >= 64
     assert results[0] == results[1]
+
+
+def test_preemption_counts_every_node_of_a_draft_tree(tiny_models, dflash_drafters, prompts):
+    """A draft tree's verify writes all its nodes (3 + 9 + 9 at k 3 with children (3, 3), not k + 1): the room made
+    before it counts them, so a cache too small for 4 requests preempts instead of failing the step."""
+    from tests.helpers import hf_greedy
+
+    target = tiny_models["qwen3"]["target"]
+    engine = Engine(target, dflash_drafters["qwen3-trained"], "dflash", max_batch=4, max_len=160, kv_cache_tokens=160,
+                    draft_tree=(3, 3))
+    requests = [engine.request(f"r{i}", prompts[6][i : i + 20], 100, 3) for i in range(4)]
+    done = engine.complete(requests)
+    assert engine.loop.preemptions > 0
+    for i, event in enumerate(done):
+        assert list(event.token_ids) == hf_greedy(target, prompts[6][i : i + 20], 100), i
