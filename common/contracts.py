@@ -97,12 +97,22 @@ class VerifyInput:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target and the most likely tokens' at its position."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     request_id: str
     num_accepted: int
     token_ids: tuple[int, ...]  # tokens committed by this step (prefill: the first token)
     eos: bool  # the last committed token ends the sequence
     committed_len: int  # prompt + generated tokens after this step
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids where the request asks (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)

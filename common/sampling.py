@@ -15,6 +15,7 @@ from blockspec.common.errors import InvalidArgument
 
 RULES = ("rejection", "strict")
 DEFAULT_RULE = "rejection"
+MAX_LOGPROBS = 20  # top alternatives a token's log-probabilities may list (OpenAI's bound)
 MIN_TEMPERATURE = 1e-5  # below it (and above 0) logits / T overflow: refused, as vLLM treats it as greedy
 _WIRE_MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]  # 1e-5 as gRPC's float32 carries it
 
@@ -31,6 +32,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
     no_repeat_ngram_size: int = 0  # HF: ban tokens that would repeat an n-gram of prompt + output
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, added to its logit)
+    # Each generated token's log-probability and this many top alternatives (0..MAX_LOGPROBS); None = off. They are
+    # the raw log_softmax of the target's logits (common/runtime/logprobs.py), whatever the processors do.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +82,8 @@ def checked(params: SamplingParams, vocab_size: int) -> SamplingParams:
         if not 0 <= token < vocab_size:
             raise InvalidArgument("sampling.logit_bias", f"token id {token} is outside the vocabulary of {vocab_size}")
         _check_finite("logit_bias", bias, -100.0, 100.0)
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
     if params.seed is None and not params.greedy:
         params = replace(params, seed=secrets.randbits(63))
     return params
@@ -91,6 +97,7 @@ def from_pb(pb) -> SamplingParams:
         repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
         presence_penalty=pb.presence_penalty, frequency_penalty=pb.frequency_penalty,
         no_repeat_ngram_size=pb.no_repeat_ngram_size, logit_bias=tuple(sorted(pb.logit_bias.items())),
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
     )
 
 
@@ -105,3 +112,5 @@ def fill_pb(params: SamplingParams, pb) -> None:
     pb.no_repeat_ngram_size = params.no_repeat_ngram_size
     for token, bias in params.logit_bias:
         pb.logit_bias[token] = bias
+    if params.logprobs is not None:
+        pb.logprobs = params.logprobs

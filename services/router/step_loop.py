@@ -15,6 +15,7 @@ from blockspec.common.contracts import (
     Draft,
     DrafterRole,
     ProposeInput,
+    TokenLogprob,
     VerifierRole,
     VerifyInput,
     VerifyResult,
@@ -111,6 +112,7 @@ class StepReport:
 class TokenEvent:
     request_id: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token where the request asks (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -399,7 +401,7 @@ class StepLoop(KvBlocks):
         if result.committed_len != len(live.token_ids):  # the verifier holds other tokens than the stream has sent
             raise RuntimeError(f"request {rid}: the verifier committed {result.committed_len} tokens, the step loop "
                                f"{len(live.token_ids)}")
-        yield TokenEvent(rid, result.token_ids)
+        yield TokenEvent(rid, result.token_ids, result.logprobs)
         reason = "stop" if result.eos else "length" if live.generated >= live.request.max_tokens else None
         if reason is None:
             return

@@ -17,6 +17,7 @@ from blockspec.common.models.kv_cache import slot_rows
 from blockspec.common.runtime.backends import make_runner
 from blockspec.common.runtime.distributions import DraftDist, LogProbRows, process
 from blockspec.common.runtime.footprint import VerifierLayout, verifier_layout
+from blockspec.common.runtime.logprobs import token_logprobs
 from blockspec.common.runtime.runner import Segment
 from blockspec.common.runtime.threads import ThreadGovernor
 from blockspec.common.runtime.timing import interleaved
@@ -315,7 +316,8 @@ class Verifier:
                     self._publish(state, end)
                     pending.remove(rid)
                     greedy = out.greedy[segments_of[rid]] if out.greedy else None
-                    results.append(self._commit(rid, self._decide(state, logits[-1:], (), None, greedy)))
+                    acc = self._decide(state, logits[-1:], (), None, greedy)
+                    results.append(self._commit(rid, acc, logits[-1:], (0,)))
         return results
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyResult]:
@@ -330,13 +332,14 @@ class Verifier:
         for i, (inp, state, logits) in enumerate(zip(inputs, states, out.logits)):
             if inp.draft.tree is not None:  # the accepted branch's K/V and taps move into place
                 acc, path = self._decide_tree(state, logits, inp.draft.tree)
-                self.runner.keep_path(state.slot, len(state.token_ids) - 1, [0, *(j + 1 for j in path)],
-                                      self.tap_buffer)
+                rows = [0, *(j + 1 for j in path)]  # the accepted branch's rows: row i gives committed token i
+                self.runner.keep_path(state.slot, len(state.token_ids) - 1, rows, self.tap_buffer)
             else:
                 acc = self._decide(state, logits, inp.draft.token_ids, inp.draft.q, out.greedy[i] if out.greedy else None)
                 # The cache keeps the anchor and the accepted drafts; the rest is rolled back.
                 self.runner.cache.set_length(state.slot, len(state.token_ids) + acc.num_accepted)
-            results.append(self._commit(inp.request_id, acc))
+                rows = range(len(acc.token_ids))
+            results.append(self._commit(inp.request_id, acc, logits, rows))
         return results
 
     @staticmethod
@@ -377,7 +380,8 @@ class Verifier:
             return strict_accept(draft_ids, logp, sp.seed, position)
         return rejection_accept(draft_ids, logp, q, sp.seed, position)
 
-    def _commit(self, request_id: str, acc: Acceptance) -> VerifyResult:
+    def _commit(self, request_id: str, acc: Acceptance, logits: torch.Tensor, rows: Sequence[int]) -> VerifyResult:
+        """Append the accepted tokens (up to an end-of-sequence one); rows: the logits row each was decided from."""
         num_accepted, token_ids = acc.num_accepted, acc.token_ids
         eos_at = next((i for i, t in enumerate(token_ids) if t in self.eos_ids), None)
         if eos_at is not None:  # nothing after an end-of-sequence token is committed
@@ -385,4 +389,6 @@ class Verifier:
             num_accepted = min(num_accepted, eos_at)
         state = self._requests[request_id]
         state.token_ids.extend(token_ids)
-        return VerifyResult(request_id, num_accepted, token_ids, eos_at is not None, len(state.token_ids))
+        top = state.sampling.logprobs
+        logprobs = () if top is None else token_logprobs(logits, rows, token_ids, top)
+        return VerifyResult(request_id, num_accepted, token_ids, eos_at is not None, len(state.token_ids), logprobs)
