@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
+from blockspec.common.contracts import TokenLogprob
 from blockspec.common.telemetry import tracing
 from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.common.tokens.detokenize import TextStream
+from blockspec.common.wire import logprobs as wire_logprobs
 from blockspec.protos import api_pb2
 from blockspec.services.router.admission import Admission
 from blockspec.services.router.messages import finish_message
@@ -73,11 +75,12 @@ class RequestStream:
                 self.clock.sent(len(event.token_ids))
                 self.admission.sent += len(event.token_ids)
                 if not hit:
-                    yield self._message(event.token_ids, delta, total_ns)
+                    yield self._message(event.token_ids, delta, total_ns, logprobs=event.logprobs)
                     continue
                 self.finished = True
                 final = await self._stop(stream)
-                yield self._message(event.token_ids, delta, total_ns, self._finish(final, "stop_sequence"))
+                yield self._message(event.token_ids, delta, total_ns, self._finish(final, "stop_sequence"),
+                                    event.logprobs)
                 return
         finally:
             self.admission.release()  # at once, as the scheduler frees it (a client may resend under its id now)
@@ -87,10 +90,10 @@ class RequestStream:
                     self.metrics.requests_finished.labels(reason="cancelled").inc()
                 await asyncio.shield(self.scheduler.cancel(stream.key))
 
-    def _message(self, token_ids, text: str, total_ns: int,
-                 finish: api_pb2.Finish | None = None) -> api_pb2.GenerateResponse:
+    def _message(self, token_ids, text: str, total_ns: int, finish: api_pb2.Finish | None = None,
+                 logprobs: Sequence[TokenLogprob] = ()) -> api_pb2.GenerateResponse:
         return api_pb2.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids, text=text,
-                                        total_ns=total_ns, finish=finish)
+                                        total_ns=total_ns, finish=finish, logprobs=wire_logprobs.to_pb(logprobs))
 
     async def _submit(self) -> Stream:
         try:

@@ -18,6 +18,7 @@ from blockspec.common.contracts import Draft, ProposeInput, StepCosts, VerifyInp
 from blockspec.common.models.block_pool import PrefixStats
 from blockspec.common.sampling import GREEDY, SamplingParams, fill_pb
 from blockspec.common.telemetry import tracing
+from blockspec.common.wire import logprobs
 from blockspec.common.wire.auth import ENV_ROLE_KEY, role_channel
 from blockspec.protos import roles_grpc, roles_pb2
 
@@ -150,7 +151,8 @@ class RemoteVerifier:
         for r in resp.results:
             self._active[r.request_id] = r.slot
             self._blocks[r.request_id] = (r.committed_len, r.blocks, r.own_blocks)
-            out.append(VerifyResult(r.request_id, r.num_accepted, tuple(r.token_ids), r.eos, r.committed_len))
+            out.append(VerifyResult(r.request_id, r.num_accepted, tuple(r.token_ids), r.eos, r.committed_len,
+                                    logprobs.from_pb(r.logprobs)))
         return out
 
     def prefill(self, request_ids: Sequence[str], budget: int | None = None) -> list[VerifyResult]:

@@ -13,6 +13,7 @@ from blockspec.common.contracts import Q_ROWS, Q_WIDTH, Draft, VerifyInput
 from blockspec.common.runtime.distributions import DraftDist
 from blockspec.common.sampling import from_pb
 from blockspec.common.telemetry import tracing
+from blockspec.common.wire import logprobs
 from blockspec.common.wire.role_stream import RoleStream
 from blockspec.common.wire.tensor_share import SharedTensors, handle_to_pb
 from blockspec.protos import roles_grpc, roles_pb2
@@ -61,7 +62,7 @@ def result_to_pb(verifier: Verifier, r) -> roles_pb2.VerifyResult:
     blocks, own = verifier.held_blocks(r.request_id)
     return roles_pb2.VerifyResult(request_id=r.request_id, num_accepted=r.num_accepted, token_ids=r.token_ids, eos=r.eos,
                                   committed_len=r.committed_len, slot=verifier.slot_of(r.request_id), blocks=blocks,
-                                  own_blocks=own)
+                                  own_blocks=own, logprobs=logprobs.to_pb(r.logprobs))
 
 
 class VerifierService(RoleStream, roles_grpc.VerifierServicer):
