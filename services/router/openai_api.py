@@ -3,13 +3,16 @@ GenerateRequest, the router's answers and errors as OpenAI's (the HTTP side: ope
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from blockspec.common.sampling import MAX_LOGPROBS
 from blockspec.protos import api_pb2
+from blockspec.services.router import openai_logprobs
 
 UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "TextPart", "StreamOptions"}  # pydantic's union members
@@ -68,7 +71,7 @@ class StreamOptions(BaseModel):
 class OpenAIRequest(BaseModel):
     """The parameters both endpoints share: OpenAI's, vLLM's `top_k` and `repetition_penalty`, and ours. An unknown
     parameter, a value of another JSON type (strict: "8" for an integer, true for a number, "yes" for a boolean), or a
-    known one at a value not served (n > 1, logprobs, ...) is a 400 naming it, never dropped or coerced."""
+    known one at a value not served (n > 1, top_logprobs 21, ...) is a 400 naming it, never dropped or coerced."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # "8" is not 8, nor true 1
     model: str | None = None  # where given, the served model's id (GET /v1/models)
@@ -92,6 +95,10 @@ class OpenAIRequest(BaseModel):
     def served_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def served_logprobs(self) -> int | None:
+        """Top log-probabilities asked per token (None: none asked)."""
+        return None
+
     def unserved(self) -> dict[str, str | None]:
         """Parameter -> why its value is not served (None: it is). Subclasses add their endpoint's."""
         return {"n": f"{self.n}: one completion per request is served (n = 1)" if self.n not in (None, 1) else None}
@@ -107,11 +114,13 @@ class CompletionRequest(OpenAIRequest):
     logprobs: int | None = None
     suffix: str | None = None
 
+    def served_logprobs(self) -> int | None:
+        return _logprobs("logprobs", self.logprobs)
+
     def unserved(self) -> dict[str, str | None]:
         return {**super().unserved(),
                 "best_of": "only 1 is served" if self.best_of not in (None, 1) else None,
                 "echo": "echoing the prompt is not served" if self.echo else None,
-                "logprobs": "log probabilities are not served" if self.logprobs is not None else None,
                 "suffix": "suffixes (insertion) are not served" if self.suffix else None}
 
 
@@ -141,18 +150,26 @@ class ChatRequest(OpenAIRequest):
 
     def unserved(self) -> dict[str, str | None]:
         return {**super().unserved(),
-                "logprobs": "log probabilities are not served" if self.logprobs else None,
-                "top_logprobs": "log probabilities are not served" if self.top_logprobs is not None else None,
+                "top_logprobs": "needs logprobs: true" if self.top_logprobs is not None and not self.logprobs else None,
                 "tools": "tool calls are not served" if self.tools else None,
                 "tool_choice": "tool calls are not served" if self.tool_choice not in (None, "none") else None,
                 "response_format": 'only {"type": "text"} is served'
                 if self.response_format not in (None, {"type": "text"}) else None}
+
+    def served_logprobs(self) -> int | None:
+        return _logprobs("top_logprobs", self.top_logprobs or 0) if self.logprobs else None
 
     def served_max_tokens(self) -> int | None:
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise bad_request("max_completion_tokens", f"{self.max_completion_tokens} differs from max_tokens "
                               f"{self.max_tokens}; set one")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _logprobs(name: str, value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(name, f"{value} is out of range [0, {MAX_LOGPROBS}]")
+    return value
 
 
 def parse(body: bytes, model: type[OpenAIRequest]) -> OpenAIRequest:
@@ -235,6 +252,9 @@ def to_generate(req: OpenAIRequest) -> api_pb2.GenerateRequest:
         _prompt(req, message)
     message.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop or [])
     _sampling(req, message.sampling)
+    logprobs = req.served_logprobs()
+    if logprobs is not None:
+        message.sampling.logprobs = logprobs
     if req.num_speculative_tokens is not None:
         message.num_speculative_tokens = _unsigned("num_speculative_tokens", req.num_speculative_tokens)
     return message
@@ -262,13 +282,19 @@ class Completion:
     model: str
     chat: bool
     version: str = ""  # the serving version that answered: OpenAI's `system_fingerprint`
+    logprobs: bool = False  # the request asks for its tokens' log-probabilities
 
-    def body(self, text: str, finish: api_pb2.Finish | None, chunk: bool = False, first: bool = False) -> dict:
-        """A whole completion (chunk False: finish set, with usage and acceptance) or one streamed chunk."""
+    def body(self, text: str, finish: api_pb2.Finish | None, chunk: bool = False, first: bool = False,
+             logprobs: Sequence[api_pb2.TokenLogprob] = (), offset: int = 0) -> dict:
+        """A whole completion (chunk False: finish set, with usage and acceptance) or one streamed chunk. logprobs:
+        its tokens' (where the request asks); offset: a completion's token texts' length before them."""
         reason = _FINISH.get(finish.reason, finish.reason) if finish is not None else None
         kind = ("chat.completion" + ".chunk" * chunk) if self.chat else "text_completion"
+        shaped = (None if not self.logprobs else openai_logprobs.chat(logprobs) if self.chat
+                  else openai_logprobs.completion(logprobs, offset))
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": self.version or None, "choices": [{"index": 0, **self._text(text, chunk, first), "logprobs": None, "finish_reason": reason}]}
+                "system_fingerprint": self.version or None,
+                "choices": [{"index": 0, **self._text(text, chunk, first), "logprobs": shaped, "finish_reason": reason}]}
         if finish is not None and not chunk:
             body.update(usage=usage(finish), acceptance=acceptance(finish))
         return body

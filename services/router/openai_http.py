@@ -77,11 +77,14 @@ async def events(call, first: api_pb2.GenerateResponse, head: Completion, includ
     """The SSE body of a streamed completion. The gRPC call is cancelled when the client goes away (the response's
     task is cancelled), which frees the request's slots; an error after the first chunk is an `error` event."""
     try:
-        message, opened = first, False
+        message, opened, offset = first, False, 0
         while True:
             finish = message.finish if message.HasField("finish") else None
-            if message.text or finish is not None or (head.chat and not opened):
-                chunk = head.body(message.text, finish, chunk=True, first=head.chat and not opened)
+            logprobs = message.logprobs if head.logprobs else ()
+            if message.text or logprobs or finish is not None or (head.chat and not opened):
+                chunk = head.body(message.text, finish, chunk=True, first=head.chat and not opened,
+                                  logprobs=logprobs, offset=offset)
+                offset += sum(len(lp.token) for lp in logprobs)
                 opened = True
                 yield sse({**chunk, "usage": None} if include_usage else chunk)
             if finish is not None:
@@ -144,7 +147,8 @@ async def complete(upstream: Upstream, req: OpenAIRequest, request: Request, met
         raise
     chat = isinstance(req, ChatRequest)
     version = dict(await call.initial_metadata()).get(VERSION_HEADER, "")
-    head = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", int(time.time()), model, chat, version)
+    head = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}", int(time.time()), model, chat, version,
+                      req.served_logprobs() is not None)
     headers = {"X-Request-Id": first.request_id, "X-Blockspec-Version": version}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -156,19 +160,20 @@ async def complete(upstream: Upstream, req: OpenAIRequest, request: Request, met
 async def _whole(call, first: api_pb2.GenerateResponse, head: Completion, request: Request) -> dict:
     """The whole answer. Nothing is written before its end, so the client's going away is watched meanwhile: the
     request is cancelled then instead of running to max_tokens for nobody."""
-    async def collect() -> tuple[list[str], api_pb2.GenerateResponse]:
-        text, message = [first.text], first
+    async def collect() -> tuple[list[str], list[api_pb2.TokenLogprob], api_pb2.GenerateResponse]:
+        text, logprobs, message = [first.text], list(first.logprobs), first
         while not message.HasField("finish"):
             message = await _next(call)
             text.append(message.text)
-        return text, message
+            logprobs.extend(message.logprobs)
+        return text, logprobs, message
 
     collecting, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((collecting, gone), return_when=asyncio.FIRST_COMPLETED)
         if not collecting.done():
             raise ApiError("499 Client Closed Request", "invalid_request_error", "the client closed the connection")
-        text, message = collecting.result()
+        text, logprobs, message = collecting.result()
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
     finally:
@@ -176,7 +181,7 @@ async def _whole(call, first: api_pb2.GenerateResponse, head: Completion, reques
         if not collecting.done() or collecting.exception() is not None:  # ended early: the request stops with it
             collecting.cancel()
             call.cancel()
-    return head.body("".join(text), message.finish)
+    return head.body("".join(text), message.finish, logprobs=logprobs)
 
 
 async def _disconnected(request: Request) -> None:

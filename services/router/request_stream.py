@@ -55,7 +55,7 @@ class RequestStream:
     def __init__(self, admission: Admission, scheduler: Scheduler, tokenizer, stops: list[str], span,
                  metrics: RouterMetrics | None, abort: Abort) -> None:
         self.admission, self.scheduler, self.span, self.metrics, self.abort = admission, scheduler, span, metrics, abort
-        self.request = admission.request
+        self.request, self.tokenizer = admission.request, tokenizer
         self.clock = StreamClock(metrics)
         self.text, self.stops = TextStream(tokenizer), StopMatcher(stops)
         self.finished = False
@@ -93,7 +93,12 @@ class RequestStream:
     def _message(self, token_ids, text: str, total_ns: int, finish: api_pb2.Finish | None = None,
                  logprobs: Sequence[TokenLogprob] = ()) -> api_pb2.GenerateResponse:
         return api_pb2.GenerateResponse(request_id=self.request.request_id, token_ids=token_ids, text=text,
-                                        total_ns=total_ns, finish=finish, logprobs=wire_logprobs.to_pb(logprobs))
+                                        total_ns=total_ns, finish=finish,
+                                        logprobs=wire_logprobs.to_pb(logprobs, self._token_text, token_ids))
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text, decoded alone (specials kept: an end-of-sequence token is named)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     async def _submit(self) -> Stream:
         try:

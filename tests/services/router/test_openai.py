@@ -74,7 +74,7 @@ def test_a_stop_sequence_ends_the_text_before_it(served, model_id, prompts, refe
         ({"temperature": -1}, "temperature", "temperature: "),
         ({"top_p": 1.5}, "top_p", "top_p: "),
         ({"n": 2}, "n", "n: 2: one completion per request"),
-        ({"logprobs": 2}, "logprobs", "logprobs: log probabilities are not served"),
+        ({"logprobs": 21}, "logprobs", "logprobs: 21 is out of range [0, 20]"),
         ({"echo": True}, "echo", "echo: "),
         ({"max_tokens": -3}, "max_tokens", "max_tokens: -3 is out of range"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens: must be at least 1"),
