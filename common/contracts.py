@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.sampling import GREEDY, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from blockspec.common.runtime.distributions import DraftDist
@@ -94,15 +94,6 @@ NO_DRAFT = Draft(())  # a plain decoding step
 class VerifyInput:
     request_id: str
     draft: Draft = NO_DRAFT  # no tokens: a plain decoding step
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A committed token's log-probability under the target and the most likely tokens' at its position."""
-
-    logprob: float
-    top_ids: tuple[int, ...] = ()  # most likely first
-    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

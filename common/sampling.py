@@ -1,4 +1,5 @@
-"""How a request samples: its parameters, their validation (errors name the field) and their wire form.
+"""How a request samples: its parameters, their validation (errors name the field) and their wire form, and the
+log-probabilities it may ask for of each token.
 
 The maths that turns them into the target distribution p lives in distributions.py; this module stays free of
 torch, so the router can read and check a request without it.
@@ -52,6 +53,15 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target and the most likely tokens' at its position."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
 
 
 def _check_finite(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:

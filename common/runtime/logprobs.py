@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from blockspec.common.contracts import TokenLogprob
+from blockspec.common.sampling import TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int],

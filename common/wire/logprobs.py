@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from blockspec.common.contracts import TokenLogprob
+from blockspec.common.sampling import TokenLogprob
 from blockspec.protos import api_pb2
 
 

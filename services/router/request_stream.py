@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
-from blockspec.common.contracts import TokenLogprob
+from blockspec.common.sampling import TokenLogprob
 from blockspec.common.telemetry import tracing
 from blockspec.common.telemetry.metrics import RouterMetrics
 from blockspec.common.tokens.detokenize import TextStream

@@ -15,12 +15,11 @@ from blockspec.common.contracts import (
     Draft,
     DrafterRole,
     ProposeInput,
-    TokenLogprob,
     VerifierRole,
     VerifyInput,
     VerifyResult,
 )
-from blockspec.common.sampling import GREEDY, SamplingParams
+from blockspec.common.sampling import GREEDY, SamplingParams, TokenLogprob
 from blockspec.common.telemetry import tracing
 from blockspec.common.tokens.lookup import ContextTexts, lookup
 from blockspec.services.router.adaptive_k import AcceptanceTrace, AdaptiveK
