@@ -93,3 +93,26 @@ def test_zero_top_logprobs_gives_each_tokens_own(tiny_models, prompts):
     engine = Engine(tiny_models["qwen3"]["target"], None, "ngram", max_batch=4)
     got, _ = generate(engine, prompts[:1], 3, SamplingParams(logprobs=0))
     assert got["r0"][2].shape == (NEW, 0) and bool((got["r0"][1] <= 0).all())
+
+
+def test_a_draft_trees_logprobs_are_its_accepted_branchs_rows(pair, prompts):
+    """A tree whose second child of the anchor and that child's child are the target's tokens: the committed tokens'
+    log-probabilities come from the rows of that branch, the same bits as plain decoding's."""
+    from blockspec.common.contracts import Draft, DraftTree, VerifyInput
+    from blockspec.common.models.checkpoint import load_checkpoint
+    from blockspec.services.verifier.verifier import Verifier
+
+    target, _ = pair
+    params = SamplingParams(logprobs=TOP)
+    plain, _ = generate(Engine(target, None, "none", max_batch=1), prompts[3:4], 0, params)
+    tokens, logprobs, top_ids, _ = plain["r0"]
+    verifier = Verifier(load_checkpoint(target), num_slots=1, max_len=256)
+    verifier.add("r", prompts[3], params)
+    (first,) = verifier.prefill(["r"])
+    wrong = (tokens[1] + 1) % verifier.runner.config.vocab_size
+    tree = DraftTree((wrong, tokens[1], tokens[2], tokens[2]), (-1, -1, 0, 1))  # [anchor's children, their children]
+    (result,) = verifier.verify([VerifyInput("r", Draft((wrong, tokens[2]), tree=tree))])
+    assert first.token_ids == (tokens[0],) and result.token_ids == tuple(tokens[1:4])
+    got = first.logprobs + result.logprobs
+    assert torch.equal(torch.tensor([lp.logprob for lp in got]), logprobs[:4])
+    assert torch.equal(torch.tensor([lp.top_ids for lp in got]), top_ids[:4])
