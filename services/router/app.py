@@ -23,7 +23,7 @@ from blockspec.common.wire.tls import ServerTls
 from blockspec.protos import api_pb2
 from blockspec.services.router.limits import TenantLimits
 from blockspec.services.router.messages import ModelFacts
-from blockspec.services.router.prefix_routing import prefix_router
+from blockspec.services.router.prefix_routing import DEFAULT_CAPACITY_BLOCKS, prefix_router
 from blockspec.services.router.scheduler import Scheduler
 from blockspec.services.router.server import GenerationService, Version
 from blockspec.services.router.step_loop import StepLoop
@@ -129,8 +129,10 @@ async def start_version(step_loops: Sequence[StepLoop], facts: ModelFacts, metri
     schedulers = [Scheduler(loop, at, replica=i) for i, loop in enumerate(step_loops)]
     for scheduler in schedulers:
         await scheduler.start()
-    block_size = step_loops[0].verifier.block_size if step_loops else BLOCK_TOKENS
-    return Version(facts, schedulers, metrics=at, routing=prefix_router(routing, block_size))
+    # the router remembers as many blocks a replica as its verifier's cache holds
+    cache = ((step_loops[0].verifier.block_size, step_loops[0].verifier.num_blocks) if step_loops
+             else (BLOCK_TOKENS, DEFAULT_CAPACITY_BLOCKS))
+    return Version(facts, schedulers, metrics=at, routing=prefix_router(routing, *cache))
 
 
 def loopback_socket() -> str:

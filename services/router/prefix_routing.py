@@ -10,7 +10,7 @@ from typing import Generic, Protocol, TypeVar
 from blockspec.common.config import RoutingConfig
 from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS, block_hashes
 
-DEFAULT_CAPACITY_BLOCKS = 65536  # blocks remembered per replica: about its verifier's prefix cache
+DEFAULT_CAPACITY_BLOCKS = 65536  # blocks remembered per replica where its KV cache's size is not known
 
 
 class Loaded(Protocol):
@@ -110,10 +110,11 @@ class PrefixRouter(Generic[R]):
             del self.memory[gone]
 
 
-def prefix_router(cfg: RoutingConfig, block_size: int = BLOCK_TOKENS) -> PrefixRouter | None:
-    """The router server.routing asks for, over the replicas' KV blocks of `block_size` positions; None: the least
-    loaded replica takes each request."""
+def prefix_router(cfg: RoutingConfig, block_size: int = BLOCK_TOKENS,
+                  capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS) -> PrefixRouter | None:
+    """The router server.routing asks for, over the replicas' KV caches of `capacity_blocks` blocks of `block_size`
+    positions; None: the least loaded replica takes each request."""
     if cfg.policy == "least_loaded":
         return None
-    return PrefixRouter(block_size=block_size, cache_threshold=cfg.cache_threshold,
+    return PrefixRouter(capacity_blocks, block_size=block_size, cache_threshold=cfg.cache_threshold,
                         balance_abs_threshold=cfg.balance_abs_threshold, balance_rel_threshold=cfg.balance_rel_threshold)

@@ -193,3 +193,23 @@ def test_generate_sends_a_second_turn_to_the_first_turns_replica(tokenizer):
     assert b.prompts == [tuple(first), tuple(second)]
     generate(second, "b" * 24, "t3")  # team-b: no match, the least loaded
     assert a.prompts == [tuple(second)]
+
+
+def test_a_version_routes_by_its_replicas_own_blocks(tiny_models):
+    """start_version sizes the router's memory and its hashes by the replicas' KV cache: its blocks and block size."""
+    from blockspec.services.engine.engine import Engine
+    from blockspec.services.router.app import start_version
+
+    engine = Engine(tiny_models["qwen3"]["target"], None, "none", max_batch=2, max_len=128, kv_cache_tokens=256,
+                    kv_block_size=32)
+
+    async def run():
+        version = await start_version([engine.loop], engine.facts(), None, RoutingConfig())
+        try:
+            return version.routing
+        finally:
+            for scheduler in version.schedulers:
+                await scheduler.stop()
+
+    routing = asyncio.run(run())
+    assert (routing.capacity_blocks, routing.block_size) == (8, 32) == (engine.verifier.num_blocks, 32)
