@@ -15,14 +15,22 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_TOKENS, salt:
     """The hash of every full block of token_ids (at most `limit` blocks), in order: block i's covers the salt and
     tokens [0, (i + 1) * block_size), so equal hashes mean equal prefixes (up to a 64-bit collision). A salt (the
     tenant) keeps one tenant's blocks from matching another's."""
+    return extend_hashes([], token_ids, block_size, salt, limit)
+
+
+def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int = BLOCK_TOKENS, salt: str = "",
+                  limit: int | None = None) -> list[int]:
+    """`hashes` (the first blocks' of token_ids, as `block_hashes` gives them) continued in place up to `limit` blocks
+    (every full one where None), each block hashed once however often a sequence's hashes are asked for as it
+    grows. Returns hashes."""
     n = len(token_ids) // block_size
     if limit is not None:
         n = min(n, limit)
-    parent = hashlib.blake2b(salt.encode(), digest_size=8).digest()
-    out = []
-    for i in range(n):
+    parent = (hashes[-1].to_bytes(8, "little") if hashes
+              else hashlib.blake2b(salt.encode(), digest_size=8).digest())
+    for i in range(len(hashes), n):
         h = hashlib.blake2b(parent, digest_size=8)
         h.update(array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
         parent = h.digest()
-        out.append(int.from_bytes(parent, "little"))
-    return out
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,7 @@ from blockspec.common.runtime.runner import Segment
 from blockspec.common.runtime.threads import ThreadGovernor
 from blockspec.common.runtime.timing import interleaved
 from blockspec.common.sampling import GREEDY, SamplingParams
-from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS, block_hashes
+from blockspec.common.tokens.prefix_hash import BLOCK_TOKENS, extend_hashes
 from blockspec.services.verifier.acceptance import (
     Acceptance,
     greedy_accept,
@@ -58,6 +58,7 @@ class _State:
     sampling: SamplingParams
     salt: str = ""  # its prefix cache's (the tenant's): only blocks of the same salt are shared
     prefill_len: int = 0  # the tokens its prefill runs through (prompt_ids)
+    hashes: list[int] = field(default_factory=list)  # its full blocks' prefix hashes so far (`_hashes`)
 
 
 class Verifier:
@@ -177,6 +178,7 @@ class Verifier:
         for r in request_ids:
             state = self._requests[r]
             del state.token_ids[state.prompt_len + 1 :]
+            del state.hashes[len(state.token_ids) // self.runner.cache.block_size :]  # of blocks still committed
             self.runner.cache.set_length(state.slot, state.prompt_len)
 
     def measure_step_costs(self, max_width: int, context: int = 64, repeats: int = 15) -> StepCosts:
@@ -234,8 +236,7 @@ class Verifier:
         self._requests[request_id] = state
         cached = 0
         if self.prefix_caching:
-            cached = cache.attach(state.slot, block_hashes(prompt_ids, cache.block_size, salt,
-                                                           (len(prompt_ids) - 1) // cache.block_size))
+            cached = cache.attach(state.slot, self._hashes(state, (len(prompt_ids) - 1) // cache.block_size))
             self.prefix_stats.queries += len(prompt_ids)
             self.prefix_stats.hits += cached
         return cached
@@ -251,9 +252,12 @@ class Verifier:
     def _publish(self, state: _State, positions: int) -> None:
         """Cache the full blocks among the first `positions` of the request's committed tokens (their K/V written)."""
         if self.prefix_caching:
-            cache = self.runner.cache
-            cache.publish(state.slot, block_hashes(state.token_ids, cache.block_size, state.salt,
-                                                   positions // cache.block_size))
+            self.runner.cache.publish(state.slot, self._hashes(state, positions // self.runner.cache.block_size))
+
+    def _hashes(self, state: _State, blocks: int) -> list[int]:
+        """The prefix hashes of the request's first `blocks` full blocks of committed tokens (each block hashed once
+        in the request's life: a long prompt's prefill asks at every saved state)."""
+        return extend_hashes(state.hashes, state.token_ids, self.runner.cache.block_size, state.salt, blocks)[:blocks]
 
     def held_blocks(self, request_id: str) -> tuple[int, int]:
         """KV cache blocks the request holds, and of them those no other request holds (what its release frees)."""
@@ -309,9 +313,8 @@ class Verifier:
             for (rid, end), logits in zip(ends, out.logits):
                 state = self._requests[rid]
                 if self.snapshot_every and end % self.snapshot_every == 0 and end < state.prefill_len:
-                    cache = self.runner.cache
-                    cache.snapshots.save(state.slot, block_hashes(state.token_ids, cache.block_size, state.salt,
-                                                                  end // cache.block_size)[-1])
+                    blocks = end // self.runner.cache.block_size
+                    self.runner.cache.snapshots.save(state.slot, self._hashes(state, blocks)[blocks - 1])
                 if end == state.prefill_len:
                     self._publish(state, end)
                     pending.remove(rid)

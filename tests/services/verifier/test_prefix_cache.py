@@ -244,3 +244,13 @@ def test_preemption_counts_every_node_of_a_draft_tree(tiny_models, dflash_drafte
     assert engine.loop.preemptions > 0
     for i, event in enumerate(done):
         assert list(event.token_ids) == hf_greedy(target, prompts[6][i : i + 20], 100), i
+
+
+def test_a_sequences_hashes_extend_to_those_of_the_whole():
+    from blockspec.common.tokens.prefix_hash import extend_hashes
+
+    ids, hashes = list(range(100)), []
+    extend_hashes(hashes, ids[:40], 16, "t")
+    assert len(hashes) == 2
+    assert extend_hashes(hashes, ids, 16, "t", 5) == block_hashes(ids, 16, "t")[:5]
+    assert extend_hashes(hashes, ids, 16, "t") == block_hashes(ids, 16, "t")
